@@ -1,0 +1,36 @@
+# Two entry points, each doing all set-up on a fresh machine:
+#   make demo   create .venv (python3.12), install kvjax, run the main job
+#   make test   same set-up, then the whole test suite on the CPU
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# python3.12 may be a pyenv shim that is not selected; probe the usual places.
+PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null) /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	if "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then echo "$$c"; break; fi; done)
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test bench-ledger bench-device clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "python3.12 not found (jax>=0.11 needs Python 3.12)"; exit 1; }
+	test -x $(PY) || "$(PYTHON312)" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	JAX_PLATFORMS=cpu $(VENV)/bin/kvjax demo
+
+test: venv
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
+
+bench-ledger: venv
+	$(PY) benchmarks/ledger_bench.py
+
+bench-device: venv
+	JAX_PLATFORMS=cpu $(PY) benchmarks/device_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis results

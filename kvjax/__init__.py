@@ -1,0 +1,67 @@
+"""kvjax: a paged KV-cache manager for LLM inference in JAX.
+
+The host ledger (`kvjax.ledger`, pure Python) decides which block holds which tokens; the
+device side (`kvjax.device`, JAX) keeps the KV pools and moves bytes as the ledger says.
+Importing `kvjax` does not import JAX: the device names below load on first use.
+"""
+from kvjax.config import CacheConfig, PoolSpec
+from kvjax.errors import (
+    DuplicateRequestError,
+    IntegrityError,
+    InvalidRequestError,
+    KVCacheError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from kvjax.ledger.transfer_plan import TransferKind, TransferOp, TransferPlan
+from kvjax.request import MultimodalItem, Request, RetentionConfig, TokenRangeRetention
+
+_LEDGER_NAMES = {
+    "KVCacheManager",
+    "PrefixReuseSummary",
+    "KVCacheEvent",
+    "CreatedData",
+    "StoredData",
+    "StoredBlock",
+    "RemovedData",
+    "UpdatedData",
+    "KVCacheStats",
+    "RequestStats",
+    "IterationStats",
+}
+_DEVICE_NAMES = {"KVPools", "allocate_pools", "apply_transfers", "write_kv", "gather_kv", "paged_attention"}
+
+
+def __getattr__(name: str):
+    if name in _LEDGER_NAMES:
+        from kvjax import ledger
+
+        return getattr(ledger, name)
+    if name in _DEVICE_NAMES:
+        from kvjax import device
+
+        return getattr(device, name)
+    raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
+
+
+__all__ = sorted(
+    {
+        "CacheConfig",
+        "PoolSpec",
+        "Request",
+        "MultimodalItem",
+        "RetentionConfig",
+        "TokenRangeRetention",
+        "TransferKind",
+        "TransferOp",
+        "TransferPlan",
+        "KVCacheError",
+        "OutOfBlocksError",
+        "UnknownRequestError",
+        "DuplicateRequestError",
+        "InvalidRequestError",
+        "IntegrityError",
+    }
+    | _LEDGER_NAMES
+    | _DEVICE_NAMES
+)

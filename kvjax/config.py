@@ -1,0 +1,288 @@
+"""`CacheConfig`: the geometry and policy of one paged KV cache, validated once.
+
+Everything else (ledger, device pools, capacity maths) derives its numbers from here, so the
+derived views (windows, pools, layer -> pool map, bytes per token) live on the config too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+CacheType = Literal["self", "cross", "self_k_only"]
+Layout = Literal["block_first", "layer_first"]
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    """One device pool: the layers of one attention window sharing a (kv heads, head dim) shape.
+
+    A pool array holds `num_slots = primary_blocks + 1` blocks; slot `primary_blocks` is the
+    null slot that padding and placeholder table entries point to (never owned by a block).
+    """
+
+    index: int
+    window: int
+    num_kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]
+    primary_blocks: int
+    secondary_blocks: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def null_slot(self) -> int:
+        return self.primary_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.primary_blocks + 1
+
+
+def _per_layer(name: str, value: int | tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int or one int per layer, got {value!r}")
+    if isinstance(value, int):
+        values = (value,) * num_layers
+    else:
+        values = tuple(value)
+        if len(values) != num_layers:
+            raise ValueError(f"{name} has {len(values)} entries but num_layers={num_layers}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} entries must be positive ints, got {values!r}")
+    return values
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted(value.items()))
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Geometry and policy of a paged KV cache (TensorRT-LLM `KvCacheConfig` + model shape).
+
+    `primary_blocks` / `secondary_blocks` are per attention window: an int gives every window
+    that many blocks, a dict maps window -> blocks. `attention_windows` is a per-layer cycle
+    (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`.
+    """
+
+    tokens_per_block: int
+    num_layers: int
+    num_kv_heads: int | tuple[int, ...]
+    head_dim: int | tuple[int, ...]
+    max_seq_len: int
+    primary_blocks: int | Mapping[int, int]
+    secondary_blocks: int | Mapping[int, int] = 0
+    dtype: str = "bfloat16"
+    attention_windows: tuple[int, ...] | None = None
+    max_beam_width: int = 1
+    enable_block_reuse: bool = True
+    enable_partial_reuse: bool = True
+    copy_on_partial_reuse: bool = True
+    onboard_blocks: bool = True
+    secondary_offload_min_priority: int = 30
+    sink_token_length: int = 0
+    cache_type: CacheType = "self"
+    event_buffer_max_size: int = 0
+    max_num_tokens: int | None = None
+    layout: Layout = "block_first"
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        tpb = self.tokens_per_block
+        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1 or tpb & (tpb - 1):
+            raise ValueError(f"tokens_per_block must be a positive power of two, got {tpb!r}")
+        for name in ("num_layers", "max_seq_len", "max_beam_width"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        set_("num_kv_heads", self.num_kv_heads if isinstance(self.num_kv_heads, int) else tuple(self.num_kv_heads))
+        set_("head_dim", self.head_dim if isinstance(self.head_dim, int) else tuple(self.head_dim))
+        _per_layer("num_kv_heads", self.num_kv_heads, self.num_layers)
+        _per_layer("head_dim", self.head_dim, self.num_layers)
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        windows = (self.max_seq_len,) if self.attention_windows is None else tuple(self.attention_windows)
+        if not windows:
+            raise ValueError("attention_windows must not be empty")
+        for w in windows:
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"attention_windows entries must be positive ints, got {windows!r}")
+        set_("attention_windows", tuple(min(w, self.max_seq_len) for w in windows))
+        if self.cache_type not in ("self", "cross", "self_k_only"):
+            raise ValueError(f"cache_type must be 'self', 'cross' or 'self_k_only', got {self.cache_type!r}")
+        if self.cache_type == "cross" and len(set(self.attention_windows)) != 1:
+            raise ValueError("a cross-attention cache has exactly one attention window")
+        if self.layout not in ("block_first", "layer_first"):
+            raise ValueError(f"layout must be 'block_first' or 'layer_first', got {self.layout!r}")
+        distinct = sorted(set(self.attention_windows))
+        for name in ("primary_blocks", "secondary_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                value = {int(k): v for k, v in value.items()}
+                missing = [w for w in distinct if w not in value]
+                extra = [w for w in value if w not in distinct]
+                if missing or extra:
+                    raise ValueError(f"{name} must give every window {distinct}; missing {missing}, unknown {extra}")
+                counts = [value[w] for w in distinct]
+                set_(name, value)
+            else:
+                counts = [value]
+            minimum = 1 if name == "primary_blocks" else 0
+            for c in counts:
+                if isinstance(c, bool) or not isinstance(c, int) or c < minimum:
+                    raise ValueError(f"{name} must be int(s) >= {minimum}, got {getattr(self, name)!r}")
+        p = self.secondary_offload_min_priority
+        if isinstance(p, bool) or not isinstance(p, int) or not MIN_PRIORITY <= p <= MAX_PRIORITY + 1:
+            raise ValueError(f"secondary_offload_min_priority must be in [0, 101], got {p!r}")
+        if not isinstance(self.sink_token_length, int) or self.sink_token_length < 0:
+            raise ValueError(f"sink_token_length must be an int >= 0, got {self.sink_token_length!r}")
+        if not isinstance(self.event_buffer_max_size, int) or self.event_buffer_max_size < 0:
+            raise ValueError(f"event_buffer_max_size must be an int >= 0, got {self.event_buffer_max_size!r}")
+        if self.max_num_tokens is not None and (not isinstance(self.max_num_tokens, int) or self.max_num_tokens < 1):
+            raise ValueError(f"max_num_tokens must be a positive int or None, got {self.max_num_tokens!r}")
+
+    def __hash__(self) -> int:
+        return hash(tuple(_canonical(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    # ----------------------------------------------------------------- derived geometry
+    @property
+    def kv_factor(self) -> int:
+        """2 for K and V, 1 for K-only (MLA-style) caches."""
+        return 1 if self.cache_type == "self_k_only" else 2
+
+    @property
+    def dtype_bytes(self) -> float:
+        return DTYPE_BYTES[self.dtype]
+
+    @functools.cached_property
+    def kv_heads_per_layer(self) -> tuple[int, ...]:
+        return _per_layer("num_kv_heads", self.num_kv_heads, self.num_layers)
+
+    @functools.cached_property
+    def head_dim_per_layer(self) -> tuple[int, ...]:
+        return _per_layer("head_dim", self.head_dim, self.num_layers)
+
+    @functools.cached_property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Attention window of every layer (the per-layer cycle unrolled)."""
+        w = self.attention_windows
+        return tuple(w[i % len(w)] for i in range(self.num_layers))
+
+    @functools.cached_property
+    def windows(self) -> tuple[int, ...]:
+        """Distinct attention windows, ascending: one window manager each."""
+        return tuple(sorted(set(self.layer_windows)))
+
+    @functools.cached_property
+    def window_to_layers(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {w: [] for w in self.windows}
+        for layer, w in enumerate(self.layer_windows):
+            out[w].append(layer)
+        return out
+
+    @property
+    def is_variable_window(self) -> bool:
+        return len(self.windows) > 1
+
+    def is_swa(self, window: int) -> bool:
+        return window < self.max_seq_len
+
+    def primary_blocks_for(self, window: int) -> int:
+        v = self.primary_blocks
+        return v[window] if isinstance(v, Mapping) else v
+
+    def secondary_blocks_for(self, window: int) -> int:
+        v = self.secondary_blocks
+        return v[window] if isinstance(v, Mapping) else v
+
+    @functools.cached_property
+    def pools(self) -> tuple[PoolSpec, ...]:
+        """Pools ordered by (window, kv heads, head dim); pool indices are absolute across windows."""
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for layer in range(self.num_layers):
+            key = (self.layer_windows[layer], self.kv_heads_per_layer[layer], self.head_dim_per_layer[layer])
+            groups.setdefault(key, []).append(layer)
+        return tuple(
+            PoolSpec(i, w, h, d, tuple(layers), self.primary_blocks_for(w), self.secondary_blocks_for(w))
+            for i, ((w, h, d), layers) in enumerate(sorted(groups.items()))
+        )
+
+    @functools.cached_property
+    def window_pools(self) -> dict[int, tuple[int, ...]]:
+        """Window -> indices of its pools."""
+        out: dict[int, list[int]] = {w: [] for w in self.windows}
+        for p in self.pools:
+            out[p.window].append(p.index)
+        return {w: tuple(v) for w, v in out.items()}
+
+    @functools.cached_property
+    def layer_to_pool(self) -> tuple[tuple[int, int], ...]:
+        """Layer -> (pool index, layer index inside the pool)."""
+        out: list[tuple[int, int]] = [(0, 0)] * self.num_layers
+        for p in self.pools:
+            for j, layer in enumerate(p.layers):
+                out[layer] = (p.index, j)
+        return tuple(out)
+
+    @functools.cached_property
+    def cache_size_per_token(self) -> dict[int, float]:
+        """Bytes of KV one token occupies in each window (all that window's layers, K and V)."""
+        out = {w: 0.0 for w in self.windows}
+        for layer in range(self.num_layers):
+            out[self.layer_windows[layer]] += (
+                self.kv_factor * self.kv_heads_per_layer[layer] * self.head_dim_per_layer[layer] * self.dtype_bytes
+            )
+        return out
+
+    @property
+    def sink_bubble_length(self) -> int:
+        """Tokens of padding after the sink tokens so that generation starts on a block boundary."""
+        r = self.sink_token_length % self.tokens_per_block
+        return 0 if r == 0 else self.tokens_per_block - r
+
+    def temporary_window(self, window: int) -> int:
+        """Extra tokens a chunked context may need beyond `window` (TRT-LLM's temp attention window)."""
+        if self.max_num_tokens is None or self.max_seq_len <= window:
+            return 0
+        return max(0, min(self.max_num_tokens, self.max_seq_len - window))
+
+    def max_token_num(self, window: int) -> int:
+        """Most tokens a sequence may hold in `window`'s manager."""
+        return max(window, self.max_seq_len) + self.sink_bubble_length
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width one sequence can need (SWA blocks are linear: out-of-window ones
+        become placeholders but keep their position)."""
+        return math.ceil((self.max_seq_len + self.sink_bubble_length) / self.tokens_per_block)
+
+    @classmethod
+    def from_memory(cls, model_spec: Any, primary_bytes: int, secondary_bytes: int = 0, **overrides: Any) -> "CacheConfig":
+        """Size the pools from byte budgets with TensorRT-LLM's window shares (see `kvjax.capacity`)."""
+        from kvjax.capacity import cache_config_from_memory
+
+        return cache_config_from_memory(model_spec, primary_bytes, secondary_bytes, **overrides)

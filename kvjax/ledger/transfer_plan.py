@@ -1,0 +1,130 @@
+"""`TransferPlan`: the ordered data movements the ledger decided, as flat int32 arrays.
+
+The ledger never touches KV bytes. Every offload, onboard and (partial) copy it decides is
+recorded here, one entry per (movement, pool), in decision order, and handed to the device
+side (`kvjax.device.apply_transfers`), which can consume the arrays without Python loops.
+
+Semantics of entry i (slots are memory-pool indices, never block ids):
+  OFFLOAD  primary[pool][src]   -> secondary[pool][dst]   (whole block, num_tokens == tokens_per_block)
+  ONBOARD  secondary[pool][src] -> primary[pool][dst]     (first num_tokens tokens)
+  COPY     primary[pool][src]   -> primary[pool][dst]     (first num_tokens tokens)
+Applying a plan must equal applying its entries one by one, in order.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import enum
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+
+class TransferKind(enum.IntEnum):
+    OFFLOAD = 0  # primary -> secondary
+    ONBOARD = 1  # secondary -> primary
+    COPY = 2  # primary -> primary (partial reuse copies the first num_tokens tokens)
+
+
+class TransferOp(NamedTuple):
+    kind: TransferKind
+    pool: int
+    src: int
+    dst: int
+    num_tokens: int
+
+
+_FIELDS = ("kind", "pool", "src", "dst", "num_tokens")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransferPlan:
+    """Equal-length int32 arrays, one entry per op, in the order the ops must take effect."""
+
+    kind: np.ndarray
+    pool: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    num_tokens: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = None
+        for name in _FIELDS:
+            a = np.ascontiguousarray(getattr(self, name), dtype=np.int32)
+            if a.ndim != 1:
+                raise ValueError(f"TransferPlan.{name} must be 1-D, got shape {a.shape}")
+            if n is None:
+                n = a.shape[0]
+            elif a.shape[0] != n:
+                raise ValueError(f"TransferPlan arrays differ in length: {name} has {a.shape[0]}, expected {n}")
+            object.__setattr__(self, name, a)
+        if n and not np.isin(self.kind, [int(k) for k in TransferKind]).all():
+            raise ValueError(f"TransferPlan.kind holds values outside TransferKind: {np.unique(self.kind)}")
+
+    @classmethod
+    def empty(cls) -> "TransferPlan":
+        z = np.zeros(0, np.int32)
+        return cls(z, z, z, z, z)
+
+    @classmethod
+    def from_ops(cls, ops: list[TransferOp] | list[tuple[int, int, int, int, int]]) -> "TransferPlan":
+        if not ops:
+            return cls.empty()
+        cols = np.asarray(ops, dtype=np.int32).reshape(len(ops), 5)
+        return cls(*(cols[:, i] for i in range(5)))
+
+    @classmethod
+    def concat(cls, plans: list["TransferPlan"]) -> "TransferPlan":
+        if not plans:
+            return cls.empty()
+        return cls(*(np.concatenate([getattr(p, f) for p in plans]) for f in _FIELDS))
+
+    def __len__(self) -> int:
+        return int(self.kind.shape[0])
+
+    def __iter__(self) -> Iterator[TransferOp]:
+        for k, p, s, d, n in zip(*(getattr(self, f).tolist() for f in _FIELDS)):
+            yield TransferOp(TransferKind(k), p, s, d, n)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferPlan):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _FIELDS)
+
+    def counts(self) -> dict[str, int]:
+        """Number of entries of each kind (per pool entries, not per block)."""
+        return {k.name.lower(): int((self.kind == k).sum()) for k in TransferKind}
+
+
+class TransferRecorder:
+    """Append-only buffer the ledger writes ops into; `take()` drains it into a `TransferPlan`."""
+
+    __slots__ = ("_cols",)
+
+    def __init__(self) -> None:
+        self._cols = tuple(array.array("i") for _ in _FIELDS)
+
+    def record(self, kind: int, pools: tuple[int, ...], src: int, dst: int, num_tokens: int) -> None:
+        k, p, s, d, n = self._cols
+        for pool in pools:
+            k.append(kind)
+            p.append(pool)
+            s.append(src)
+            d.append(dst)
+            n.append(num_tokens)
+
+    def __len__(self) -> int:
+        return len(self._cols[0])
+
+    def mark(self) -> int:
+        return len(self._cols[0])
+
+    def rollback(self, mark: int) -> None:
+        for c in self._cols:
+            del c[mark:]
+
+    def take(self) -> TransferPlan:
+        plan = TransferPlan(*(np.frombuffer(c, dtype=np.int32).copy() if len(c) else np.zeros(0, np.int32) for c in self._cols))
+        self._cols = tuple(array.array("i") for _ in _FIELDS)
+        return plan

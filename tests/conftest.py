@@ -1,0 +1,24 @@
+"""Suite-wide test settings: CPU only, 8 virtual CPU devices for sharding tests, and a
+deterministic hypothesis profile (CI must never flake)."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+try:  # device tests need 8 CPU devices; must be set before any backend initialises
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+except ImportError:  # the ledger alone needs no JAX
+    pass
