@@ -1,0 +1,306 @@
+"""Sizing maths of a paged KV cache: TensorRT-LLM's helpers, with its argument order.
+
+Pure Python (no JAX): the CLI, the scheduler and `CacheConfig.from_memory` use it on the host.
+Notation: `tpb` = tokens per block, `ceil_div(a, b) = (a + b - 1) // b`, `SWA_EXTRA_BLOCK = 1`
+(TensorRT-LLM's `kSWAExtraBlock`: a sliding-window sequence that outgrew its window holds one
+block more than the window covers, because the front block is released only once it is fully
+out of the window).
+
+Formulas follow TensorRT-LLM's `BaseKVCacheManager` (C++): `calculateMaxBlockRequirementsPerBeam`,
+`calculateMaxBlockRequirements`, `calculateMaxAttentionWindow`, `getMaxCapacityBatchSize`,
+`calculateWindowSizeToShare` and the VSWA path of `calculateMaxNumBlocks`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from kvjax.config import CacheConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvjax.model_spec import ModelSpec
+
+SWA_EXTRA_BLOCK = 1
+DEFAULT_TOKENS_PER_BLOCK = 32  # TensorRT-LLM LLM API `KvCacheConfig.tokens_per_block`
+
+__all__ = [
+    "SWA_EXTRA_BLOCK",
+    "DEFAULT_TOKENS_PER_BLOCK",
+    "ceil_div",
+    "sink_bubble_length",
+    "cache_size_per_token",
+    "window_size_shares",
+    "calculate_max_num_blocks",
+    "max_block_requirements_per_beam",
+    "max_block_requirements",
+    "max_attention_window",
+    "max_batch_size",
+    "cache_config_from_memory",
+]
+
+
+# --------------------------------------------------------------------------- validation
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _bytes(name: str, value: Any) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+    return value
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sink_bubble_length(sink_token_length: int, tokens_per_block: int) -> int:
+    """Padding after the sink tokens so that the first non-sink token starts a block."""
+    r = sink_token_length % tokens_per_block
+    return 0 if r == 0 else tokens_per_block - r
+
+
+# --------------------------------------------------------------------------- bytes per token
+def _as_config(model: Any, **overrides: Any) -> CacheConfig:
+    """A `CacheConfig` with the geometry of `model` (a CacheConfig or a ModelSpec)."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(model, CacheConfig):
+        return dataclasses.replace(model, **overrides) if overrides else model
+    if hasattr(model, "cache_config"):
+        return model.cache_config(**overrides)
+    raise ValueError(f"expected a CacheConfig or a ModelSpec, got {type(model).__name__}")
+
+
+def _exact(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def cache_size_per_token(
+    model: CacheConfig | "ModelSpec",
+    *,
+    dtype: str | None = None,
+    max_seq_len: int | None = None,
+    cache_type: str | None = None,
+) -> dict[int, int]:
+    """Window -> bytes of KV one token occupies over that window's layers.
+
+    `kv_factor * sum over the window's layers of kv_heads * head_dim * dtype_bytes` (TensorRT-LLM
+    `cacheSizeBytesPerToken`). Windows are the per-layer cycle clamped to `max_seq_len`, so a model
+    whose sliding window exceeds `max_seq_len` has a single window. `dtype`, `max_seq_len`,
+    `cache_type` override the model's values (e.g. an fp8 cache).
+    """
+    config = _as_config(model, dtype=dtype, max_seq_len=max_seq_len, cache_type=cache_type)
+    return {w: _exact(b) for w, b in config.cache_size_per_token.items()}
+
+
+# --------------------------------------------------------------------------- window shares
+def _check_windows(window_to_layers: Mapping[int, Sequence[int]], cache_size_per_token: Mapping[int, float]) -> None:
+    if not window_to_layers:
+        raise ValueError("window_to_layers must not be empty")
+    for w, layers in window_to_layers.items():
+        _int("window", w, 1)
+        if len(layers) == 0:
+            raise ValueError(f"window {w} has no layers")
+    if set(window_to_layers) != set(cache_size_per_token):
+        raise ValueError(
+            f"window_to_layers windows {sorted(window_to_layers)} != cache_size_per_token windows "
+            f"{sorted(cache_size_per_token)}"
+        )
+    for w, b in cache_size_per_token.items():
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0:
+            raise ValueError(f"cache_size_per_token[{w}] must be > 0 bytes, got {b!r}")
+
+
+def _exact_shares(
+    window_to_layers: Mapping[int, Sequence[int]], cache_size_per_token: Mapping[int, float]
+) -> dict[int, Fraction]:
+    _check_windows(window_to_layers, cache_size_per_token)
+    weight = {w: w * Fraction(cache_size_per_token[w]) for w in sorted(window_to_layers)}
+    total = sum(weight.values())
+    return {w: c / total for w, c in weight.items()}
+
+
+def window_size_shares(
+    window_to_layers: Mapping[int, Sequence[int]], cache_size_per_token: Mapping[int, float]
+) -> dict[int, float]:
+    """Window -> fraction of the memory budget, proportional to `window * cache_size_per_token[window]`.
+
+    TensorRT-LLM's `calculateWindowSizeToShare`: a window that attends over more tokens, or
+    whose layers hold more bytes per token, gets a proportionally larger pool. Sums to 1.
+    """
+    return {w: float(s) for w, s in _exact_shares(window_to_layers, cache_size_per_token).items()}
+
+
+def calculate_max_num_blocks(
+    window_to_layers: Mapping[int, Sequence[int]],
+    cache_size_per_token: Mapping[int, float],
+    tokens_per_block: int,
+    primary_bytes: int | float,
+    secondary_bytes: int | float = 0,
+    max_tokens: int | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Window -> (primary blocks, secondary blocks) for the given byte budgets.
+
+    TensorRT-LLM's VSWA `calculateMaxNumBlocks`, per window `w` with share `s_w` and `b_w` bytes/token:
+    `primary = ceil_div(min(max_tokens, floor(primary_bytes * s_w / b_w)), tpb)` and
+    `secondary = floor(secondary_bytes * s_w / b_w) // tpb`. `max_tokens` (TensorRT-LLM's
+    `KvCacheConfig.max_tokens`) caps each window's primary tokens. The products are computed
+    exactly (rationals), where TensorRT-LLM uses doubles; they agree except at rounding edges.
+    """
+    tpb = _int("tokens_per_block", tokens_per_block, 1)
+    primary_bytes = _bytes("primary_bytes", primary_bytes)
+    secondary_bytes = _bytes("secondary_bytes", secondary_bytes)
+    if max_tokens is not None:
+        _int("max_tokens", max_tokens, 0)
+    shares = _exact_shares(window_to_layers, cache_size_per_token)
+    out: dict[int, tuple[int, int]] = {}
+    for w, share in shares.items():
+        per_token = Fraction(cache_size_per_token[w])
+        primary_tokens = math.floor(Fraction(primary_bytes) * share / per_token)
+        if max_tokens is not None:
+            primary_tokens = min(max_tokens, primary_tokens)
+        secondary_tokens = math.floor(Fraction(secondary_bytes) * share / per_token)
+        out[w] = (ceil_div(primary_tokens, tpb), secondary_tokens // tpb)
+    return out
+
+
+# --------------------------------------------------------------------------- block requirements
+def max_block_requirements_per_beam(seq_len: int, sink_token_length: int, window: int, tokens_per_block: int) -> int:
+    """Blocks one beam of a `seq_len`-token sequence holds at most in `window`'s manager.
+
+    `ceil_div(min(seq_len, window) + sink_bubble, tpb) + (SWA_EXTRA_BLOCK if seq_len > window else 0)`.
+    """
+    _int("seq_len", seq_len, 0)
+    sink = _int("sink_token_length", sink_token_length, 0)
+    window = _int("window", window, 1)
+    tpb = _int("tokens_per_block", tokens_per_block, 1)
+    bubble = sink_bubble_length(sink, tpb)
+    extra = SWA_EXTRA_BLOCK if seq_len > window else 0
+    return ceil_div(min(seq_len, window) + bubble, tpb) + extra
+
+
+def max_block_requirements(
+    input_len: int, output_len: int, sink_token_length: int, window: int, beam_width: int, tokens_per_block: int
+) -> int:
+    """Blocks one request (all beams) holds at most: context blocks shared by the beams, generation blocks per beam.
+
+    beam 1: `per_beam(in + out)`; `window <= out`: `per_beam(in + out) * beam` (the context has
+    left the window by the end); otherwise `ctx = min(window, in + out) - out` context tokens in
+    the window, `ctx_blocks = (ctx + bubble) // tpb` full shared blocks, `left = ctx - ctx_blocks * tpb`
+    tokens in the last (per-beam) block: `ctx_blocks + (ceil_div(out + left, tpb) + SWA_EXTRA_BLOCK) * beam`.
+    """
+    _int("input_len", input_len, 0)
+    _int("output_len", output_len, 0)
+    sink = _int("sink_token_length", sink_token_length, 0)
+    _int("window", window, 1)
+    beam = _int("beam_width", beam_width, 1)
+    tpb = _int("tokens_per_block", tokens_per_block, 1)
+    total = input_len + output_len
+    if beam == 1:
+        return max_block_requirements_per_beam(total, sink, window, tpb)
+    if window <= output_len:
+        return max_block_requirements_per_beam(total, sink, window, tpb) * beam
+    bubble = sink_bubble_length(sink, tpb)
+    ctx_tokens = min(window, total) - output_len
+    ctx_blocks = (ctx_tokens + bubble) // tpb
+    left = ctx_tokens - ctx_blocks * tpb
+    return ctx_blocks + (ceil_div(output_len + left, tpb) + SWA_EXTRA_BLOCK) * beam
+
+
+def max_attention_window(
+    input_len: int, output_len: int, sink_token_length: int, capacity_blocks: int, beam_width: int, tokens_per_block: int
+) -> int:
+    """Largest attention window one request can use when `capacity_blocks` blocks are available.
+
+    `out_req = max_block_requirements(0, out, sink, out, beam, tpb)`; if it exceeds the capacity:
+    `(capacity // beam) * tpb`; else `min(out + (capacity - out_req) * tpb, in + out)`.
+    """
+    _int("input_len", input_len, 0)
+    _int("output_len", output_len, 0)
+    sink = _int("sink_token_length", sink_token_length, 0)
+    capacity = _int("capacity_blocks", capacity_blocks, 0)
+    beam = _int("beam_width", beam_width, 1)
+    tpb = _int("tokens_per_block", tokens_per_block, 1)
+    # TensorRT-LLM passes window = output_len; a window must be >= 1, and an empty output needs no blocks.
+    out_req = max_block_requirements(0, output_len, sink, output_len, beam, tpb) if output_len > 0 else 0
+    if out_req > capacity:
+        return (capacity // beam) * tpb
+    return min(output_len + (capacity - out_req) * tpb, input_len + output_len)
+
+
+def max_batch_size(config: CacheConfig, input_len: int, output_len: int, beam_width: int | None = None) -> int:
+    """Most concurrent requests of this shape the primary pools hold (TensorRT-LLM `getMaxCapacityBatchSize`).
+
+    Min over windows of `primary_blocks(window) // max_block_requirements(in, out, sink, window, beam, tpb)`.
+    `beam_width` defaults to the config's `max_beam_width`.
+    """
+    if not isinstance(config, CacheConfig):
+        raise ValueError(f"max_batch_size needs a CacheConfig, got {type(config).__name__}")
+    beam = config.max_beam_width if beam_width is None else _int("beam_width", beam_width, 1)
+    _int("input_len", input_len, 0)
+    _int("output_len", output_len, 0)
+    if input_len + output_len == 0:
+        raise ValueError("input_len + output_len must be > 0")
+    return min(
+        config.primary_blocks_for(w)
+        // max_block_requirements(input_len, output_len, config.sink_token_length, w, beam, config.tokens_per_block)
+        for w in config.windows
+    )
+
+
+# --------------------------------------------------------------------------- from memory
+def cache_config_from_memory(
+    model_spec: "ModelSpec | CacheConfig",
+    primary_bytes: int | float,
+    secondary_bytes: int | float = 0,
+    *,
+    tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK,
+    max_seq_len: int | None = None,
+    dtype: str | None = None,
+    max_tokens: int | None = None,
+    **overrides: Any,
+) -> CacheConfig:
+    """A `CacheConfig` whose per-window primary/secondary pools fill the given byte budgets.
+
+    Memory is split between windows with `window_size_shares`, then `calculate_max_num_blocks`
+    turns each window's bytes into blocks. `model_spec` is a `ModelSpec` (or a `CacheConfig`
+    whose geometry is reused); `overrides` are further `CacheConfig` fields (e.g.
+    `max_beam_width`, `enable_block_reuse`, `cache_type`). A single-window model gets int
+    block counts, a multi-window one a dict window -> blocks.
+    """
+    _bytes("primary_bytes", primary_bytes)
+    _bytes("secondary_bytes", secondary_bytes)
+    for key in ("primary_blocks", "secondary_blocks"):
+        if key in overrides:
+            raise ValueError(f"{key} is computed from the byte budgets; do not pass it to from_memory")
+    geometry = _as_config(
+        model_spec, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len, dtype=dtype, **overrides
+    )
+    blocks = calculate_max_num_blocks(
+        geometry.window_to_layers,
+        geometry.cache_size_per_token,
+        geometry.tokens_per_block,
+        primary_bytes,
+        secondary_bytes,
+        max_tokens,
+    )
+    empty = [w for w, (p, _) in blocks.items() if p < 1]
+    if empty:
+        need = {w: geometry.cache_size_per_token[w] * geometry.tokens_per_block for w in empty}
+        raise ValueError(
+            f"primary_bytes={primary_bytes} gives no block for window(s) {empty}; "
+            f"one block needs {need} bytes (times the inverse of the window's share)"
+        )
+    if geometry.is_variable_window:
+        primary: int | dict[int, int] = {w: p for w, (p, _) in blocks.items()}
+        secondary: int | dict[int, int] = {w: s for w, (_, s) in blocks.items()}
+    else:
+        ((primary, secondary),) = blocks.values()
+    return dataclasses.replace(geometry, primary_blocks=primary, secondary_blocks=secondary)
