@@ -1,0 +1,318 @@
+"""`apply_transfers`: carry out a ledger `TransferPlan` on the pools (donated, in place).
+
+Semantics (SPEC §2): entries take effect one by one, in order
+  OFFLOAD  primary[pool][src]   -> secondary[pool][dst]   whole block
+  ONBOARD  secondary[pool][src] -> primary[pool][dst]     first num_tokens tokens
+  COPY     primary[pool][src]   -> primary[pool][dst]     first num_tokens tokens
+(a partial write changes only the first num_tokens token positions of the destination
+block, for every layer, K/V field and head).
+
+Batching: the plan is cut on the host into *segments*, maximal runs of consecutive entries
+in which no entry reads or writes a location that an earlier entry of the run writes
+(read-after-write and write-after-write hazards). Reading everything first and writing
+everything afterwards then equals the in-order application (write-after-read is harmless),
+so a segment runs as one jitted step: one gather of all sources into a staging buffer, one
+bulk device->host and one host->device transfer, one scatter into each tier. A typical
+step (evictions to host, onboards into the freed slots, partial-reuse copies) is a single
+segment. Per-kind entry counts are bucketed to powers of two (padding entries write out of
+range and are dropped), so a serving loop compiles a handful of variants.
+
+Host-side moves, `swap=`:
+  "bulk"       gather on device -> one device_put to pinned_host -> scatter on the host
+               array (and the mirror image for onboards). One transfer per direction.
+  "blockwise"  a fori_loop of dynamic_slice -> device_put -> dynamic_update_slice per block,
+               the pattern XLA's host-offload pass turns into one DMA per block (a block is
+               one contiguous chunk in block_first layout).
+  "auto"       bulk on CPU; blockwise on GPU, where XLA may refuse compute (gather/scatter)
+               on host-memory arrays. benchmarks/gpu_check.sh measures both.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.device import backend
+from kvjax.device import _checks as chk
+from kvjax.device import sharding as shd
+from kvjax.device.buckets import bucket
+from kvjax.device.pools import KVPools, PoolMeta
+from kvjax.ledger.transfer_plan import TransferKind, TransferPlan
+
+SWAPS = ("auto", "bulk", "blockwise")
+_PRIMARY, _SECONDARY = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One hazard-free run, split by kind; arrays are `[num_pools, bucket]` int32."""
+
+    off_src: np.ndarray
+    off_dst: np.ndarray
+    on_src: np.ndarray
+    on_dst: np.ndarray
+    on_n: np.ndarray
+    cp_src: np.ndarray
+    cp_dst: np.ndarray
+    cp_n: np.ndarray
+    partial: bool  # some ONBOARD/COPY writes fewer than tokens_per_block tokens
+
+    def arrays(self):
+        return (self.off_src, self.off_dst, self.on_src, self.on_dst, self.on_n, self.cp_src, self.cp_dst, self.cp_n)
+
+
+def validate_plan(config: CacheConfig, plan: TransferPlan) -> None:
+    if not isinstance(plan, TransferPlan):
+        raise ValueError(f"plan must be a TransferPlan, got {type(plan)=}")
+    if not len(plan):
+        return
+    pools = config.pools
+    if plan.pool.min() < 0 or plan.pool.max() >= len(pools):
+        raise ValueError(f"plan.pool entries must be in [0, {len(pools)}), got {np.unique(plan.pool).tolist()}")
+    tpb = config.tokens_per_block
+    prim = np.array([p.primary_blocks for p in pools])[plan.pool]  # real slots, null slot excluded
+    sec = np.array([p.secondary_blocks for p in pools])[plan.pool]
+    kind = plan.kind
+    src_lim = np.where(kind == TransferKind.ONBOARD, sec, prim)
+    dst_lim = np.where(kind == TransferKind.OFFLOAD, sec, prim)
+    for name, val, lim in (("src", plan.src, src_lim), ("dst", plan.dst, dst_lim)):
+        bad = (val < 0) | (val >= lim)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"plan entry {i} ({TransferKind(int(kind[i])).name}, pool {int(plan.pool[i])}): "
+                             f"{name}={int(val[i])} is outside [0, {int(lim[i])})")
+    bad = (plan.num_tokens < 1) | (plan.num_tokens > tpb) | ((kind == TransferKind.OFFLOAD) & (plan.num_tokens != tpb))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"plan entry {i}: num_tokens={int(plan.num_tokens[i])} must be in [1, {tpb}] "
+                         f"(exactly {tpb} for OFFLOAD)")
+
+
+def split_segments(config: CacheConfig, plan: TransferPlan) -> list[Segment]:
+    """Cut `plan` into hazard-free runs and pad each kind to a power-of-two bucket."""
+    tpb, npools = config.tokens_per_block, len(config.pools)
+    runs: list[list[tuple[int, int, int, int, int]]] = []
+    cur: list = []
+    written: set[tuple[int, int, int]] = set()
+    for k, p, s, d, n in zip(*(getattr(plan, f).tolist() for f in ("kind", "pool", "src", "dst", "num_tokens"))):
+        src_tier = _SECONDARY if k == TransferKind.ONBOARD else _PRIMARY
+        dst_tier = _SECONDARY if k == TransferKind.OFFLOAD else _PRIMARY
+        r, w = (src_tier, p, s), (dst_tier, p, d)
+        if r in written or w in written:
+            runs.append(cur)
+            cur, written = [], set()
+        cur.append((k, p, s, d, n))
+        written.add(w)
+    if cur:
+        runs.append(cur)
+    segs = []
+    for run in runs:
+        by = {kk: [[] for _ in range(npools)] for kk in TransferKind}
+        for k, p, s, d, n in run:
+            by[TransferKind(k)][p].append((s, d, n))
+        out = {}
+        for kk, fill_dst in ((TransferKind.OFFLOAD, [q.secondary_blocks for q in config.pools]),
+                             (TransferKind.ONBOARD, [q.num_slots for q in config.pools]),
+                             (TransferKind.COPY, [q.num_slots for q in config.pools])):
+            rows = by[kk]
+            cnt = max(len(r) for r in rows)
+            width = bucket(cnt) if cnt else 0
+            src = np.zeros((npools, width), np.int32)
+            dst = np.empty((npools, width), np.int32)
+            num = np.full((npools, width), tpb, np.int32)
+            for p, r in enumerate(rows):
+                dst[p] = fill_dst[p]  # out of range: the scatter drops padding entries
+                for i, (s, d, n) in enumerate(r):
+                    src[p, i], dst[p, i], num[p, i] = s, d, n
+            out[kk] = (src, dst, num)
+        partial = bool((out[TransferKind.ONBOARD][2] < tpb).any() or (out[TransferKind.COPY][2] < tpb).any())
+        segs.append(Segment(*out[TransferKind.OFFLOAD][:2], *out[TransferKind.ONBOARD], *out[TransferKind.COPY], partial=partial))
+    return segs
+
+
+# ----------------------------------------------------------------------------- device side
+def _take(arr, idx, axis: int):
+    return jnp.take(arr, idx, axis=axis, mode="clip")
+
+
+def _token_mask(n, block_shape: tuple[int, ...], tok_axis: int):
+    """[entries, *block] bool: token position < n (broadcastable)."""
+    t = block_shape[tok_axis]
+    shape = [1] * (len(block_shape) + 1)
+    shape[0] = n.shape[0]
+    shape[tok_axis + 1] = t
+    pos = jnp.arange(t, dtype=jnp.int32).reshape([1] * (tok_axis + 1) + [t] + [1] * (len(block_shape) - tok_axis - 1))
+    return pos < n.reshape([-1] + [1] * len(block_shape))
+
+
+def _host_gather_bulk(sec, idx, ba: int):
+    """Secondary blocks idx -> device staging, block axis first. One H2D transfer."""
+    st = _take(sec, jax.device_put(idx, jax.memory.Space.Host), ba)
+    st = jax.device_put(st, jax.memory.Space.Device)
+    return jnp.moveaxis(st, ba, 0)
+
+
+def _host_scatter_bulk(sec, staging, dst, ba: int):
+    """Device staging (block axis first) -> secondary[dst]. One D2H transfer."""
+    st = jax.device_put(jnp.moveaxis(staging, 0, ba), jax.memory.Space.Host)
+    if ba == 0:
+        return sec.at[dst].set(st, mode="drop")
+    return sec.at[:, dst].set(st, mode="drop")
+
+
+def _host_gather_blockwise(sec, idx, count, ba: int):
+    blk_shape = sec.shape[:ba] + sec.shape[ba + 1:]
+    staging = jnp.zeros((idx.shape[0],) + blk_shape, sec.dtype)
+
+    def body(i, st):
+        blk = jax.lax.dynamic_index_in_dim(sec, idx[i], ba, keepdims=False)
+        blk = jax.device_put(blk, jax.memory.Space.Device)
+        return jax.lax.dynamic_update_index_in_dim(st, blk, i, 0)
+
+    return jax.lax.fori_loop(0, count, body, staging)
+
+
+def _host_scatter_blockwise(sec, staging, dst, count, ba: int):
+    def body(i, s):
+        blk = jax.device_put(jax.lax.dynamic_index_in_dim(staging, i, 0, keepdims=True), jax.memory.Space.Host)
+        return jax.lax.dynamic_update_slice_in_dim(s, jnp.moveaxis(blk, 0, ba), dst[i], ba)
+
+    return jax.lax.fori_loop(0, count, body, sec)
+
+
+def _gather_primary(arr, idx, ba: int, impl: str, mesh, axes):
+    if impl != "pallas":
+        return jnp.moveaxis(_take(arr, idx, ba), ba, 0)  # [entries, *block]
+    from pallas_kernels import copy_pages
+
+    fn = functools.partial(copy_pages.gather_blocks, block_axis=ba)
+    if mesh is not None:
+        fn = shd.shard_map(fn, mesh, in_specs=(shd.pool_spec(axes), jax.sharding.PartitionSpec()),
+                           out_specs=shd.pool_spec(axes))
+    return fn(arr, idx)
+
+
+def _scatter_primary(arr, staging, dst, n, partial: bool, ba: int, impl: str, mesh, axes):
+    if impl == "pallas":
+        from pallas_kernels import copy_pages
+
+        dst = jnp.where(dst >= arr.shape[ba], -1, dst)  # kernels skip negative entries
+        fn = functools.partial(copy_pages.scatter_blocks, block_axis=ba)
+        if mesh is not None:
+            rep = jax.sharding.PartitionSpec()
+            fn = shd.shard_map(fn, mesh, in_specs=(shd.pool_spec(axes), shd.pool_spec(axes), rep, rep),
+                               out_specs=shd.pool_spec(axes))
+        return fn(arr, staging, dst, n)
+    if partial:
+        old = jnp.moveaxis(_take(arr, dst, ba), ba, 0)  # [entries, *block]
+        keep_new = _token_mask(n, staging.shape[1:], staging.ndim - 3)
+        staging = jnp.where(keep_new, staging, old)
+    if ba == 0:
+        return arr.at[dst].set(staging, mode="drop")
+    return arr.at[:, dst].set(jnp.moveaxis(staging, 0, 1), mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("meta", "partial", "impl", "swap"), donate_argnames=("prim_w", "sec_w"))
+def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_dst, on_n, cp_src, cp_dst, cp_n, *,
+                   meta: PoolMeta, partial: bool, impl: str, swap: str):
+    """One hazard-free segment. Only the arrays it writes go in donated (`*_w`) and come
+    back; the ones it only reads (`*_r`) are plain inputs, so no host array is ever passed
+    through jit unchanged (its memory kind would not survive)."""
+    ba = meta.block_axis
+    prim = prim_w or prim_r
+    sec = sec_w or sec_r
+    new_prim, new_sec = [], []
+    for p in range(len(prim)):
+        arr, host = prim[p], sec[p]
+        # ---- read phase: every source (and, for partial writes, old destinations) first
+        off_stage = None
+        if off_src.shape[1] and host is not None:
+            off_stage = _gather_primary(arr, off_src[p], ba, impl, meta.mesh, meta.kv_axes)  # [n_off, *block]
+        parts, dsts, nums = [], [], []
+        if on_src.shape[1] and host is not None:
+            if swap == "bulk":
+                parts.append(_host_gather_bulk(host, on_src[p], ba))  # [n_on, *block]
+            else:
+                count = jnp.sum(on_dst[p] < arr.shape[ba])
+                parts.append(_host_gather_blockwise(host, on_src[p], count, ba))
+            dsts.append(on_dst[p])
+            nums.append(on_n[p])
+        if cp_src.shape[1]:
+            parts.append(_gather_primary(arr, cp_src[p], ba, impl, meta.mesh, meta.kv_axes))  # [n_cp, *block]
+            dsts.append(cp_dst[p])
+            nums.append(cp_n[p])
+        # ---- write phase
+        if prim_w:
+            if parts:
+                staging = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [n_on + n_cp, *block]
+                dst = jnp.concatenate(dsts) if len(dsts) > 1 else dsts[0]
+                num = jnp.concatenate(nums) if len(nums) > 1 else nums[0]
+                arr = _scatter_primary(arr, staging, dst, num, partial, ba, impl, meta.mesh, meta.kv_axes)
+            new_prim.append(arr)
+        if sec_w:
+            if off_stage is not None:
+                if swap == "bulk":
+                    host = _host_scatter_bulk(host, off_stage, off_dst[p], ba)
+                else:
+                    count = jnp.sum(off_dst[p] < host.shape[ba])
+                    host = _host_scatter_blockwise(host, off_stage, off_dst[p], count, ba)
+            new_sec.append(host)
+    return tuple(new_prim), tuple(new_sec)
+
+
+def resolve_swap(swap: str) -> str:
+    if swap not in SWAPS:
+        raise ValueError(f"{swap=} must be one of {SWAPS}")
+    if swap != "auto":
+        return swap
+    return "blockwise" if backend.on_gpu() else "bulk"
+
+
+def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", swap: str = "auto") -> KVPools:
+    """Apply `plan` (from `KVCacheManager.take_transfers()`) and return the new pools; the old
+    ones are donated. Equal to applying the entries one by one, in order."""
+    chk.check_pools(pools)
+    validate_plan(pools.config, plan)
+    for i, p in enumerate(pools.config.pools):
+        if pools.secondary[i] is None and len(plan) and ((plan.pool == i) & (plan.kind != TransferKind.COPY)).any():
+            raise ValueError(f"plan moves blocks of pool {i} to/from a secondary tier it does not have (secondary_blocks=0)")
+    impl = backend.resolve(impl, "apply_transfers")
+    swap = resolve_swap(swap)
+    for seg in split_segments(pools.config, plan):
+        writes_prim = bool(seg.on_src.shape[1] or seg.cp_src.shape[1])
+        writes_sec = bool(seg.off_src.shape[1])
+        prim, sec = pools.primary, pools.secondary
+        new_prim, new_sec = _apply_segment(
+            prim if writes_prim else (), sec if writes_sec else (),
+            () if writes_prim else prim, () if writes_sec else sec,
+            *seg.arrays(), meta=pools.meta, partial=seg.partial, impl=impl, swap=swap)
+        pools = pools.replace(primary=new_prim or prim, secondary=new_sec or sec)
+    return pools
+
+
+def apply_transfers_reference(pools: KVPools, plan: TransferPlan) -> KVPools:
+    """Oracle: entry by entry, on host copies (numpy), then back onto the original placement."""
+    validate_plan(pools.config, plan)
+    ba = pools.block_axis
+    prim = [np.array(a) for a in pools.primary]
+    sec = [None if a is None else np.array(a) for a in pools.secondary]
+
+    def blk(a, i):
+        return a[i] if ba == 0 else a[:, i]
+
+    for op in plan:
+        p, s, d, n = op.pool, op.src, op.dst, op.num_tokens
+        if op.kind == TransferKind.OFFLOAD:
+            src_a, dst_a = prim[p], sec[p]
+        elif op.kind == TransferKind.ONBOARD:
+            src_a, dst_a = sec[p], prim[p]
+        else:
+            src_a, dst_a = prim[p], prim[p]
+        blk(dst_a, d)[..., :n, :] = blk(src_a, s)[..., :n, :]
+    new_prim = tuple(jax.device_put(x, a.sharding) for x, a in zip(prim, pools.primary))
+    new_sec = tuple(None if a is None else jax.device_put(x, a.sharding) for x, a in zip(sec, pools.secondary))
+    return pools.replace(primary=new_prim, secondary=new_sec)
