@@ -1,0 +1,23 @@
+"""A small Flax NNX decoder that uses the paged KV cache (and a dense oracle for tests).
+
+`Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`;
+`dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
+`write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables
+(pools donated).
+"""
+from kvjax.models.attention import Attention, grouped_attention, visibility_mask
+from kvjax.models.layers import MLP, RMSNorm, apply_rope
+from kvjax.models.transformer import Block, Transformer, jit_dense_forward, jit_paged_forward
+
+__all__ = [
+    "Attention",
+    "Block",
+    "MLP",
+    "RMSNorm",
+    "Transformer",
+    "apply_rope",
+    "grouped_attention",
+    "jit_dense_forward",
+    "jit_paged_forward",
+    "visibility_mask",
+]

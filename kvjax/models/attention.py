@@ -1,0 +1,88 @@
+"""Grouped-query attention: projections, the dense (no cache) path and the paged path.
+
+Visibility convention, shared with `kvjax.device.paged_attention`: key `j` is visible to the
+query at position `p` iff `p - window < j <= p` (a global layer has `window >= max_seq_len`).
+Query head `n` reads KV head `n // G` with `G = N // K`. Letters: see `kvjax.models.layers`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.models.layers import apply_rope, einsum, normal_init
+
+
+def visibility_mask(q_positions: jax.Array, k_positions: jax.Array, window: int) -> jax.Array:
+    """bool [B, T, S]: key at `k_positions[b, s]` is visible to the query at `q_positions[b, t]`."""
+    q = q_positions[:, :, None]  # [B, T, 1]
+    k = k_positions[:, None, :]  # [B, 1, S]
+    return (k <= q) & (k > q - window)  # [B, T, S]
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention with KV-head groups, in float32.
+
+    q: [B, T, N, H]; k, v: [B, S, K, H]; mask: bool [B, T, S] -> [B, T, N, H].
+    A query that sees no key (padding) gets zeros, never NaN.
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+    logits = einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
+    visible = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
+    logits = jnp.where(visible, logits, -jnp.inf)  # [B, K, G, T, S]
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)  # [B, K, G, T, S]
+    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    probs = weights / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, T, S]
+    out = einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)  # [B, T, N, H]
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with RoPE; the cache plumbing lives in `Transformer.paged_forward`."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self.scale = head_dim**-0.5
+        self.wq = nnx.Param(normal_init(rngs.params(), (dim, num_heads, head_dim), dim, dtype))  # [D, N, H]
+        self.wk = nnx.Param(normal_init(rngs.params(), (dim, num_kv_heads, head_dim), dim, dtype))  # [D, K, H]
+        self.wv = nnx.Param(normal_init(rngs.params(), (dim, num_kv_heads, head_dim), dim, dtype))  # [D, K, H]
+        fan_in = num_heads * head_dim
+        self.wo = nnx.Param(normal_init(rngs.params(), (num_heads, head_dim, dim), fan_in, dtype))  # [N, H, D]
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x: [B, T, D], positions: int [B, T] -> q [B, T, N, H], k, v [B, T, K, H] (RoPE applied to q, k)."""
+        q = einsum("btd,dnh->btnh", x, self.wq[...])  # [B, T, N, H]
+        k = einsum("btd,dkh->btkh", x, self.wk[...])  # [B, T, K, H]
+        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
+        q = apply_rope(q, positions, self.rope_theta)  # [B, T, N, H]
+        k = apply_rope(k, positions, self.rope_theta)  # [B, T, K, H]
+        return q, k, v
+
+    def out(self, attended: jax.Array) -> jax.Array:
+        """attended: [B, T, N, H] -> [B, T, D]."""
+        return einsum("btnh,nhd->btd", attended, self.wo[...])  # [B, T, D]
+
+    def dense(self, x: jax.Array, positions: jax.Array, window: int) -> jax.Array:
+        """Full recompute over the whole sequence (the test oracle). x: [B, S, D] -> [B, S, D]."""
+        q, k, v = self.qkv(x, positions)  # [B, S, N, H], [B, S, K, H], [B, S, K, H]
+        mask = visibility_mask(positions, positions, window)  # [B, S, S]
+        return self.out(grouped_attention(q, k, v, mask, self.scale))  # [B, S, D]

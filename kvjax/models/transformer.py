@@ -1,0 +1,190 @@
+"""The decoder: a stack of pre-norm blocks sized by a `ModelSpec`, with two forwards.
+
+- `dense_forward(tokens)`: no cache, full recompute over the whole sequence; the oracle.
+- `paged_forward(...)`: reads and writes the paged KV cache through `kvjax.device`
+  (`write_kv` then `paged_attention`, per layer), for prefill chunks and decode steps alike.
+
+Paged conventions (the engine's contract): a batch row holds the LAST `q_len` tokens of a
+sequence of `seq_lens[b]` tokens, so query `i` sits at position `seq_lens[b] - q_len + i`;
+left-padded rows carry negative positions and slot `-1` (skipped by `write_kv`). Every layer
+uses the block table and slot mapping of its own attention window
+(`pools.config.layer_windows[layer]`). RoPE uses absolute token positions.
+Letters: see `kvjax.models.layers`.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.config import CacheConfig
+from kvjax.model_spec import ModelSpec
+from kvjax.models.attention import Attention
+from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
+
+_ModuleList = getattr(nnx, "List", list)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, spec: ModelSpec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.window = spec.layer_windows[layer]
+        theta = spec.rope_local_theta if spec.is_sliding(layer) and spec.rope_local_theta else spec.rope_theta
+        d = spec.hidden_size
+        self.attn_norm = RMSNorm(d, eps=spec.norm_eps, dtype=dtype)
+        self.attn = Attention(
+            d,
+            spec.num_attention_heads,
+            spec.kv_heads_per_layer[layer],
+            spec.head_dim,
+            rope_theta=theta,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.mlp_norm = RMSNorm(d, eps=spec.norm_eps, dtype=dtype)
+        self.mlp = MLP(d, spec.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def dense(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn.dense(self.attn_norm(x), positions, self.window)  # [B, S, D]
+        return x + self.mlp(self.mlp_norm(x))  # [B, S, D]
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU), randomly initialised from a seed.
+
+    Input embeddings are scaled by `sqrt(D)` (Gemma's convention) so the residual stream starts
+    at unit scale; the output head is the embedding matrix when `spec.tie_embeddings`.
+    """
+
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs, dtype: Any = None):
+        self.spec = spec
+        self.dtype = jnp.dtype(spec.dtype if dtype is None else dtype)
+        d, vocab = spec.hidden_size, spec.vocab_size
+        self.embed = nnx.Param(normal_init(rngs.params(), (vocab, d), d, self.dtype))  # [V, D]
+        self.blocks = _ModuleList([Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)])
+        self.final_norm = RMSNorm(d, eps=spec.norm_eps, dtype=self.dtype)
+        self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> "Transformer":
+        """Build from a spec (or a model name / TOML path); same seed, same weights."""
+        if not isinstance(spec, ModelSpec):
+            spec = ModelSpec.load(spec)
+        return cls(spec, rngs=nnx.Rngs(params=seed), dtype=dtype)
+
+    # ------------------------------------------------------------------ shared pieces
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        return x * jnp.asarray(self.spec.hidden_size**0.5, self.dtype)  # [B, T, D]
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)  # [B, T, D]
+        if self.lm_head is None:
+            logits = einsum("btd,vd->btv", x, self.embed[...])  # [B, T, V]
+        else:
+            logits = einsum("btd,dv->btv", x, self.lm_head[...])  # [B, T, V]
+        return logits.astype(jnp.float32)
+
+    # ------------------------------------------------------------------ dense oracle
+    def dense_forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits of every position with no cache. tokens: int [B, S] -> float32 [B, S, V].
+
+        `positions` (int [B, S]) defaults to `0..S-1` in every row.
+        """
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
+        x = self._embed(tokens)  # [B, S, D]
+        for block in self.blocks:
+            x = block.dense(x, positions)  # [B, S, D]
+        return self._logits(x)  # [B, S, V]
+
+    # ------------------------------------------------------------------ paged path
+    def check_cache(self, config: CacheConfig) -> None:
+        """Raise ValueError unless `config` describes this model's KV geometry."""
+        spec = self.spec
+        if config.num_layers != spec.num_layers:
+            raise ValueError(f"cache has {config.num_layers=} but the model {spec.num_layers} layers")
+        if config.kv_heads_per_layer != spec.kv_heads_per_layer:
+            raise ValueError(f"cache kv heads {config.kv_heads_per_layer} != model {spec.kv_heads_per_layer}")
+        if set(config.head_dim_per_layer) != {spec.head_dim}:
+            raise ValueError(f"cache head dims {config.head_dim_per_layer} != model head_dim {spec.head_dim}")
+        if config.kv_factor != 2:
+            raise ValueError(f"the model stores K and V; cache_type={config.cache_type!r} is not supported")
+        expected = tuple(min(w, config.max_seq_len) for w in spec.layer_windows)
+        if config.layer_windows != expected:
+            raise ValueError(f"cache layer windows {config.layer_windows} != model windows {expected}")
+
+    def paged_forward(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        pools: Any,
+        block_tables: Mapping[int, jax.Array] | jax.Array,
+        seq_lens: jax.Array,
+        slot_mapping: Mapping[int, jax.Array] | jax.Array,
+    ) -> tuple[jax.Array, Any]:
+        """One prefill chunk or decode step through the paged cache.
+
+        tokens, positions: int32 [B, T]; pools: `kvjax.device.KVPools`; block_tables: window ->
+        int32 [B, max_blocks] of slots (or one array for a single-window cache); seq_lens:
+        int32 [B] (tokens of each sequence including this chunk); slot_mapping: window -> int32
+        [B * T] (`slot * tokens_per_block + offset`, -1 for padding) or one array.
+        Returns (float32 logits [B, T, V], updated pools).
+        """
+        from kvjax.device import paged_attention, write_kv
+
+        config: CacheConfig = pools.config
+        self.check_cache(config)
+        b, t = tokens.shape
+        x = self._embed(tokens)  # [B, T, D]
+        for layer, block in enumerate(self.blocks):
+            window = config.layer_windows[layer]
+            table = block_tables[window] if isinstance(block_tables, Mapping) else block_tables  # [B, max_blocks]
+            slots = slot_mapping[window] if isinstance(slot_mapping, Mapping) else slot_mapping  # [B * T]
+            attn = block.attn
+            q, k, v = attn.qkv(block.attn_norm(x), positions)  # [B, T, N, H], [B, T, K, H] x2
+            kv_shape = (b * t, attn.num_kv_heads, attn.head_dim)
+            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots)
+            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale)  # [B, T, N, H]
+            x = x + attn.out(attended)  # [B, T, D]
+            x = x + block.mlp(block.mlp_norm(x))  # [B, T, D]
+        return self._logits(x), pools  # [B, T, V]
+
+
+# ---------------------------------------------------------------------- jitted entry points
+def jit_dense_forward(model: Transformer) -> Callable[..., jax.Array]:
+    """`fwd(tokens [B, S], positions=None) -> logits [B, S, V]`, compiled once per shape."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, tokens, positions):
+        return nnx.merge(graphdef, state).dense_forward(tokens, positions)
+
+    def fwd(tokens, positions=None):
+        return run(state, tokens, positions)
+
+    return fwd
+
+
+def jit_paged_forward(model: Transformer) -> Callable[..., tuple[jax.Array, Any]]:
+    """`Transformer.paged_forward` jitted with the pools donated: always rebind the returned pools.
+
+    Call as `logits, pools = fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping)`;
+    it compiles once per (bucketed) shape.
+    """
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping):
+        return nnx.merge(graphdef, state).paged_forward(tokens, positions, pools, block_tables, seq_lens, slot_mapping)
+
+    def fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping):
+        return run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping)
+
+    return fwd
