@@ -90,7 +90,8 @@ def paged_attention(q, pools: KVPools, layer: int, block_table, seq_lens, *, sca
     if ql < 1:
         raise ValueError(f"q_len={ql} must be >= 1")
     scale = float(1.0 / math.sqrt(d) if scale is None else scale)
-    impl = backend.resolve(impl, "paged_attention", dtype=pools.primary[pool.index].dtype)
+    impl = backend.resolve(impl, "paged_attention", dtype=pools.primary[pool.index].dtype, head_dim=pool.head_dim,
+                           tokens_per_block=pools.config.tokens_per_block)
     return _paged_attention(q, pools.primary[pool.index], jnp.asarray(block_table, jnp.int32),
                             jnp.asarray(seq_lens, jnp.int32), meta=pools.meta, layer=layer, scale=scale, impl=impl)
 

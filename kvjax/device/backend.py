@@ -11,7 +11,8 @@
        Pallas for paged_attention with 16-bit K/V: the XLA path must materialise the gathered
        K/V (read pool, write copy, read copy: ~3x the bytes), the kernel reads each page once
        straight from the pool. float32 stays on XLA (the kernel's tensor-core dot would be
-       TF32, the contract is full float32 precision).
+       TF32, the contract is full float32 precision), and so do shapes the kernel does not
+       take (head_dim not a multiple of 64, pages under 8 tokens).
 Override globally with the environment variable `KVJAX_IMPL=xla|pallas`.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 
 IMPLS = ("auto", "xla", "pallas")
 
@@ -37,7 +37,7 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"{impl=} must be one of {IMPLS}")
 
 
-def resolve(impl: str, op: str, *, dtype=None) -> str:
+def resolve(impl: str, op: str, *, dtype=None, head_dim: int | None = None, tokens_per_block: int | None = None) -> str:
     """Concrete implementation ("xla" or "pallas") for `op` on the current backend."""
     check_impl(impl)
     if impl != "auto":
@@ -45,6 +45,9 @@ def resolve(impl: str, op: str, *, dtype=None) -> str:
     env = os.environ.get("KVJAX_IMPL")
     if env in ("xla", "pallas"):
         return env
-    if on_gpu() and op == "paged_attention" and dtype is not None and jnp.dtype(dtype).itemsize == 2:
-        return "pallas"
+    if on_gpu() and op == "paged_attention" and dtype is not None:
+        from pallas_kernels.paged_attention import mgpu_supported
+
+        if mgpu_supported(dtype, head_dim, tokens_per_block):
+            return "pallas"
     return "xla"

@@ -1,0 +1,172 @@
+"""Copy pages: whole blocks (every layer, field, head) between a pool and a staging buffer.
+
+`gather_blocks(pool, idx)` -> staging `[n, L, F, H, T, D]` (block axis first, whatever the
+pool layout): the device half of an offload, the source half of a copy.
+`scatter_blocks(pool, staging, dst, num_tokens)` writes staging block i into slot dst[i],
+only its first num_tokens[i] tokens (partial copy), in place; dst < 0 is padding.
+Together they run the batched intra-pool copies and the device side of tier swaps.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import SMEM_CHUNK_BYTES, on_gpu
+
+
+def _blk(pool_ref, block_axis: int, slot):
+    # [L, F, H, T, D] view of one slot
+    return pool_ref[slot] if block_axis == 0 else pool_ref[:, slot]
+
+
+def _gather_kernel(idx_ref, pool_ref, out_ref, *, block_axis: int):
+    out_ref[0] = _blk(pool_ref, block_axis, idx_ref[pl.program_id(0)])
+
+
+def gather_blocks_portable(pool, idx, *, block_axis: int, interpret=True):
+    n = idx.shape[0]
+    blk = pool.shape[:block_axis] + pool.shape[block_axis + 1:]  # [L, F, H, T, D]
+    return pl.pallas_call(
+        functools.partial(_gather_kernel, block_axis=block_axis),
+        grid=(n,),
+        in_specs=[pl.BlockSpec((n,), lambda i: (0,)), pl.BlockSpec(pool.shape, lambda i: (0,) * 6)],
+        out_specs=pl.BlockSpec((1,) + blk, lambda i: (i, 0, 0, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((n,) + blk, pool.dtype),
+        interpret=interpret,
+    )(idx, pool)
+
+
+def _scatter_kernel(dst_ref, num_ref, stage_ref, pool_in_ref, pool_ref, *, block_axis: int):
+    del pool_in_ref  # aliased with pool_ref
+    i = pl.program_id(0)
+    d, n = dst_ref[i], num_ref[i]
+
+    @pl.when(d >= 0)
+    def _():
+        new = stage_ref[0]  # [L, F, H, T, D]
+        old = _blk(pool_ref, block_axis, d)
+        tok = jax.lax.broadcasted_iota(jnp.int32, new.shape, 3)
+        merged = jnp.where(tok < n, new, old)
+        if block_axis == 0:
+            pool_ref[d] = merged
+        else:
+            pool_ref[:, d] = merged
+
+
+def scatter_blocks_portable(pool, staging, dst, num_tokens, *, block_axis: int, interpret=True):
+    n = staging.shape[0]
+    return pl.pallas_call(
+        functools.partial(_scatter_kernel, block_axis=block_axis),
+        grid=(n,),
+        in_specs=[pl.BlockSpec((n,), lambda i: (0,)), pl.BlockSpec((n,), lambda i: (0,)),
+                  pl.BlockSpec((1,) + staging.shape[1:], lambda i: (i, 0, 0, 0, 0, 0)),
+                  pl.BlockSpec(pool.shape, lambda i: (0,) * 6)],
+        out_specs=pl.BlockSpec(pool.shape, lambda i: (0,) * 6),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        input_output_aliases={3: 0},
+        interpret=interpret,
+    )(dst, num_tokens, staging, pool)
+
+
+def _chunking(pool, block_axis: int):
+    """Split a block `[L, F, H, T, D]` into CTA chunks: `[H, T, D]` per (layer, field) when it
+    fits the shared-memory budget, else `[T, D]` per (layer, field, head)."""
+    blk = pool.shape[:block_axis] + pool.shape[block_axis + 1:]
+    l_, f_, h, t, d = blk
+    if h * t * d * pool.dtype.itemsize <= SMEM_CHUNK_BYTES:
+        return (l_, f_), (h, t, d)
+    return (l_, f_, h), (t, d)
+
+
+def _chunk(pool_g, block_axis: int, slot, outer: tuple):
+    idx = (slot,) + outer if block_axis == 0 else (outer[0], slot) + outer[1:]
+    return pool_g.at[idx]
+
+
+def _unravel(c, dims: tuple[int, ...]):
+    out = []
+    for size in reversed(dims):
+        out.append(jax.lax.rem(c, size))
+        c = c // size
+    return tuple(reversed(out))
+
+
+def gather_blocks_mgpu(pool, idx, *, block_axis: int, interpret=None):
+    """Mosaic GPU: one CTA per (entry, chunk): scalar-load the slot, TMA chunk in, TMA out."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n = idx.shape[0]
+    outer, chunk = _chunking(pool, block_axis)
+    blk = pool.shape[:block_axis] + pool.shape[block_axis + 1:]
+
+    def body(idx_g, pool_g, out_g, smem, bar):
+        i = jax.lax.axis_index("n")
+        o = _unravel(jax.lax.axis_index("c"), outer)
+        plgpu.copy_gmem_to_smem(_chunk(pool_g, block_axis, idx_g[i], o), smem, bar)
+        plgpu.barrier_wait(bar)
+        plgpu.copy_smem_to_gmem(smem, out_g.at[(i,) + o])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n,) + blk, pool.dtype),
+                        grid=(n, math.prod(outer)), grid_names=("n", "c"),
+                        scratch_types=(plgpu.SMEM(chunk, pool.dtype), plgpu.Barrier()),
+                        interpret=interpret)(idx, pool)
+
+
+def scatter_blocks_mgpu(pool, staging, dst, num_tokens, *, block_axis: int, interpret=None):
+    """Mosaic GPU: one CTA per (entry, chunk): TMA the staged chunk in, then one TMA store of
+    the whole chunk (full blocks) or one per live token row (partial copies)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n = staging.shape[0]
+    outer, chunk = _chunking(pool, block_axis)
+    tpb = chunk[-2]
+
+    def body(dst_g, num_g, stage_g, pool_g, smem, bar):
+        i = jax.lax.axis_index("n")
+        o = _unravel(jax.lax.axis_index("c"), outer)
+        d, num = dst_g[i], num_g[i]
+
+        @pl.when(d >= 0)
+        def _():
+            plgpu.copy_gmem_to_smem(stage_g.at[(i,) + o], smem, bar)
+            plgpu.barrier_wait(bar)
+            dst_chunk = _chunk(pool_g, block_axis, d, o)
+
+            @pl.when(num >= tpb)
+            def _full():
+                plgpu.copy_smem_to_gmem(smem, dst_chunk)
+
+            @pl.when(num < tpb)
+            def _partial():
+                @pl.loop(0, num)
+                def _(r):
+                    if len(chunk) == 3:  # TMA needs contiguous SMEM: one [1, D] row per head
+                        for hh in range(chunk[0]):
+                            plgpu.copy_smem_to_gmem(smem.at[hh, pl.ds(r, 1)], dst_chunk.at[hh, pl.ds(r, 1)])
+                    else:
+                        plgpu.copy_smem_to_gmem(smem.at[pl.ds(r, 1)], dst_chunk.at[pl.ds(r, 1)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+    ref = jax.new_ref(pool)
+    plgpu.kernel(body, out_type=(), grid=(n, math.prod(outer)), grid_names=("n", "c"),
+                 scratch_types=(plgpu.SMEM(chunk, pool.dtype), plgpu.Barrier()),
+                 interpret=interpret)(dst, num_tokens, staging, ref)
+    return jax.freeze(ref)
+
+
+def gather_blocks(pool, idx, *, block_axis: int):
+    if on_gpu():
+        return gather_blocks_mgpu(pool, idx, block_axis=block_axis)
+    return gather_blocks_portable(pool, idx, block_axis=block_axis)
+
+
+def scatter_blocks(pool, staging, dst, num_tokens, *, block_axis: int):
+    if on_gpu():
+        return scatter_blocks_mgpu(pool, staging, dst, num_tokens, block_axis=block_axis)
+    return scatter_blocks_portable(pool, staging, dst, num_tokens, block_axis=block_axis)

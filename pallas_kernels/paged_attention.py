@@ -1,0 +1,236 @@
+"""Paged attention: online-softmax attention that reads K/V pages straight from the pool.
+
+One program per (request, kv head) handles all `q_len * G` query rows of that kv head
+(G = heads // kv_heads), so each page is read once for the whole group. Only the blocks that
+can hold visible keys are visited: from the window's first key to seq_len. Conventions as
+`kvjax.device.attention`: query row r is query i = r // G at position seq_len - q_len + i;
+key j visible iff p - window < j <= p; rows with no visible key return zeros.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import on_gpu
+
+HIGHEST = jax.lax.Precision.HIGHEST
+_NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of nan
+
+
+def _group_queries(q, kv_heads: int):
+    """[B, Q, Hq, D] -> [B, Hkv, Q*G, D] (row r = query r // G, head kv*G + r % G)."""
+    b, ql, hq, d = q.shape
+    g = hq // kv_heads
+    return jnp.transpose(q.reshape(b, ql, kv_heads, g, d), (0, 2, 1, 3, 4)).reshape(b, kv_heads, ql * g, d)
+
+
+def _ungroup(o, q_shape):
+    b, ql, hq, d = q_shape
+    hkv = o.shape[1]
+    return jnp.transpose(o.reshape(b, hkv, ql, hq // hkv, d), (0, 2, 1, 3, 4)).reshape(q_shape)
+
+
+def _block_range(seq_len, q_len: int, window: int, tpb: int, max_blocks: int):
+    first_key = jnp.maximum(seq_len - q_len - window + 1, 0)
+    lo = first_key // tpb
+    hi = jnp.minimum((seq_len + tpb - 1) // tpb, max_blocks)
+    return lo, hi
+
+
+def _portable_kernel(tbl_ref, lens_ref, q_ref, pool_ref, o_ref, *, layer, layout, scale, window, q_len, group):
+    b, kh = pl.program_id(0), pl.program_id(1)
+    seq_len = lens_ref[b]
+    tpb = pool_ref.shape[4]
+    fv = pool_ref.shape[2] - 1  # V field (K itself for K-only caches)
+    q = q_ref[0, 0].astype(jnp.float32)  # [R, D]
+    rows = q.shape[0]
+    qpos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
+    lo, hi = _block_range(seq_len, q_len, window, tpb, tbl_ref.shape[1])
+
+    def body(m, carry):
+        acc, m_i, l_i = carry
+        slot = tbl_ref[b, m]
+        idx = (slot, layer) if layout == "block_first" else (layer, slot)
+        k = pool_ref[idx + (0, kh)].astype(jnp.float32)  # [T, D]
+        v = pool_ref[idx + (fv, kh)].astype(jnp.float32)  # [T, D]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * scale  # [R, T]
+        kpos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (1, tpb), 1)  # [1, T]
+        vis = (kpos <= qpos) & (kpos > qpos - window)  # [R, T]
+        s = jnp.where(vis, s, _NEG)
+        m_new = jnp.maximum(m_i, s.max(axis=1, keepdims=True))  # [R, 1]
+        p = jnp.where(vis, jnp.exp(s - m_new), 0.0)  # [R, T]
+        alpha = jnp.exp(m_i - m_new)  # [R, 1]
+        acc = acc * alpha + jax.lax.dot(p, v, precision=HIGHEST)  # [R, D]
+        return acc, m_new, l_i * alpha + p.sum(axis=1, keepdims=True)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows, 1), _NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+    acc, _, l_i = jax.lax.fori_loop(lo, hi, body, init)
+    o_ref[0, 0] = jnp.where(l_i > 0, acc / jnp.where(l_i > 0, l_i, 1.0), 0.0).astype(o_ref.dtype)
+
+
+def paged_attention_portable(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int,
+                             interpret=True):
+    """pallas_call, grid over (request, kv head); pool and tables are whole-array refs."""
+    b, ql, hq, d = q.shape
+    hkv = pool.shape[3]
+    qg = _group_queries(q, hkv)  # [B, Hkv, R, D]
+    rows = qg.shape[2]
+    out = pl.pallas_call(
+        functools.partial(_portable_kernel, layer=layer, layout=layout, scale=scale, window=window, q_len=ql,
+                          group=hq // hkv),
+        grid=(b, hkv),
+        in_specs=[pl.BlockSpec(block_table.shape, lambda i, h: (0, 0)),
+                  pl.BlockSpec(seq_lens.shape, lambda i, h: (0,)),
+                  pl.BlockSpec((1, 1, rows, d), lambda i, h: (i, h, 0, 0)),
+                  pl.BlockSpec(pool.shape, lambda i, h: (0,) * 6)],
+        out_specs=pl.BlockSpec((1, 1, rows, d), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        interpret=interpret,
+    )(block_table, seq_lens, qg, pool)
+    return _ungroup(out, q.shape)
+
+
+# ------------------------------------------------------------------------------ Mosaic GPU
+BLOCK_Q = 64  # wgmma M: query rows per program (q_len * G rows, zero-padded)
+MIN_BLOCK_KV = 64  # keys per step: several pages are TMA'd side by side into one tile
+
+
+def mgpu_supported(dtype, head_dim: int, tokens_per_block: int) -> bool:
+    """Shapes the Mosaic GPU kernel handles: 16-bit K/V (wgmma, f32 accumulation),
+    head_dim a multiple of 64 (128-byte swizzle), pages of >= 8 tokens."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
+            and tokens_per_block % 8 == 0 and (tokens_per_block <= MIN_BLOCK_KV and MIN_BLOCK_KV % tokens_per_block == 0
+                                               or tokens_per_block % MIN_BLOCK_KV == 0))
+
+
+def paged_attention_mgpu(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int,
+                         interpret=None):
+    """Mosaic GPU, one warpgroup per (request, kv head, 64-row query tile).
+
+    Each step TMA-loads `pages_per_step` pages of K and V (slots from scalar loads of the
+    block table) into swizzled shared memory, double-buffered so the next step's copies fly
+    while this step computes; QK^T and PV run on wgmma with f32 accumulators and the online
+    softmax runs in registers (f32). Pages outside [window start, seq_len) are never loaded.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, ql, hq, d = q.shape
+    hkv, tpb = pool.shape[3], pool.shape[4]
+    f_ = pool.shape[2]
+    group = hq // hkv
+    if not mgpu_supported(pool.dtype, d, tpb):
+        raise ValueError(f"Mosaic GPU paged attention needs 16-bit K/V, head_dim % 64 == 0 and tokens_per_block "
+                         f"dividing (or a multiple of) {MIN_BLOCK_KV}: got {pool.dtype=}, {d=}, {tpb=}")
+    bk = max(MIN_BLOCK_KV, tpb)  # keys per step
+    pps = bk // tpb  # pages per step
+    null_slot = pool.shape[0 if layout == "block_first" else 1] - 1
+    m = block_table.shape[1]
+    m_pad = -(-m // pps) * pps
+    table = jnp.pad(block_table, ((0, 0), (0, m_pad - m)), constant_values=null_slot)  # [B, m_pad]
+    qg = _group_queries(q.astype(pool.dtype), hkv)  # [B, Hkv, R, D]
+    rows = qg.shape[2]
+    tiles = -(-rows // BLOCK_Q)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tiles * BLOCK_Q - rows), (0, 0)))  # [B, Hkv, tiles*64, D]
+    steps_total = m_pad // pps
+    dtype = pool.dtype
+
+    def page(pool_g, slot, field, kh):
+        idx = (slot, layer, field, kh) if layout == "block_first" else (layer, slot, field, kh)
+        return pool_g.at[idx]  # [T, D]
+
+    def body(tbl, lens, q_g, pool_g, o_g, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
+        bi, kh, tile = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+        seq_len = lens[bi]
+        first_key = jnp.maximum(seq_len - ql - window + 1, 0)
+        lo = first_key // bk
+        hi = jnp.minimum((seq_len + bk - 1) // bk, steps_total)
+
+        def issue(step, slot):
+            for p in range(pps):
+                s = tbl[bi, step * pps + p]
+                plgpu.copy_gmem_to_smem(page(pool_g, s, 0, kh), k_smem.at[slot, pl.ds(p * tpb, tpb)], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(page(pool_g, s, f_ - 1, kh), v_smem.at[slot, pl.ds(p * tpb, tpb)], v_bar.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)], q_smem, q_bar)
+
+        @pl.when(lo < hi)
+        def _():
+            issue(lo, 0)
+
+        plgpu.barrier_wait(q_bar)
+        row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 1, layout=plgpu.Layout.WGMMA)
+        qpos = seq_len - ql + jax.lax.div(row + tile * BLOCK_Q, group)  # [64, bk]
+
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step_fn(step, carry):
+            acc, m_i, l_i = carry
+            slot = jax.lax.rem(step - lo, 2)
+
+            @pl.when(step + 1 < hi)
+            def _prefetch():
+                issue(step + 1, 1 - slot)
+
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk_fn(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_fn, plgpu.ACC((BLOCK_Q, bk), jnp.float32)) * scale  # [64, bk]
+            kpos = step * bk + col
+            vis = (kpos <= qpos) & (kpos > qpos - window)
+            s = jnp.where(vis, s, _NEG)
+            m_new = jnp.maximum(m_i, s.max(axis=1))  # [64]
+            p = jnp.where(vis, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)  # [64, bk]
+            alpha = jnp.exp(m_i - m_new)
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv_fn(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+
+            acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+            plgpu.wgmma_wait(0)
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = jax.lax.fori_loop(lo, hi, step_fn, (acc, m_i, l_i))
+        l_b = jax.lax.broadcast_in_dim(l_i, (BLOCK_Q, d), [0])
+        out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
+        q_smem[...] = out.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(qg.shape, dtype),
+        grid=(b, hkv, tiles),
+        grid_names=("b", "h", "r"),
+        scratch_types=(
+            plgpu.SMEM((BLOCK_Q, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, bk, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, bk, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=pps, num_barriers=2),
+            plgpu.Barrier(num_arrivals=pps, num_barriers=2),
+        ),
+        interpret=interpret,
+    )(table, seq_lens, qg, pool)
+    return _ungroup(out[:, :, :rows], q.shape).astype(q.dtype)
+
+
+def paged_attention(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int):
+    if on_gpu():
+        return paged_attention_mgpu(q, pool, block_table, seq_lens, layer=layer, layout=layout, scale=scale, window=window)
+    return paged_attention_portable(q, pool, block_table, seq_lens, layer=layer, layout=layout, scale=scale, window=window)
