@@ -40,10 +40,11 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.
     size = math.prod(shape)
     scale = np.float32(1.0 / math.sqrt(fan_in))
     chunks = [_normal_chunk(key, np.uint32(i)) for i in range(-(-size // _INIT_CHUNK))]  # n x [CHUNK]
-    if any(isinstance(c, jax.core.Tracer) for c in chunks):
-        values = jnp.concatenate(chunks)[:size].reshape(shape) * scale  # shape
-        return values.astype(dtype)
-    values = np.concatenate([np.asarray(c) for c in chunks])[:size].reshape(shape) * scale  # shape
+    try:
+        host = [np.asarray(c) for c in chunks]
+    except jax.errors.TracerArrayConversionError:  # abstract construction: stay in jnp
+        return (jnp.concatenate(chunks)[:size].reshape(shape) * scale).astype(dtype)  # shape
+    values = np.concatenate(host)[:size].reshape(shape) * scale  # shape
     return jnp.asarray(values, dtype)
 
 
