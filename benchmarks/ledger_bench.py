@@ -1,0 +1,219 @@
+"""Ledger throughput on a deterministic shared-system-prompt trace, against the pure-Python floor.
+
+Trace: N requests, each = one of P system prompts (S tokens, uniform or Zipf popularity) + U
+unique tokens, then G generated tokens; block size B; requests served in waves of C: admit
+(`add_sequence` + `store_context_blocks`), G decode steps of `add_token` over the wave, finish
+(`remove_sequence`). The same trace drives `shared/reference/ledger_floor.py`'s minimal
+dict + LRU prefix cache (no features) in the same run, and the ratio is printed.
+
+    python benchmarks/ledger_bench.py            # default trace, writes results/ledger_bench.json
+    python benchmarks/ledger_bench.py --requests 2000 --zipf 1.1 --events
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvjax import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRangeRetention  # noqa: E402
+
+# Figures measured on these 2-core machines with the same trace (shared/reference/vllm_sglang.md).
+PEER_REQ_PER_S = {"vllm_v1_kv_cache_manager": 454, "sglang_radix_cache": 485}
+FLOOR_PATHS = [ROOT.parent / "shared" / "reference" / "ledger_floor.py", ROOT / "shared" / "reference" / "ledger_floor.py"]
+
+
+def make_trace(a):
+    rng = random.Random(a.seed)
+    prompts = [[rng.randrange(a.vocab) for _ in range(a.system_tokens)] for _ in range(a.num_prompts)]
+    if a.zipf > 0:
+        weights = [1.0 / (k + 1) ** a.zipf for k in range(a.num_prompts)]
+        choice = rng.choices(range(a.num_prompts), weights=weights, k=a.requests)
+    else:
+        choice = [rng.randrange(a.num_prompts) for _ in range(a.requests)]
+    trace = []
+    for i in range(a.requests):
+        prompt = prompts[choice[i]] + [rng.randrange(a.vocab) for _ in range(a.unique_tokens)]
+        gen = [rng.randrange(a.vocab) for _ in range(a.gen_tokens)]
+        trace.append((choice[i], prompt, gen))
+    return trace
+
+
+def ideal_hit_rate(trace, a) -> float:
+    seen, reusable, total = set(), 0, 0
+    for p, prompt, _ in trace:
+        total += len(prompt)
+        if p in seen:
+            reusable += a.system_tokens
+        seen.add(p)
+    return reusable / total
+
+
+def waves(trace, c):
+    for start in range(0, len(trace), c):
+        yield start, trace[start : start + c]
+
+
+def run_kvjax(trace, a):
+    cfg = CacheConfig(
+        tokens_per_block=a.block_size,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        max_seq_len=a.system_tokens + a.unique_tokens + a.gen_tokens + a.block_size,
+        primary_blocks=a.num_blocks,
+        secondary_blocks=a.secondary_blocks,
+        event_buffer_max_size=100_000 if a.events else 0,
+    )
+    m = KVCacheManager(cfg)
+    retention = RetentionConfig([TokenRangeRetention(0, a.system_tokens, 80)], decode_priority=20)
+    t_admit = t_decode = t_finish = 0.0
+    ops = hit_tokens = prompt_tokens = 0
+    clock = time.perf_counter
+    for start, wave in waves(trace, a.concurrency):
+        ids = list(range(start, start + len(wave)))
+        t0 = clock()
+        for rid, (_, prompt, _) in zip(ids, wave):
+            hit_tokens += m.add_sequence(Request(rid, prompt, max_new_tokens=a.gen_tokens, retention=retention))
+            m.store_context_blocks(rid)
+            prompt_tokens += len(prompt)
+        t1 = clock()
+        for step in range(a.gen_tokens):
+            for rid, (_, _, gen) in zip(ids, wave):
+                m.add_token(rid, gen[step])
+        t2 = clock()
+        for rid in ids:
+            m.remove_sequence(rid)
+        m.refresh_blocks()
+        m.iteration_stats()
+        m.take_transfers()
+        if a.events:
+            m.flush_iteration_events()
+            m.get_latest_events()
+        t3 = clock()
+        t_admit += t1 - t0
+        t_decode += t2 - t1
+        t_finish += t3 - t2
+        ops += 2 * len(wave) + a.gen_tokens * len(wave) + len(wave)
+    m.verify_integrity()
+    s = m.stats()
+    return dict(
+        admit_s=t_admit, decode_s=t_decode, finish_s=t_finish, ops=ops,
+        hit_rate=hit_tokens / prompt_tokens, evicted=s.evicted_blocks, offloaded=s.offloaded_blocks,
+        onboarded=s.onboarded_blocks, block_hit_rate=s.cache_hit_rate,
+    )
+
+
+def load_floor():
+    for p in FLOOR_PATHS:
+        if p.exists():
+            spec = importlib.util.spec_from_file_location("ledger_floor", p)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod.Naive
+    return None
+
+
+def run_floor(Naive, trace, a):
+    cache = Naive(argparse.Namespace(block_size=a.block_size, num_blocks=a.num_blocks))
+    t_admit = t_decode = t_finish = 0.0
+    hit_tokens = prompt_tokens = 0
+    clock = time.perf_counter
+    for start, wave in waves(trace, a.concurrency):
+        t0 = clock()
+        states = []
+        for i, (_, prompt, _) in enumerate(wave):
+            st, hit = cache.lookup(start + i, prompt)
+            cache.prefill(st)
+            states.append(st)
+            hit_tokens += hit
+            prompt_tokens += len(prompt)
+        t1 = clock()
+        for step in range(a.gen_tokens):
+            cache.decode(states, [gen[step] for _, _, gen in wave])
+        t2 = clock()
+        for st in states:
+            cache.finish(st)
+        t3 = clock()
+        t_admit += t1 - t0
+        t_decode += t2 - t1
+        t_finish += t3 - t2
+    return dict(admit_s=t_admit, decode_s=t_decode, finish_s=t_finish, hit_rate=hit_tokens / prompt_tokens, **cache.stats())
+
+
+def summarise(name, r, n):
+    total = r["admit_s"] + r["decode_s"] + r["finish_s"]
+    r["total_s"] = total
+    r["requests_per_s"] = n / total
+    r["us_per_request"] = {k: 1e6 * r[f"{k}_s"] / n for k in ("admit", "decode", "finish")}
+    if "ops" in r:
+        r["ops_per_s"] = r["ops"] / total
+    return r
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--unique-tokens", type=int, default=256)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--secondary-blocks", type=int, default=0, help="host tier blocks (offload on when > 0)")
+    p.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of prompt popularity (0 = uniform)")
+    p.add_argument("--vocab", type=int, default=32_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--events", action="store_true", help="also publish KV events (computes block hashes)")
+    p.add_argument("--repeats", type=int, default=1, help="run each side this many times, report the best")
+    p.add_argument("--out", default=str(ROOT / "results" / "ledger_bench.json"))
+    a = p.parse_args(argv)
+
+    trace = make_trace(a)
+    ideal = ideal_hit_rate(trace, a)
+    Naive = load_floor()
+    gc.disable()  # both sides alike; collections would add noise unrelated to the bookkeeping
+    ours = min((summarise("kvjax", run_kvjax(trace, a), a.requests) for _ in range(a.repeats)), key=lambda r: r["total_s"])
+    floor = None
+    if Naive is not None:
+        floor = min((summarise("floor", run_floor(Naive, trace, a), a.requests) for _ in range(a.repeats)), key=lambda r: r["total_s"])
+    gc.enable()
+
+    print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
+          f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} events={a.events}")
+    print(f"{'':24}{'req/s':>10}{'ops/s':>12}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}")
+    rows = [("kvjax", ours)] + ([("floor (dict+LRU)", floor)] if floor else [])
+    for name, r in rows:
+        us = r["us_per_request"]
+        ops = f"{r['ops_per_s']:>12.0f}" if "ops_per_s" in r else f"{'-':>12}"
+        print(f"{name:24}{r['requests_per_s']:>10.0f}{ops}{us['admit']:>10.1f}{us['decode']:>11.1f}{us['finish']:>11.1f}{r['hit_rate']:>10.4f}")
+    print(f"ideal hit rate {ideal:.4f}; kvjax reaches {ours['hit_rate'] / ideal:.3f} of it "
+          f"(evicted {ours['evicted']}, offloaded {ours['offloaded']}, onboarded {ours['onboarded']} blocks)")
+    result = dict(args=vars(a), ideal_hit_rate=ideal, kvjax=ours, floor=floor, peers_req_per_s=PEER_REQ_PER_S)
+    if floor:
+        ratio = ours["requests_per_s"] / floor["requests_per_s"]
+        result["ratio_to_floor"] = ratio
+        print(f"kvjax / floor requests/s: {ratio:.2f}x (target >= 0.5x)")
+    else:
+        print("floor (shared/reference/ledger_floor.py) not found: ratio to floor not measured")
+    for peer, rps in PEER_REQ_PER_S.items():
+        result[f"ratio_to_{peer}"] = ours["requests_per_s"] / rps
+        print(f"kvjax / {peer} ({rps} req/s, measured on these machines): {ours['requests_per_s'] / rps:.1f}x (target >= 5x)")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,618 @@
+"""`KVCacheManager`: the public ledger API (TensorRT-LLM's `KVCacheManager`, SPEC §4).
+
+Validates every argument before touching state, so a failed call leaves the ledger exactly as
+it was; delegates block decisions to `BlockManager`; answers the scheduler's questions; and
+exports block tables, KVCacheIndex offsets and the transfer plan for the device side.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
+
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
+from kvjax.ledger.block import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, Block
+from kvjax.ledger.block_manager import BlockManager
+from kvjax.ledger.events import KVCacheEvent
+from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
+from kvjax.ledger.sequence import Sequence
+from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats, hit_rate
+from kvjax.ledger.transfer_plan import TransferPlan
+from kvjax.request import Request
+
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixReuseSummary:
+    """One tree walk's answer to "how much of this prompt is cached?" (scheduler input).
+
+    `reusable_blocks_all`: full blocks of the usable prompt found in the tree;
+    `reusable_blocks_allocated`: those already referenced by live sequences (the only ones a
+    block budget may subtract: free cached blocks already count as free supply);
+    `total_matched_tokens`: tokens admission would prepopulate (partial matches included);
+    `first_new_block`: index of the first context block admission must allocate.
+    """
+
+    reusable_blocks_all: int
+    reusable_blocks_allocated: int
+    total_matched_tokens: int
+    first_new_block: int
+
+
+class KVCacheManager:
+    """Host ledger of a paged KV cache. See SPEC §3 for the semantics of every call."""
+
+    def __init__(self, config: CacheConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.clock = clock
+        self._bm = BlockManager(config, clock)
+        self._seqs: dict[Hashable, Sequence] = {}
+        self._tpb = config.tokens_per_block
+        self._max_seq_len = config.max_seq_len
+        self._has_swa = any(wm.is_swa for wm in self._bm.windows)
+        self._sched_epoch = 0
+        self._sched_free: list[int] | None = None
+        self._iter_base = self._counter_totals()
+
+    # ------------------------------------------------------------------ small helpers
+    @property
+    def tokens_per_block(self) -> int:
+        return self._tpb
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        return self.config.windows
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def _seq(self, request_id: Hashable) -> Sequence:
+        try:
+            return self._seqs[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+
+    def _window_manager(self, window: int | None):
+        bm = self._bm
+        if window is None:
+            if len(bm.windows) != 1:
+                raise ValueError(f"this cache has several attention windows {self.windows}; pass window=")
+            return bm.windows[0]
+        try:
+            return bm.windows[bm.window_index[window]]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown attention window {window!r}; windows are {self.windows}") from None
+
+    # ------------------------------------------------------------------ admission
+    def _validate(self, request: Request, batch_ids: set | None = None) -> Sequence:
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
+        rid = request.request_id
+        try:
+            hash(rid)
+        except TypeError:
+            raise InvalidRequestError(f"request_id must be hashable, got {rid!r}") from None
+        if rid in self._seqs or (batch_ids is not None and rid in batch_ids):
+            raise DuplicateRequestError(f"request id {rid!r} is already tracked")
+        cfg = self.config
+        if request.beam_width > cfg.max_beam_width:
+            raise InvalidRequestError(f"beam_width={request.beam_width} exceeds max_beam_width={cfg.max_beam_width}")
+        is_cross = self._bm.is_cross
+        if is_cross:
+            if request.encoder_len is None:
+                raise InvalidRequestError("a cross-attention cache needs request.encoder_len")
+            length = request.encoder_len
+        else:
+            length = len(request.prompt)
+            if length == 0:
+                raise InvalidRequestError(f"request {rid!r} has an empty prompt")
+        if length + (0 if is_cross else request.max_new_tokens) > cfg.max_seq_len:
+            raise InvalidRequestError(
+                f"request {rid!r}: {length} prompt tokens + max_new_tokens={request.max_new_tokens} "
+                f"exceed max_seq_len={cfg.max_seq_len}"
+            )
+        prompt = request.prompt
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(f"request {rid!r}: prompt must be a list of token ids, got {type(prompt).__name__}")
+        try:  # one C-level pass: exact ints keep the sum an int; anything else raises or floats it
+            ok = type(sum(prompt)) is int
+        except TypeError:
+            ok = False
+        if not ok:
+            raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints")
+        if request.extra_ids is not None and len(request.extra_ids) != len(request.prompt):
+            raise InvalidRequestError(f"request {rid!r}: extra_ids needs one id per prompt token")
+        return Sequence(request, len(self._bm.windows), is_cross)
+
+    def add_sequence(self, request: Request) -> int:
+        """Admit a request: reuse cached prefix blocks, allocate the rest of its prompt.
+        Returns the prepopulated prompt length (tokens whose KV is already cached)."""
+        return self.add_sequences([request])[0]
+
+    def add_sequences(self, requests: Iterable[Request]) -> list[int]:
+        """Admit a batch atomically: all tree matches are found first, then claimed, so two
+        requests partially matching one free block do not both reuse it in place."""
+        requests = list(requests)
+        ids: set = set()
+        seqs = []
+        for r in requests:
+            seqs.append(self._validate(r, ids))
+            ids.add(r.request_id)
+        bm = self._bm
+        admissions = [bm.plan_sequence(s) for s in seqs]
+        in_place = bm.check_capacity(admissions)  # raises before any change
+        bm.commit_admission(admissions, in_place)
+        out = []
+        for adm in admissions:
+            seq = adm.seq
+            reused, missed, total, new = adm.deltas
+            seq.stats = RequestStats(reused, missed, total, new, hit_rate(reused, missed), adm.prepopulated)
+            self._seqs[seq.request_id] = seq
+            out.append(adm.prepopulated)
+        return out
+
+    # ------------------------------------------------------------------ growth
+    def add_token(self, request_id: Hashable, token: int | Seq[int]) -> None:
+        """Append one generated (or draft) token, allocating a block when it starts one."""
+        try:
+            seq = self._seqs[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+        if type(token) is not int or seq.beam_width != 1:
+            token = self._beam_token(seq, token)
+        elif not 0 <= token <= _MAX_TOKEN_ID:
+            raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
+        if seq.is_cross:
+            raise InvalidRequestError("a cross-attention cache does not grow token by token")
+        n = seq.num_tokens + 1
+        if n > self._max_seq_len:
+            raise InvalidRequestError(f"request {request_id!r} would exceed max_seq_len={self._max_seq_len}")
+        if (n - 1) % self._tpb == 0:
+            self._bm.grow(seq, (n - 1) // self._tpb)
+        seq.tokens.append(token)
+        if seq.extra_ids is not None:
+            seq.extra_ids.append(0)
+        seq.num_tokens = n
+        if self._has_swa:
+            self._bm.detach_out_of_window(seq)
+
+    def _beam_token(self, seq: Sequence, token) -> int:
+        if seq.beam_width == 1 and hasattr(token, "__index__") and not isinstance(token, bool):
+            token = int(token.__index__())
+            if not 0 <= token <= _MAX_TOKEN_ID:
+                raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
+            return token
+        if hasattr(token, "__index__"):
+            token = [token]
+        try:
+            tokens = [int(t.__index__()) for t in token]
+        except (TypeError, AttributeError):
+            raise InvalidRequestError(f"token must be an int or one int per beam, got {token!r}") from None
+        if len(tokens) != seq.beam_width:
+            raise InvalidRequestError(f"request {seq.request_id!r} has {seq.beam_width} beams, got {len(tokens)} tokens")
+        if not all(0 <= t <= _MAX_TOKEN_ID for t in tokens):
+            raise InvalidRequestError(f"tokens must be ints in [0, 2**31), got {tokens!r}")
+        return tokens[0]
+
+    def rewind(self, request_id: Hashable, n: int) -> None:
+        """Drop the last `n` generated tokens (rejected draft tokens). Blocks left empty are
+        released to the front of their queue; a cached block whose tail will be rewritten
+        leaves the tree (or, if others use it, is copied first)."""
+        seq = self._seq(request_id)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidRequestError(f"rewind count must be an int >= 0, got {n!r}")
+        if seq.beam_width != 1:
+            raise InvalidRequestError("rewind needs beam_width 1")
+        if n > seq.num_tokens - seq.prompt_len:
+            raise InvalidRequestError(
+                f"cannot rewind {n} tokens: request {request_id!r} has {seq.num_tokens - seq.prompt_len} generated tokens"
+            )
+        if n == 0:
+            return
+        tpb = self._tpb
+        new_n = seq.num_tokens - n
+        last = (new_n - 1) // tpb
+        filled = new_n - last * tpb
+        cow = []
+        for wm in self._bm.windows:
+            sw = seq.windows[wm.index]
+            if last < sw.num_front_removed:
+                raise InvalidRequestError(f"cannot rewind into blocks window {wm.window} already released")
+            blk = sw.beams[0][last]
+            if blk.node is not None and blk.node.key.num_tokens > filled and blk.ref_count > 1:
+                cow.append(wm)
+        for wm in cow:
+            if wm.num_free_primary < 1:
+                raise OutOfBlocksError(f"window {wm.window}: rewind needs a free block to copy a shared block")
+        for wm in self._bm.windows:
+            sw = seq.windows[wm.index]
+            beam, slots = sw.beams[0], sw.slots[0]
+            while len(beam) > last + 1:
+                wm.release_block(beam.pop(), to_front=True)
+                slots.pop()
+            blk = beam[last]
+            if blk.node is not None and blk.node.key.num_tokens > filled:
+                if wm in cow:
+                    fresh = wm.copy_prefix(blk, filled, None, None)
+                    fresh.ref_count += 1
+                    wm.release_block(blk)
+                    beam[last] = fresh
+                    slots[last] = fresh.slot
+                else:
+                    wm.drop_cached(blk, evicted=False)
+            if sw.store_depth > last:
+                sw.store_node, sw.store_depth = None, 0
+        del seq.tokens[new_n:]
+        if seq.extra_ids is not None:
+            del seq.extra_ids[new_n:]
+        seq.num_tokens = new_n
+        seq.context_position = min(seq.context_position, new_n)
+
+    def set_context_position(self, request_id: Hashable, position: int) -> None:
+        """Chunked prefill: the first `position` tokens have their KV materialised."""
+        seq = self._seq(request_id)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= seq.num_tokens:
+            raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
+        seq.context_position = position
+
+    # ------------------------------------------------------------------ storing for reuse
+    def _can_store(self, seq: Sequence) -> bool:
+        return self._bm.reuse and not seq.is_cross
+
+    def store_context_blocks(self, request_id: Hashable) -> None:
+        """Make the materialised full context blocks reusable now ("early reuse")."""
+        seq = self._seq(request_id)
+        if self._can_store(seq):
+            self._bm.store(seq, min(seq.num_tokens - 1, seq.context_position), allow_partial=False)
+
+    def store_new_block(self, request_id: Hashable) -> None:
+        """During generation: make newly completed full blocks reusable (beam width 1 only)."""
+        seq = self._seq(request_id)
+        if self._can_store(seq) and seq.beam_width == 1:
+            self._bm.store(seq, seq.num_tokens - 1, allow_partial=False)
+
+    def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:
+        """Store every block, the trailing partial one included, without releasing them; with
+        `pin`, also take an extra reference on the sequence's blocks (undo with
+        `unpin_blocks`). Returns the sequence's block ids (a dict window -> ids with several
+        windows)."""
+        seq = self._seq(request_id)
+        if self._can_store(seq) and seq.beam_width == 1:
+            self._bm.store(seq, seq.num_tokens - 1, allow_partial=True)
+        if pin:
+            self._pin(seq)
+        return self._own_block_ids(seq)
+
+    def _own_block_ids(self, seq: Sequence) -> list[int] | dict[int, list[int]]:
+        ids = {wm.window: [b.block_id for b in seq.windows[wm.index].unique_blocks()] for wm in self._bm.windows}
+        return next(iter(ids.values())) if len(ids) == 1 else ids
+
+    def _pin(self, seq: Sequence) -> None:
+        for wm in self._bm.windows:
+            for blk in seq.windows[wm.index].unique_blocks():
+                blk.ref_count += 1
+                blk.pin_count += 1
+
+    def pin_blocks(self, request_id: Hashable) -> None:
+        """Keep the sequence's blocks alive past `remove_sequence` (e.g. a KV transfer)."""
+        self._pin(self._seq(request_id))
+
+    def unpin_blocks(self, block_ids: Seq[int] | dict[int, Seq[int]]) -> None:
+        """Drop one pin per listed id (a list for one window, or a dict window -> ids)."""
+        if isinstance(block_ids, dict):
+            items = [(self._window_manager(w), list(ids)) for w, ids in block_ids.items()]
+        else:
+            items = [(self._window_manager(None), list(block_ids))]
+        for wm, ids in items:
+            counts: dict[int, int] = {}
+            for i in ids:
+                if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(wm.blocks):
+                    raise ValueError(f"unknown block id {i!r} in window {wm.window}")
+                counts[int(i)] = counts.get(int(i), 0) + 1
+            for i, k in counts.items():
+                if wm.blocks[i].pin_count < k:
+                    raise ValueError(f"block {i} of window {wm.window} is not pinned {k} time(s)")
+        for wm, ids in items:
+            for i in ids:
+                blk = wm.blocks[int(i)]
+                blk.pin_count -= 1
+                wm.release_block(blk)
+
+    def remove_sequence(self, request_id: Hashable, *, store_for_reuse: bool = True, pin: bool = False) -> None:
+        """Finish a request: store all its blocks for reuse (the trailing partial one too; the
+        newest token has no KV yet), optionally pin them, then release last block first."""
+        seq = self._seq(request_id)
+        if store_for_reuse and self._can_store(seq) and seq.beam_width == 1:
+            self._bm.store(seq, seq.num_tokens - 1, allow_partial=True)
+        if pin:
+            self._pin(seq)
+        self._bm.release(seq)
+        del self._seqs[request_id]
+
+    # ------------------------------------------------------------------ tables for kernels
+    def block_ids(self, request_id: Hashable, window: int | None = None) -> list[list[int]]:
+        """Block ids per beam (placeholders as `PLACEHOLDER_BLOCK_ID`)."""
+        wm = self._window_manager(window)
+        sw = self._seq(request_id).windows[wm.index]
+        return [[b.block_id for b in beam] for beam in sw.beams]
+
+    def _rows(self, request_ids: Iterable[Hashable], index: int) -> list[array.array]:
+        rows = []
+        for rid in request_ids:
+            rows.extend(self._seq(rid).windows[index].slots)
+        return rows
+
+    def block_table(self, request_ids: Iterable[Hashable], window: int | None = None, *, max_blocks: int | None = None) -> np.ndarray:
+        """int32 `[rows, max_blocks]` primary slots, one row per (request, beam); padding and
+        placeholders point to the null slot (slot `primary_blocks`), which no block owns."""
+        wm = self._window_manager(window)
+        return self._table(self._rows(request_ids, wm.index), wm.null_slot, max_blocks)
+
+    @staticmethod
+    def _table(rows: list[array.array], null_slot: int, max_blocks: int | None) -> np.ndarray:
+        longest = max((len(r) for r in rows), default=0)
+        width = longest if max_blocks is None else max_blocks
+        if width < longest:
+            raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
+        out = np.full((len(rows), width), null_slot, dtype=np.int32)
+        for i, r in enumerate(rows):
+            if r:
+                out[i, : len(r)] = np.frombuffer(r, dtype=np.int32)
+        return out
+
+    def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:
+        """TensorRT-LLM `KVCacheIndex` offsets `[num_pools, rows, 2, max_blocks]` (int32)."""
+        from kvjax.offsets import kvcache_index_offsets
+
+        request_ids = list(request_ids)
+        bm = self._bm
+        if max_blocks is None:
+            max_blocks = max((len(r) for wm in bm.windows for r in self._rows(request_ids, wm.index)), default=0)
+        tables = {wm.window: self._table(self._rows(request_ids, wm.index), wm.null_slot, max_blocks) for wm in bm.windows}
+        return kvcache_index_offsets(self.config, tables)
+
+    # ------------------------------------------------------------------ counts and stats
+    def num_free_blocks(self, window: int | None = None) -> int:
+        """Free primary blocks (cached-but-unreferenced ones count as free); with several
+        windows and no `window`, the minimum over windows."""
+        if window is None and len(self._bm.windows) > 1:
+            return min(wm.num_free_primary for wm in self._bm.windows)
+        return self._window_manager(window).num_free_primary
+
+    def num_allocated_blocks(self, window: int | None = None) -> int:
+        """Referenced primary blocks; with several windows and no `window`, the maximum."""
+        if window is None and len(self._bm.windows) > 1:
+            return max(wm.num_primary - wm.num_free_primary for wm in self._bm.windows)
+        wm = self._window_manager(window)
+        return wm.num_primary - wm.num_free_primary
+
+    def num_free_secondary_blocks(self, window: int | None = None) -> int:
+        if window is None and len(self._bm.windows) > 1:
+            return min(wm.num_free_secondary for wm in self._bm.windows)
+        return self._window_manager(window).num_free_secondary
+
+    def _counter_totals(self) -> list[int]:
+        totals = None
+        for wm in self._bm.windows:
+            t = wm.counters.as_tuple()
+            totals = list(t) if totals is None else [a + b for a, b in zip(totals, t)]
+        return totals
+
+    def stats(self) -> KVCacheStats:
+        ws = self._bm.windows
+        c = dict(zip(ws[0].counters.__slots__, self._counter_totals()))
+        reused = c["reused_full"] + c["reused_partial"]
+        max_blocks = sum(wm.num_primary for wm in ws)
+        free = sum(wm.num_free_primary for wm in ws)
+        return KVCacheStats(
+            max_num_blocks=max_blocks,
+            free_num_blocks=free,
+            used_num_blocks=max_blocks - free,
+            tokens_per_block=self._tpb,
+            alloc_total_blocks=c["alloc_total"],
+            alloc_new_blocks=c["alloc_new"],
+            reused_blocks=reused,
+            missed_blocks=c["missed"],
+            cache_hit_rate=hit_rate(reused, c["missed"]),
+            num_free_blocks_per_window={wm.window: wm.num_free_primary for wm in ws},
+            max_secondary_blocks=sum(wm.num_secondary for wm in ws),
+            free_secondary_blocks=sum(wm.num_free_secondary for wm in ws),
+            offloaded_blocks=c["offloaded"],
+            onboarded_blocks=c["onboarded"],
+            copied_blocks=c["copied"],
+            evicted_blocks=c["evicted"],
+            allocated_bytes=sum(wm.block_bytes * (wm.num_primary - wm.num_free_primary) for wm in ws),
+        )
+
+    def request_stats(self, request_id: Hashable) -> RequestStats:
+        """What admission did for a live request."""
+        return self._seq(request_id).stats
+
+    def iteration_stats(self) -> IterationStats:
+        """Counters since the previous call, plus current occupancy."""
+        ws = self._bm.windows
+        now = self._counter_totals()
+        d = dict(zip(ws[0].counters.__slots__, (a - b for a, b in zip(now, self._iter_base))))
+        self._iter_base = now
+        reused = d["reused_full"] + d["reused_partial"]
+        p_free = sum(wm.num_free_primary for wm in ws)
+        s_free = sum(wm.num_free_secondary for wm in ws)
+        return IterationStats(
+            alloc_total_blocks=d["alloc_total"],
+            alloc_new_blocks=d["alloc_new"],
+            reused_blocks=reused,
+            full_reused_blocks=d["reused_full"],
+            partial_reused_blocks=d["reused_partial"],
+            missed_blocks=d["missed"],
+            cache_hit_rate=hit_rate(reused, d["missed"]),
+            gen_alloc_blocks=d["gen_alloc"],
+            offloaded_blocks=d["offloaded"],
+            onboarded_blocks=d["onboarded"],
+            copied_blocks=d["copied"],
+            offload_bytes=d["offload_bytes"],
+            onboard_bytes=d["onboard_bytes"],
+            copy_bytes=d["copy_bytes"],
+            evicted_blocks=d["evicted"],
+            primary_used_blocks=sum(wm.num_primary for wm in ws) - p_free,
+            primary_free_blocks=p_free,
+            secondary_used_blocks=sum(wm.num_secondary for wm in ws) - s_free,
+            secondary_free_blocks=s_free,
+        )
+
+    def priority_of_block(self, block_id: int, window: int | None = None) -> int:
+        wm = self._window_manager(window)
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < len(wm.blocks):
+            raise KeyError(f"unknown block id {block_id!r} in window {wm.window}")
+        return wm.blocks[int(block_id)].priority
+
+    def block(self, block_id: int, window: int | None = None) -> Block:
+        """The metadata handle of a block (read-only use: inspection and tests)."""
+        wm = self._window_manager(window)
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < len(wm.blocks):
+            raise KeyError(f"unknown block id {block_id!r} in window {wm.window}")
+        return wm.blocks[int(block_id)]
+
+    # ------------------------------------------------------------------ scheduler queries
+    def analyze_prefix_reuse(self, request: Request) -> PrefixReuseSummary:
+        """One tree walk (largest window) summarising what admission would reuse."""
+        bm = self._bm
+        if not isinstance(request, Request):
+            raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
+        if not bm.reuse or not request.prompt:
+            return PrefixReuseSummary(0, 0, 0, 0)
+        seq = Sequence(request, len(bm.windows), False)
+        wm = bm.windows[-1]
+        n_ctx = -(-seq.prompt_len // self._tpb)
+        shared = n_ctx if seq.beam_width == 1 else n_ctx - 1
+        wa = bm.walk(wm, seq, seq.prompt_len - 1, shared)
+        full = [b for b, n in wa.entries if b is not None and n == self._tpb]
+        allocated = sum(1 for b in full if b.ref_count > 0)
+        matched = min(wa.coverage, seq.prompt_len - 1)
+        return PrefixReuseSummary(len(full), allocated, matched, len(full))
+
+    def _resolve(self, request_or_id) -> tuple[Request, Sequence | None]:
+        if isinstance(request_or_id, Request):
+            return request_or_id, self._seqs.get(request_or_id.request_id)
+        seq = self._seq(request_or_id)
+        return seq.request, seq
+
+    def needed_blocks_one_step(self, request_or_id, two_steps_lookahead: bool = False, window: int | None = None) -> int:
+        """Blocks the next step needs: the whole context for a request not yet admitted (minus
+        reusable blocks already referenced by others), else the generation growth."""
+        wm = self._window_manager(window)
+        request, seq = self._resolve(request_or_id)
+        cfg, tpb = self.config, self._tpb
+        bubble = cfg.sink_bubble_length
+        beam = request.beam_width
+        if seq is None:  # context phase, first chunk
+            chunk = request.max_new_tokens  # TensorRT-LLM's (sic) chunkSize
+            prompt_len = request.encoder_len if self._bm.is_cross else len(request.prompt)
+            length = min(prompt_len + request.num_draft_tokens, wm.window + chunk) + bubble
+            shared = length // tpb
+            needed = shared + -(-(length % tpb) // tpb) * beam
+            if self._bm.reuse and not cfg.is_variable_window:
+                recoverable = (min(prompt_len, wm.window + chunk) - 1) // tpb
+                summary = self.analyze_prefix_reuse(request)
+                needed -= min(summary.reusable_blocks_allocated, recoverable, shared)
+            return needed
+        if seq.is_cross or seq.context_position < seq.prompt_len:
+            return 0
+        curr = seq.num_tokens
+        steps = 2 if two_steps_lookahead else 1
+        max_add = min(steps * (seq.num_draft_tokens + 1), seq.max_new_tokens - (curr - seq.prompt_len))
+        nxt = curr + max(max_add, 0)
+        if nxt > wm.max_token_num:
+            return 0
+        return (-(-nxt // tpb) - -(-curr // tpb)) * beam
+
+    def remaining_blocks_to_completion(self, request_or_id, window: int | None = None) -> int:
+        """Blocks still to allocate for the request to finish (TensorRT-LLM's formula)."""
+        wm = self._window_manager(window)
+        request, seq = self._resolve(request_or_id)
+        cfg, tpb = self.config, self._tpb
+        bubble = cfg.sink_bubble_length
+        beam = request.beam_width
+        if self._bm.is_cross:
+            return -(-request.encoder_len // tpb) if seq is None else 0
+        prompt_len = len(request.prompt)
+        span = wm.window + wm.temporary_window
+        ctx = (min(prompt_len, span) + bubble) // tpb
+        total = -(-(min(prompt_len + request.max_new_tokens, span) + bubble) // tpb)
+        gen = total - ctx
+        alloc = 0 if seq is None else len(seq.windows[wm.index].beams[0])
+        reusable = 0
+        if self._bm.reuse and not cfg.is_variable_window and alloc == 0:
+            summary = self.analyze_prefix_reuse(request)
+            reusable = min(summary.reusable_blocks_allocated, ctx, (prompt_len - 1) // tpb)
+        final = prompt_len + request.max_new_tokens
+        cur_tokens = prompt_len if seq is None else seq.num_tokens
+        extra = int(final > wm.window and -(-final // tpb) > -(-cur_tokens // tpb) and -(-final // tpb) > total)
+        if alloc < ctx - reusable:
+            return (ctx - reusable - alloc) + (gen + extra) * beam
+        return max(0, (total - reusable - alloc + extra) * beam)
+
+    def start_scheduling(self) -> None:
+        """Begin a scheduling dry run: shadow ref counts start equal to the real ones."""
+        self._sched_epoch += 1
+        self._sched_free = [wm.num_free_primary for wm in self._bm.windows]
+
+    def scheduling_remove_sequence(self, request_id: Hashable) -> None:
+        """Dry run: count the blocks that would become free if the request were removed."""
+        if self._sched_free is None:
+            raise RuntimeError("call start_scheduling() first")
+        seq = self._seq(request_id)
+        epoch = self._sched_epoch
+        for wm in self._bm.windows:
+            for blk in seq.windows[wm.index].unique_blocks():
+                if blk.sched_epoch != epoch:
+                    blk.sched_epoch = epoch
+                    blk.sched_ref_count = blk.ref_count
+                blk.sched_ref_count -= 1
+                if blk.sched_ref_count == 0:
+                    self._sched_free[wm.index] += 1
+
+    def scheduling_has_free_blocks(self, n: int, window: int | None = None) -> bool:
+        if self._sched_free is None:
+            raise RuntimeError("call start_scheduling() first")
+        if window is None:
+            return all(f >= n for f in self._sched_free)
+        return self._sched_free[self._window_manager(window).index] >= n
+
+    # ------------------------------------------------------------------ housekeeping
+    def refresh_blocks(self) -> int:
+        """Expire retention durations (once per iteration). Returns blocks moved to priority 35."""
+        return sum(wm.policy.refresh() for wm in self._bm.windows)
+
+    def get_latest_events(self, timeout: float | None = None) -> list[KVCacheEvent]:
+        ev = self._bm.events
+        return [] if ev is None else ev.get_latest(timeout)
+
+    def flush_iteration_events(self) -> None:
+        if self._bm.events is not None:
+            self._bm.events.flush()
+
+    def take_transfers(self) -> TransferPlan:
+        """The ordered data movements decided since the last call (apply before the forward)."""
+        return self._bm.recorder.take()
+
+    def verify_integrity(self) -> None:
+        """Raise `IntegrityError` if any ledger invariant is broken."""
+        verify_ledger(self._bm, self._seqs)
+
+    def snapshot(self) -> tuple:
+        """A hashable picture of the whole ledger state (tests compare it around failed calls)."""
+        return ledger_snapshot(self._bm, self._seqs)

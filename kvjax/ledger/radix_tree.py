@@ -1,0 +1,153 @@
+"""`UnifiedBlockTree`: one radix tree of block keys shared by every attention window.
+
+A node is one block position along a token path; it holds at most one block per window
+(`blocks[window]`). Children are found by exact key (a dict) and, for partial reuse, through a
+bucket of children sharing the first token and constraint fields, so a partial lookup never
+scans unrelated siblings. Nodes left with no block and no child are pruned up to the root.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvjax.ledger.block_key import BlockKey, block_hash, common_prefix_length, partial_index_key
+
+if TYPE_CHECKING:
+    from kvjax.ledger.block import Block
+
+
+class RadixNode:
+    __slots__ = ("key", "parent", "children", "partial_index", "bucket", "blocks", "depth", "is_full", "_hash", "attached")
+
+    def __init__(self, key: BlockKey | None, parent: RadixNode | None, depth: int, tokens_per_block: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[BlockKey, RadixNode] = {}
+        self.partial_index: dict[tuple, dict[RadixNode, None]] = {}
+        self.blocks: dict[int, Block] = {}
+        self.depth = depth
+        self.is_full = key is not None and len(key.tokens) == tokens_per_block
+        self.bucket = None if key is None else partial_index_key(key)  # partial-match bucket in the parent
+        self._hash: int | None = None
+        self.attached = True  # False once pruned from the tree
+
+    @property
+    def hash(self) -> int:
+        """Chained block hash of this node (0 for the root), cached after the first use."""
+        h = self._hash
+        if h is None:
+            if self.parent is None:
+                return 0
+            h = self._hash = block_hash(self.key, self.parent.hash)
+        return h
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def __repr__(self) -> str:
+        toks = None if self.key is None else self.key.tokens
+        return f"RadixNode(depth={self.depth}, tokens={toks}, windows={sorted(self.blocks)})"
+
+
+class UnifiedBlockTree:
+    """The lookup tree. Blocks attach to nodes per window; the tree owns node lifetime."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.root = RadixNode(None, None, 0, tokens_per_block)
+        self.num_nodes = 0
+
+    # ------------------------------------------------------------------ lookups
+    @staticmethod
+    def child(node: RadixNode, key: BlockKey) -> RadixNode | None:
+        return node.children.get(key)
+
+    @staticmethod
+    def best_partial_child(
+        node: RadixNode, key: BlockKey, window: int, skip_referenced: bool
+    ) -> tuple[RadixNode | None, int]:
+        """Child holding a block for `window` whose key shares the most leading tokens with
+        `key` (ties: the oldest child). Referenced blocks are skipped when `skip_referenced`."""
+        bucket_key = partial_index_key(key)
+        if bucket_key is None:
+            return None, 0
+        bucket = node.partial_index.get(bucket_key)
+        if not bucket:
+            return None, 0
+        best, best_n = None, 0
+        for cand in bucket:
+            blk = cand.blocks.get(window)
+            if blk is None or (skip_referenced and blk.ref_count > 0):
+                continue
+            n = common_prefix_length(key, cand.key)
+            if n > best_n:
+                best, best_n = cand, n
+        return best, best_n
+
+    # ------------------------------------------------------------------ mutation
+    def get_or_create_child(self, node: RadixNode, key: BlockKey) -> RadixNode:
+        child = node.children.get(key)
+        if child is None:
+            child = RadixNode(key, node, node.depth + 1, self.tokens_per_block)
+            node.children[key] = child
+            bucket_key = child.bucket
+            if bucket_key is not None:
+                node.partial_index.setdefault(bucket_key, {})[child] = None
+            self.num_nodes += 1
+        return child
+
+    def attach(self, node: RadixNode, window: int, block: Block) -> Block:
+        """Attach `block` as `node`'s value for `window` unless one is there already.
+
+        Returns the block now cached at that node (an existing value is never overwritten).
+        A block attached elsewhere is detached from its old node first.
+        """
+        existing = node.blocks.get(window)
+        if existing is not None:
+            return existing
+        if block.node is not None:
+            self.detach(block)
+        node.blocks[window] = block
+        block.node = node
+        return block
+
+    def detach(self, block: Block) -> RadixNode | None:
+        """Detach `block` from its node and prune nodes left empty. Returns the old node."""
+        node = block.node
+        if node is None:
+            return None
+        del node.blocks[block.window]
+        block.node = None
+        self._prune(node)
+        return node
+
+    def _prune(self, node: RadixNode) -> None:
+        while node.parent is not None and not node.blocks and not node.children:
+            parent = node.parent
+            del parent.children[node.key]
+            bucket_key = node.bucket
+            if bucket_key is not None:
+                bucket = parent.partial_index[bucket_key]
+                del bucket[node]
+                if not bucket:
+                    del parent.partial_index[bucket_key]
+            node.attached = False
+            self.num_nodes -= 1
+            node = parent
+
+    # ------------------------------------------------------------------ inspection
+    def iter_nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, depth first."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path_keys(self, node: RadixNode) -> list[BlockKey]:
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return keys[::-1]
