@@ -3,9 +3,10 @@
 `Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`;
 `dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
 `write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables
-(pools donated).
+(pools donated); `dense_greedy` is the token-level oracle for serving tests.
 """
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
+from kvjax.models.generate import dense_greedy
 from kvjax.models.layers import MLP, RMSNorm, apply_rope
 from kvjax.models.transformer import Block, Transformer, jit_dense_forward, jit_paged_forward
 
@@ -16,6 +17,7 @@ __all__ = [
     "RMSNorm",
     "Transformer",
     "apply_rope",
+    "dense_greedy",
     "grouped_attention",
     "jit_dense_forward",
     "jit_paged_forward",

@@ -128,13 +128,16 @@ class Transformer(nnx.Module):
         block_tables: Mapping[int, jax.Array] | jax.Array,
         seq_lens: jax.Array,
         slot_mapping: Mapping[int, jax.Array] | jax.Array,
+        *,
+        impl: str = "auto",
     ) -> tuple[jax.Array, Any]:
         """One prefill chunk or decode step through the paged cache.
 
         tokens, positions: int32 [B, T]; pools: `kvjax.device.KVPools`; block_tables: window ->
         int32 [B, max_blocks] of slots (or one array for a single-window cache); seq_lens:
         int32 [B] (tokens of each sequence including this chunk); slot_mapping: window -> int32
-        [B * T] (`slot * tokens_per_block + offset`, -1 for padding) or one array.
+        [B * T] (`slot * tokens_per_block + offset`, -1 for padding) or one array; `impl`
+        picks the device ops' implementation ("auto" | "xla" | "pallas").
         Returns (float32 logits [B, T, V], updated pools).
         """
         from kvjax.device import paged_attention, write_kv
@@ -150,8 +153,9 @@ class Transformer(nnx.Module):
             attn = block.attn
             q, k, v = attn.qkv(block.attn_norm(x), positions)  # [B, T, N, H], [B, T, K, H] x2
             kv_shape = (b * t, attn.num_kv_heads, attn.head_dim)
-            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots)
-            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale)  # [B, T, N, H]
+            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots, impl=impl)
+            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale, impl=impl)
+            # attended: [B, T, N, H]
             x = x + attn.out(attended)  # [B, T, D]
             x = x + block.mlp(block.mlp_norm(x))  # [B, T, D]
         return self._logits(x), pools  # [B, T, V]
@@ -172,7 +176,7 @@ def jit_dense_forward(model: Transformer) -> Callable[..., jax.Array]:
     return fwd
 
 
-def jit_paged_forward(model: Transformer) -> Callable[..., tuple[jax.Array, Any]]:
+def jit_paged_forward(model: Transformer, *, impl: str = "auto") -> Callable[..., tuple[jax.Array, Any]]:
     """`Transformer.paged_forward` jitted with the pools donated: always rebind the returned pools.
 
     Call as `logits, pools = fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping)`;
@@ -182,7 +186,8 @@ def jit_paged_forward(model: Transformer) -> Callable[..., tuple[jax.Array, Any]
 
     @functools.partial(jax.jit, donate_argnums=(3,))
     def run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping):
-        return nnx.merge(graphdef, state).paged_forward(tokens, positions, pools, block_tables, seq_lens, slot_mapping)
+        model = nnx.merge(graphdef, state)
+        return model.paged_forward(tokens, positions, pools, block_tables, seq_lens, slot_mapping, impl=impl)
 
     def fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping):
         return run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping)

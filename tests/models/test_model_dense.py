@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from kvjax.model_spec import ModelSpec
-from kvjax.models import Transformer, jit_dense_forward
+from kvjax.models import Transformer, dense_greedy, jit_dense_forward
 
 SMALL = ModelSpec(
     name="small",
@@ -107,3 +107,19 @@ def test_swa_model_mixes_local_and_global_layers():
     swa = Transformer.from_spec("tiny-swa", seed=0)
     assert [b.window for b in swa.blocks] == [64, 64, 64, 2048]
     assert swa.lm_head is not None and swa.lm_head.shape == (256, 4096)
+
+
+def test_dense_greedy_matches_argmax_loop_and_stops_at_eos():
+    model = Transformer.from_spec(SMALL, seed=4)
+    fwd = jit_dense_forward(model)
+    prompt = [5, 17, 3]
+    seq = list(prompt)
+    for _ in range(5):
+        seq.append(int(jnp.argmax(fwd(jnp.asarray([seq], jnp.int32))[0, -1])))
+    assert dense_greedy(model, [prompt, [9]], [5, 2]) == [seq[3:], dense_greedy(model, [[9]], 2)[0]]
+    assert dense_greedy(model, [prompt], 5, eos_id=seq[4]) == [seq[3:5]]
+    assert dense_greedy(model, [prompt], 0) == [[]]
+    with pytest.raises(ValueError, match="at least one token"):
+        dense_greedy(model, [[]], 1)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=128"):
+        dense_greedy(model, [prompt], 126)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvjax.device import allocate_pools
-from kvjax.models import Transformer, jit_dense_forward, jit_paged_forward
+from kvjax.models import Transformer, dense_greedy, jit_dense_forward, jit_paged_forward
 
 TPB = 8
 MAX_SEQ_LEN = 256  # cache geometry: 32 blocks per table
@@ -51,12 +51,13 @@ class SlotLayout:
         return table + [self.null[window]] * (self.max_blocks - len(table))
 
 
-def run_schedule(model, config, sequences, schedule, seed=0):
+def run_schedule(model, config, sequences, schedule, seed=0, fwd=None, greedy_from=None):
     """Feed `sequences` through the paged forward; `schedule` is a list of (q_len, new tokens per row).
 
-    Returns {(row, position): logits} of every real query.
+    Returns {(row, position): logits} of every real query. With `greedy_from` (prompt length per
+    row), tokens past the prompt are not read from `sequences` but appended greedily (argmax).
     """
-    fwd = jit_paged_forward(model)
+    fwd = fwd or jit_paged_forward(model)
     pools = allocate_pools(config)
     batch = len(sequences)
     layout = SlotLayout(config, batch, seed)
@@ -90,7 +91,10 @@ def run_schedule(model, config, sequences, schedule, seed=0):
         logits = np.asarray(logits)
         for b in range(batch):
             for i in range(q_len - counts[b], q_len):
-                out[(b, int(positions[b, i]))] = logits[b, i]
+                pos = int(positions[b, i])
+                out[(b, pos)] = logits[b, i]
+                if greedy_from is not None and pos + 1 >= greedy_from[b] and len(sequences[b]) == pos + 1:
+                    sequences[b].append(int(np.argmax(logits[b, i])))
         done = [int(x) for x in seq_lens]
     return out
 
@@ -146,15 +150,35 @@ def test_chunked_prefill_then_decode_matches_dense(name):
     check_against_dense(model, sequences, got)
 
 
-def test_one_shot_prefill_and_padding_rows():
-    # a 4-row bucket with an empty row (seq_len 0), prefill in one chunk, then decode
+@pytest.fixture(scope="module")
+def swa():
     model = Transformer.from_spec("tiny-swa", seed=3)
     config = model.spec.cache_config(primary_blocks=40, tokens_per_block=TPB, max_seq_len=MAX_SEQ_LEN)
+    return model, config, jit_paged_forward(model)
+
+
+# a 4-row bucket with an empty row (seq_len 0), prefill in one chunk of 128, then 3 decode steps
+ONE_SHOT = [(128, [67, 30, 0, 1])] + [(1, [1, 1, 0, 1])] * 3
+
+
+def test_one_shot_prefill_and_padding_rows(swa):
+    model, config, fwd = swa
     rng = np.random.default_rng(4)
     sequences = [rng.integers(0, 4096, n).tolist() for n in (70, 33, 0, 4)]
-    schedule = [(128, [67, 30, 0, 1])] + [(1, [1, 1, 0, 1])] * 3
-    got = run_schedule(model, config, sequences, schedule, seed=5)
+    got = run_schedule(model, config, sequences, ONE_SHOT, seed=5, fwd=fwd)
     check_against_dense(model, sequences, got)
+
+
+def test_paged_greedy_decode_matches_dense_greedy(swa):
+    model, config, fwd = swa
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 4096, n).tolist() for n in (67, 30, 0, 1)]
+    sequences = [list(p) for p in prompts]
+    run_schedule(model, config, sequences, ONE_SHOT, seed=7, fwd=fwd, greedy_from=[len(p) for p in prompts])
+    generated = [s[len(p):] for s, p in zip(sequences, prompts)]
+    assert [len(g) for g in generated] == [4, 4, 0, 4]
+    expected = dense_greedy(model, [prompts[0], prompts[1], prompts[3]], 4)
+    assert [generated[0], generated[1], generated[3]] == expected
 
 
 def test_paged_forward_rejects_a_foreign_cache():
