@@ -72,7 +72,13 @@ def _as_config(model: Any, **overrides: Any) -> CacheConfig:
     """A `CacheConfig` with the geometry of `model` (a CacheConfig or a ModelSpec)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(model, CacheConfig):
-        return dataclasses.replace(model, **overrides) if overrides else model
+        if not overrides:
+            return model
+        for key, fallback in (("primary_blocks", 1), ("secondary_blocks", 0)):
+            # per-window counts may not fit the new windows; callers that care pass their own
+            if isinstance(getattr(model, key), Mapping) and key not in overrides:
+                overrides[key] = fallback
+        return dataclasses.replace(model, **overrides)
     if hasattr(model, "cache_config"):
         return model.cache_config(**overrides)
     raise ValueError(f"expected a CacheConfig or a ModelSpec, got {type(model).__name__}")
@@ -228,8 +234,10 @@ def max_attention_window(
     capacity = _int("capacity_blocks", capacity_blocks, 0)
     beam = _int("beam_width", beam_width, 1)
     tpb = _int("tokens_per_block", tokens_per_block, 1)
-    # TensorRT-LLM passes window = output_len; a window must be >= 1, and an empty output needs no blocks.
-    out_req = max_block_requirements(0, output_len, sink, output_len, beam, tpb) if output_len > 0 else 0
+    if output_len > 0:
+        out_req = max_block_requirements(0, output_len, sink, output_len, beam, tpb)
+    else:  # TensorRT-LLM's window = output_len = 0: per_beam(0) = ceil_div(sink_bubble, tpb), per beam
+        out_req = ceil_div(sink_bubble_length(sink, tpb), tpb) * beam
     if out_req > capacity:
         return (capacity // beam) * tpb
     return min(output_len + (capacity - out_req) * tpb, input_len + output_len)

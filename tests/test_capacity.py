@@ -53,6 +53,7 @@ def test_max_block_requirements(args, expected):
         ((1000, 100, 0, 3, 1, 32), 96),  # out alone needs 4 > 3 blocks: (3 // 1) * 32
         ((1000, 100, 0, 5, 2, 32), 64),  # beam 2: out needs 4 * 2 = 8 > 5: (5 // 2) * 32
         ((1000, 0, 0, 7, 1, 32), 224),  # empty output: the whole capacity serves the context
+        ((1000, 0, 4, 7, 1, 32), 192),  # ... less the sink bubble's block: (7 - 1) * 32
     ],
 )
 def test_max_attention_window(args, expected):
@@ -104,6 +105,10 @@ def test_cache_size_per_token_of_specs_and_configs():
     # 52 local layers and 10 global ones, 16 KV heads of 128 in bf16
     assert C.cache_size_per_token(gemma) == {1024: 2 * 52 * 16 * 128 * 2, 131072: 2 * 10 * 16 * 128 * 2}
     assert all(isinstance(v, int) for v in C.cache_size_per_token(gemma).values())
+    # a VSWA CacheConfig with per-window block counts, re-clamped below its local window: one window left
+    vswa = CacheConfig.from_memory(gemma, 10 * GiB)
+    assert C.cache_size_per_token(vswa, max_seq_len=512) == {512: 2 * 62 * 16 * 128 * 2}
+    assert C.cache_config_from_memory(vswa, 10 * GiB, max_seq_len=512).windows == (512,)
 
 
 # --------------------------------------------------------------------------- batch size
