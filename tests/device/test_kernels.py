@@ -1,0 +1,136 @@
+"""Pallas kernels on CPU: Mosaic GPU kernels run under the GPU interpreter with race
+detection and must agree exactly with their references; every Mosaic GPU kernel is
+cross-lowered for CUDA against an abstract "NVIDIA H200"."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import copy_pages, gather_pages, paged_attention, write_pages
+from pallas_kernels.cross_lower import lower_for_h200
+
+S = jax.ShapeDtypeStruct
+LAYOUTS = ("block_first", "layer_first")
+
+
+def interp():
+    return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def assert_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
+
+    assert not mi.get_races().races_found
+
+
+def small_pool(layout, dtype, rng, slots=7, layers=2, f=2, h=2, t=8, d=64):
+    shape = (slots, layers, f, h, t, d) if layout == "block_first" else (layers, slots, f, h, t, d)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if layout == "block_first":
+        x[-1] = 0
+    else:
+        x[:, -1] = 0
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mgpu_gather_pages_interpret(layout):
+    rng = np.random.default_rng(0)
+    pool = small_pool(layout, jnp.bfloat16, rng)
+    table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 6]], jnp.int32)  # 6 = null slot
+    lens = jnp.array([11, 24], jnp.int32)  # a partial block and a full one
+    got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout, interpret=interp()))(pool, table, lens)
+    want = gather_pages.gather_pages_portable(pool, table, lens, layer=1, layout=layout)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert_no_races()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mgpu_write_pages_interpret(layout):
+    rng = np.random.default_rng(1)
+    pool = small_pool(layout, jnp.float32, rng)
+    kv = jnp.asarray(rng.standard_normal((5, 2, 2, 64)), jnp.float32)
+    slot = jnp.array([0, 3, -1, 5, 3], jnp.int32)
+    off = jnp.array([1, 7, 0, 2, 0], jnp.int32)
+    want = np.array(pool)
+    for i in range(5):
+        if slot[i] >= 0:
+            idx = (int(slot[i]), 1) if layout == "block_first" else (1, int(slot[i]))
+            want[idx][:, :, int(off[i])] = kv[i]
+    got = jax.jit(functools.partial(write_pages.write_pages_mgpu, layer=1, layout=layout, interpret=interp()),
+                  donate_argnums=0)(jnp.array(pool), kv, slot, off)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert_no_races()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mgpu_copy_pages_interpret(layout):
+    rng = np.random.default_rng(2)
+    ba = 0 if layout == "block_first" else 1
+    pool = small_pool(layout, jnp.bfloat16, rng)
+    idx = jnp.array([3, 0, 6], jnp.int32)
+    staged = jax.jit(functools.partial(copy_pages.gather_blocks_mgpu, block_axis=ba, interpret=interp()))(pool, idx)
+    want = np.moveaxis(np.take(np.asarray(pool), np.asarray(idx), axis=ba), ba, 0)
+    np.testing.assert_array_equal(np.asarray(staged), want)
+    dst = jnp.array([1, -1, 4], jnp.int32)
+    num = jnp.array([8, 8, 3], jnp.int32)  # full, padding, partial copy of 3 tokens
+    expect = np.array(pool)
+    for i in range(3):
+        if dst[i] >= 0:
+            view = expect[int(dst[i])] if ba == 0 else expect[:, int(dst[i])]
+            view[..., : int(num[i]), :] = want[i][..., : int(num[i]), :]
+    got = jax.jit(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba, interpret=interp()),
+                  donate_argnums=0)(jnp.array(pool), staged, dst, num)
+    np.testing.assert_array_equal(np.asarray(got), expect)
+    assert_no_races()
+
+
+def _lowered(fn, *args, donate=()):
+    txt = lower_for_h200(fn, *args, donate_argnums=donate)
+    assert "mosaic_gpu" in txt, "expected a Mosaic GPU custom call"
+    return txt
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mgpu_kernels_cross_lower_for_h200(layout):
+    ba = 0 if layout == "block_first" else 1
+    big = (257, 4, 2, 8, 16, 128) if ba == 0 else (4, 257, 2, 8, 16, 128)
+    pool = S(big, jnp.bfloat16)
+    i32 = lambda *s: S(s, jnp.int32)  # noqa: E731
+    _lowered(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout), pool, i32(8, 32), i32(8))
+    txt = _lowered(functools.partial(write_pages.write_pages_mgpu, layer=3, layout=layout), pool,
+                   S((64, 2, 8, 128), jnp.bfloat16), i32(64), i32(64), donate=(0,))
+    assert "tf.aliasing_output" in txt  # the donated pool is updated in place
+    _lowered(functools.partial(copy_pages.gather_blocks_mgpu, block_axis=ba), pool, i32(16))
+    _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba), pool,
+             S((16, 4, 2, 8, 16, 128), jnp.bfloat16), i32(16), i32(16), donate=(0,))
+    # a [H, T, D] chunk over the shared-memory budget is split per head
+    wide = (33, 2, 2, 32, 64, 128) if ba == 0 else (2, 33, 2, 32, 64, 128)
+    _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba), S(wide, jnp.bfloat16),
+             S((4, 2, 2, 32, 64, 128), jnp.bfloat16), i32(4), i32(4))
+
+
+@pytest.mark.parametrize("q_len,heads,tpb", [(1, 8, 16), (4, 32, 16), (1, 8, 64), (2, 4, 128)])
+def test_mgpu_paged_attention_cross_lowers(q_len, heads, tpb):
+    """The wgmma kernel cannot run under the 0.12 GPU interpreter (no wgmma rule on CPU), so
+    CI checks that it lowers; benchmarks/gpu_check.sh checks its numbers on a GPU."""
+    pool = S((65, 2, 2, 2, tpb, 128), jnp.bfloat16)
+    fn = functools.partial(paged_attention.paged_attention_mgpu, layer=1, layout="block_first", scale=0.1, window=512)
+    _lowered(fn, S((4, q_len, heads, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32))
+    lf = S((2, 65, 2, 2, tpb, 128), jnp.float16)
+    _lowered(functools.partial(paged_attention.paged_attention_mgpu, layer=0, layout="layer_first", scale=0.1, window=7),
+             S((2, q_len, heads, 128), jnp.float16), lf, S((2, 8), jnp.int32), S((2,), jnp.int32))
+
+
+def test_mgpu_attention_rejects_unsupported_shapes():
+    assert not paged_attention.mgpu_supported(jnp.float32, 128, 16)
+    assert not paged_attention.mgpu_supported(jnp.bfloat16, 96, 16)
+    assert not paged_attention.mgpu_supported(jnp.bfloat16, 128, 4)
+    assert paged_attention.mgpu_supported(jnp.bfloat16, 128, 32)
+    with pytest.raises(ValueError, match="16-bit"):
+        paged_attention.paged_attention_mgpu(jnp.ones((1, 1, 2, 64)), jnp.ones((3, 1, 2, 2, 8, 64)), jnp.zeros((1, 2), jnp.int32),
+                                             jnp.ones((1,), jnp.int32), layer=0, layout="block_first", scale=1.0, window=8)
