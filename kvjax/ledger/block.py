@@ -46,7 +46,6 @@ class Block:
         "free_level",
         "free_priority",
         "placeholder",
-        "prev_in_seq",
     )
 
     def __init__(self, block_id: int, window: int, slot: int, level: int, placeholder: bool = False) -> None:
@@ -66,13 +65,20 @@ class Block:
         self.free_level = NOT_FREE
         self.free_priority = 0
         self.placeholder = placeholder
-        self.prev_in_seq: Block | None = None
 
     # ------------------------------------------------------------------ derived views
     @property
     def key(self) -> BlockKey | None:
         """Key of the tree node this block is attached to (None when not cached)."""
         return self.node.key if self.node is not None else None
+
+    @property
+    def prev_in_seq(self) -> Block | None:
+        """The block before this one in its cached sequence (its tree parent's block)."""
+        node = self.node
+        if node is None or node.parent is None:
+            return None
+        return node.parent.blocks.get(self.window)
 
     @property
     def is_cached(self) -> bool:

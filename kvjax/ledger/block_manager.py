@@ -23,21 +23,27 @@ from kvjax.ledger.sequence import Sequence
 from kvjax.ledger.transfer_plan import TransferRecorder
 from kvjax.ledger.window_manager import WindowBlockManager
 
-_new_key = tuple.__new__
-
-# One matched position: (block or None for an out-of-window placeholder, tokens matched).
-Entry = tuple[Block | None, int]
 
 
 @dataclasses.dataclass
 class WindowAdmission:
-    """What admission will do for one request in one window."""
+    """What admission will do for one request in one window.
 
-    entries: list[Entry]
+    `matched` holds the fully matched blocks from position 0 (None: a position a sliding
+    window does not need, left as a placeholder); `partial` the (block, tokens) matched in the
+    next position, if any; the remaining shared positions and per-beam blocks are allocated.
+    """
+
+    matched: list[Block | None]
+    partial: tuple[Block, int] | None
     num_shared: int  # context blocks shared by all beams
-    num_per_beam: int  # 1 when the last context block is allocated once per beam
-    missing_ends: list[int]  # end token of every position a sliding window lacks (SWA walk)
-    coverage: int  # tokens the walk matched
+    num_per_beam: int = 0  # 1 when the last context block is allocated once per beam
+    gap_ends: list[int] = dataclasses.field(default_factory=list)  # sliding window: end of each missing position
+    coverage: int = 0  # tokens matched
+
+    @property
+    def num_matched_positions(self) -> int:
+        return len(self.matched) + (self.partial is not None)
 
 
 @dataclasses.dataclass
@@ -67,64 +73,58 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission: plan
     def walk(self, wm: WindowBlockManager, seq: Sequence, usable: int, num_shared: int) -> WindowAdmission:
-        """One read-only tree walk matching the sequence's keys in one window."""
+        """One read-only tree walk matching the sequence's first `usable` tokens in one window."""
         tpb = self.tokens_per_block
-        cfg = self.config
-        partial_ok = cfg.enable_partial_reuse
-        skip_referenced = not cfg.copy_on_partial_reuse
         w = wm.window
         node = self.tree.root
-        entries: list[Entry] = []
-        missing: list[int] = []
-        coverage = 0
+        matched: list[Block | None] = []
+        gaps: list[int] = []
         tokens = seq.tokens
         plain = seq.extra_ids is None and not seq.mm_items  # key = tokens + lora + salt only
         lora, salt = seq.lora_task_id, seq.salt_id
         swa = wm.is_swa
-        for d in range(num_shared):
+        n_full = min(usable // tpb, num_shared)
+        d = 0
+        while d < n_full:
             start = d * tpb
-            end = start + tpb
-            if end > usable:
-                end = usable
-                if end <= start:
-                    break
             # a plain tuple equals (and hashes like) the BlockKey it mirrors: no key object needed
-            key = (tuple(tokens[start:end]), None, lora, salt, ()) if plain else seq.key(start, end)
+            key = (tuple(tokens[start : start + tpb]), None, lora, salt, ()) if plain else seq.key(start, start + tpb)
             child = node.children.get(key)
-            if child is not None:
-                blk = child.blocks.get(w)
-                if blk is not None and child.is_full:
-                    entries.append((blk, tpb))
-                    coverage += tpb
-                    node = child
-                    continue
-                if blk is None and swa:  # a gap a sliding window may not need
-                    entries.append((None, tpb))
-                    coverage += tpb
-                    missing.append(end)
-                    node = child
-                    continue
-            if partial_ok:
-                cand, n = self.tree.best_partial_child(node, BlockKey._make(key), w, skip_referenced)
-                if cand is not None:
-                    entries.append((cand.blocks[w], n))
-                    coverage += n
-            break
-        while entries and entries[-1][0] is None:  # a walk cannot end on a gap
-            entries.pop()
-            coverage -= tpb
-            missing.pop()
-        return WindowAdmission(entries, num_shared, 0, missing, coverage)
+            if child is None:
+                break
+            blk = child.blocks.get(w)
+            if blk is None:
+                if not swa:
+                    break
+                gaps.append(start + tpb)  # a gap a sliding window may not need
+            matched.append(blk)
+            node = child
+            d += 1
+        while matched and matched[-1] is None:  # a walk cannot end on a gap
+            matched.pop()
+            gaps.pop()
+        node_at = matched[-1].node if matched else self.tree.root
+        partial = None
+        d = len(matched)
+        start = d * tpb
+        end = min(start + tpb, usable)
+        if d < num_shared and end > start and self.config.enable_partial_reuse:
+            key = BlockKey._make((tuple(tokens[start:end]), None, lora, salt, ())) if plain else seq.key(start, end)
+            cand, n = self.tree.best_partial_child(node_at, key, w, not self.config.copy_on_partial_reuse)
+            if cand is not None:
+                partial = (cand.blocks[w], n)
+        coverage = len(matched) * tpb + (partial[1] if partial else 0)
+        return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage)
 
     def _safe(self, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
-        """Can `length` prepopulated tokens be reused in this window? Sliding windows need every
-        position inside the window before the reuse point to be real."""
+        """Can `length` prepopulated tokens be reused in this window? A sliding window needs
+        every position inside the window before the reuse point to be real."""
         if length > wa.coverage:
             return False
         if not wm.is_swa:
             return True
         last_gap = 0
-        for end in wa.missing_ends:
+        for end in wa.gap_ends:
             if end - self.tokens_per_block < length:
                 last_gap = end
         return last_gap == 0 or length >= last_gap + wm.window
@@ -135,89 +135,82 @@ class BlockManager:
         beam = seq.beam_width
         admission = Admission(seq, [])
         if self.is_cross:
-            for wm in self.windows:
-                admission.windows.append(WindowAdmission([], n_ctx, 0, [], 0))
+            admission.windows = [WindowAdmission([], None, n_ctx) for _ in self.windows]
             return admission
         if not self.reuse:
             shared = n_ctx if beam == 1 or seq.prompt_len % tpb == 0 else n_ctx - 1
-            for wm in self.windows:
-                admission.windows.append(WindowAdmission([], shared, 1 if shared < n_ctx else 0, [], 0))
+            admission.windows = [WindowAdmission([], None, shared, int(shared < n_ctx)) for _ in self.windows]
             return admission
         shared = n_ctx if beam == 1 else n_ctx - 1
         usable = seq.prompt_len - 1  # the last prompt token is always recomputed (its logits)
         was = [self.walk(wm, seq, usable, shared) for wm in self.windows]
-        length = min(usable, min(wa.coverage for wa in was))
+        length = min(wa.coverage for wa in was)
         while length > 0 and not all(self._safe(wm, wa, length) for wm, wa in zip(self.windows, was)):
             length = (length - 1) // tpb * tpb
         for wm, wa in zip(self.windows, was):
-            wa.num_per_beam = 1 if shared < n_ctx else 0
+            wa.num_per_beam = int(shared < n_ctx)
             if length < wa.coverage or wm.is_swa:
-                wa.entries = self._truncate(wm, wa.entries, length)
+                self._truncate(wm, wa, length)
         admission.windows = was
         admission.prepopulated = length
         return admission
 
-    def _truncate(self, wm: WindowBlockManager, entries: list[Entry], length: int) -> list[Entry]:
-        """Keep the matches inside the first `length` tokens (a straddled block becomes a
+    def _truncate(self, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> None:
+        """Keep the matches inside the first `length` tokens (a straddled full block becomes a
         partial match); a sliding window leaves positions it will never read as placeholders."""
         tpb = self.tokens_per_block
-        out: list[Entry] = []
-        for d, (blk, n) in enumerate(entries):
-            start = d * tpb
-            if start >= length:
-                break
-            out.append((blk, min(n, length - start)))
+        full, rest = divmod(length, tpb)
+        if full < len(wa.matched):
+            blk = wa.matched[full]
+            wa.partial = (blk, rest) if rest and blk is not None else None
+            del wa.matched[full:]
+        elif wa.partial is not None and rest < wa.partial[1]:
+            wa.partial = (wa.partial[0], rest) if rest else None
         if wm.is_swa:
             needed_from = length - wm.window + 1  # first key position the first new query sees
-            for d, (blk, n) in enumerate(out):
+            for d in range(len(wa.matched)):
                 if (d + 1) * tpb <= needed_from:
-                    out[d] = (None, n)
-        return out
+                    wa.matched[d] = None
+        wa.coverage = length
 
     def check_capacity(self, admissions: list[Admission]) -> dict[int, dict[Block, int | None]]:
         """Raise `OutOfBlocksError` unless every window can serve the whole batch; returns, per
         window, each partially matched block -> index of the request reusing it in place."""
-        tpb = self.tokens_per_block
         in_place_by_window: dict[int, dict[Block, int | None]] = {}
         for wm in self.windows:
-            full: dict[Block, None] = {}
-            partial: dict[Block, list[int]] = {}
+            idx = wm.index
             need = 0
+            partial: dict[Block, list[int]] = {}
             for i, adm in enumerate(admissions):
-                wa = adm.windows[wm.index]
-                for blk, n in wa.entries:
-                    if blk is None:
-                        continue
-                    if n == tpb:
-                        full[blk] = None
-                    else:
-                        partial.setdefault(blk, []).append(i)
-                need += (wa.num_shared - len(wa.entries)) + wa.num_per_beam * adm.seq.beam_width
+                wa = adm.windows[idx]
+                if wa.partial is not None:
+                    partial.setdefault(wa.partial[0], []).append(i)
+                need += wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width
+            # Matched blocks that are free leave the free pool: primary ones are held, secondary
+            # ones need an onboard target (referenced blocks are always primary).
+            if len(admissions) == 1:
+                free_matched = [b for b in admissions[0].windows[idx].matched if b is not None and not b.ref_count]
+            else:
+                free_matched = list(
+                    dict.fromkeys(b for adm in admissions for b in adm.windows[idx].matched if b is not None and not b.ref_count)
+                )
+            held = sum(1 for b in free_matched if b.level == PRIMARY)
+            need += len(free_matched) - held
             in_place: dict[Block, int | None] = {}
-            for blk, claimers in partial.items():
-                ok = blk not in full and blk.ref_count == 0 and wm.is_leaf(blk)
-                in_place[blk] = claimers[-1] if ok else None
-                need += len(claimers) - (1 if ok else 0)  # copies
-                if ok and blk.level == SECONDARY:
-                    need += 1  # onboard target
-            held = 0
-            for blk in full:
-                if blk.ref_count == 0:
-                    if blk.level == PRIMARY:
-                        held += 1
-                    else:
-                        need += 1  # onboard target
-                elif blk.level == SECONDARY:
-                    need += 1
-            for blk in partial:
-                if blk.ref_count == 0 and blk.level == PRIMARY and blk not in full:
-                    held += 1
+            if partial:
+                full = {b for adm in admissions for b in adm.windows[idx].matched} if len(admissions) > 1 else ()
+                for blk, claimers in partial.items():
+                    ok = blk not in full and blk.ref_count == 0 and wm.is_leaf(blk)
+                    in_place[blk] = claimers[-1] if ok else None
+                    need += len(claimers) - ok  # copies
+                    need += ok and blk.level == SECONDARY  # onboard target
+                    held += blk not in full and not blk.ref_count and blk.level == PRIMARY
             free = wm.num_free_primary - held
             if need > free:
                 raise OutOfBlocksError(
                     f"window {wm.window}: admission needs {need} free primary blocks, {free} available"
                 )
-            in_place_by_window[wm.index] = in_place
+            in_place_by_window[idx] = in_place
         return in_place_by_window
 
     # ------------------------------------------------------------------ admission: commit
@@ -229,83 +222,83 @@ class BlockManager:
             in_place = in_place_by_window[widx]
             c = wm.counters
             policy = wm.policy
-            # Phase A: take every matched block that is free out of the free queues, so no
-            # allocation below can evict a block some request of the batch reuses or copies.
+            take = policy.take
             held: list[Block] = []
-            for adm in admissions:
-                for blk, _ in adm.windows[widx].entries:
-                    if blk is not None and blk.free_level >= 0:
-                        policy.take(blk)
-                        held.append(blk)
-            # Phase B: per request, in order: claim, onboard, copy or reuse in place, allocate.
+            if len(admissions) > 1:
+                # Take every matched free block out of the queues first, so no allocation of
+                # an earlier request can evict a block a later request reuses or copies.
+                for adm in admissions:
+                    wa = adm.windows[widx]
+                    for blk in wa.matched + [wa.partial[0] if wa.partial else None]:
+                        if blk is not None and blk.free_level >= 0:
+                            take(blk)
+                            held.append(blk)
             for i, adm in enumerate(admissions):
                 seq = adm.seq
                 wa = adm.windows[widx]
                 sw = seq.windows[widx]
                 before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
-                single = seq.beam_width == 1
-                retention = seq.retention is not None
-                beam0, slots0 = sw.beams[0], sw.slots[0]
-                cursor = None
-                for d, (blk, n) in enumerate(wa.entries):
+                matched = wa.matched
+                # full matches: claim (keeping a cached block's priority unless the request
+                # states one), onboard secondary ones, then append to every beam
+                gaps = 0
+                for blk in matched:
                     if blk is None:
-                        wm.append_placeholder(sw)
-                        sw.num_front_removed = d + 1
+                        gaps += 1
                         continue
-                    if n == tpb:
-                        if retention:
-                            prio, dur = seq.block_priority(d, tpb)
+                    if blk.free_level >= 0:
+                        take(blk)
+                    blk.ref_count += 1
+                    blk.duration = None
+                    if blk.level:
+                        wm.onboard(blk)
+                if seq.retention is not None and matched:
+                    seq.block_priority(0, tpb)  # builds the per-block retention table
+                    for blk, (prio, dur) in zip(matched, seq.context_retention):
+                        if blk is not None:
+                            blk.duration = dur
                             if prio is not None and prio != blk.priority:
                                 wm.set_priority(blk, prio)
-                            blk.duration = dur
-                        else:
-                            blk.duration = None
+                c.reused_full += len(matched) - gaps
+                if gaps:
+                    ph = wm.placeholder
+                    matched = [ph if b is None else b for b in matched]
+                    sw.num_front_removed = max(d + 1 for d, b in enumerate(wa.matched) if b is None)
+                wm.extend_blocks(sw, matched)
+                if matched and matched[-1].node is not None:  # storing resumes after the matched chain
+                    sw.store_node, sw.store_depth = matched[-1].node, len(matched)
+                if wa.partial is not None:
+                    blk, n = wa.partial
+                    prio, dur = seq.block_priority(len(matched), tpb)
+                    if in_place.get(blk) == i:
+                        wm.drop_cached(blk, evicted=False)
+                        take(blk)
+                        blk.priority = DEFAULT_PRIORITY if prio is None else prio
+                        blk.duration = dur
                         blk.ref_count += 1
-                        if blk.level == SECONDARY:
+                        if blk.level:
                             wm.onboard(blk)
-                        c.reused_full += 1
-                        if cursor is None or cursor[1] == d:
-                            cursor = (blk.node, d + 1)
                     else:
-                        prio, dur = seq.block_priority(d, tpb)
-                        if in_place.get(blk) == i:
-                            wm.drop_cached(blk, evicted=False)
-                            policy.claim(blk, DEFAULT_PRIORITY if prio is None else prio, dur)
-                            blk.ref_count += 1
-                            if blk.level == SECONDARY:
-                                wm.onboard(blk)
-                        else:
-                            blk = wm.copy_prefix(blk, n, prio, dur)
-                            blk.ref_count += 1
-                        c.reused_partial += 1
-                    if single:
-                        blk.prev_in_seq = beam0[-1] if beam0 else None
-                        beam0.append(blk)
-                        slots0.append(blk.slot)
-                    else:
-                        wm.append_block(sw, blk)
-                if cursor is not None:  # the matched chain is in the tree: storing starts after it
-                    sw.store_node, sw.store_depth = cursor
-                for d in range(len(wa.entries), wa.num_shared):
+                        if blk.free_level >= 0:  # keep the source alive while copying it
+                            take(blk)
+                            held.append(blk)
+                        blk = wm.copy_prefix(blk, n, prio, dur)
+                        blk.ref_count += 1
+                    c.reused_partial += 1
+                    wm.extend_blocks(sw, [blk])
+                for d in range(wa.num_matched_positions, wa.num_shared):
                     prio, dur = seq.block_priority(d, tpb)
                     blk = wm.get_free_block(prio, dur)
                     blk.ref_count += 1
-                    if single:
-                        blk.prev_in_seq = beam0[-1] if beam0 else None
-                        beam0.append(blk)
-                        slots0.append(blk.slot)
-                    else:
-                        wm.append_block(sw, blk)
-                    if reuse:
-                        c.missed += 1
+                    wm.extend_blocks(sw, [blk])
+                if reuse:
+                    c.missed += wa.num_shared - wa.num_matched_positions + wa.num_per_beam
                 if wa.num_per_beam:
                     prio, dur = seq.block_priority(wa.num_shared, tpb)
                     for b in range(seq.beam_width):
                         blk = wm.get_free_block(prio, dur)
                         blk.ref_count += 1
-                        wm.append_block(sw, blk, beam=b)
-                    if reuse:
-                        c.missed += 1
+                        wm.extend_blocks(sw, [blk], beam=b)
                 after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
                 for k in range(4):
                     adm.deltas[k] += after[k] - before[k]
@@ -330,12 +323,13 @@ class BlockManager:
             if per_token == 1:
                 blk = wm.get_free_block(prio, dur)
                 blk.ref_count += 1
-                wm.append_block(sw, blk)
+                sw.beams[0].append(blk)
+                sw.slots[0].append(blk.slot)
             else:
                 for b in range(per_token):
                     blk = wm.get_free_block(prio, dur)
                     blk.ref_count += 1
-                    wm.append_block(sw, blk, beam=b)
+                    wm.extend_blocks(sw, [blk], beam=b)
             wm.counters.gen_alloc += per_token
 
     def detach_out_of_window(self, seq: Sequence) -> None:

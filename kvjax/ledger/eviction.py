@@ -121,6 +121,22 @@ class LRUEvictionPolicy:
         self._remove(block)
         self._push(block, block.level, block.priority, False)
 
+    def release_many(self, blocks: list[Block]) -> None:
+        """`release` for a run of blocks (a finished sequence), with the loop kept local."""
+        queues, nonempty, num_free = self.queues, self.nonempty, self.num_free
+        for block in blocks:
+            level = block.level
+            priority = block.priority
+            queues[level][priority][block] = None
+            nonempty[level] |= 1 << priority
+            num_free[level] += 1
+            block.free_level = level
+            block.free_priority = priority
+            if block.duration is not None and priority != DEFAULT_PRIORITY:
+                block.expiry = self.clock() + block.duration
+                block.heap_token += 1
+                heapq.heappush(self._heap, (block.expiry, next(self._counter), block.heap_token, block))
+
     def refresh(self) -> int:
         """Move free blocks whose retention expired to the back of the default queue."""
         now = self.clock()

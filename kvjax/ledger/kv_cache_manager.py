@@ -161,6 +161,7 @@ class KVCacheManager:
             seq = adm.seq
             reused, missed, total, new = adm.deltas
             seq.stats = RequestStats(reused, missed, total, new, hit_rate(reused, missed), adm.prepopulated)
+            self._update_slow_at(seq)
             self._seqs[seq.request_id] = seq
             out.append(adm.prepopulated)
         return out
@@ -172,15 +173,22 @@ class KVCacheManager:
             seq = self._seqs[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+        n = seq.num_tokens + 1
+        if n < seq.slow_at and type(token) is int and 0 <= token <= _MAX_TOKEN_ID:
+            seq.tokens.append(token)  # nothing to allocate or detach before `slow_at`
+            seq.num_tokens = n
+            return
+        self._add_token_slow(seq, token, n)
+
+    def _add_token_slow(self, seq: Sequence, token, n: int) -> None:
+        if seq.is_cross:
+            raise InvalidRequestError("a cross-attention cache does not grow token by token")
         if type(token) is not int or seq.beam_width != 1:
             token = self._beam_token(seq, token)
         elif not 0 <= token <= _MAX_TOKEN_ID:
             raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
-        if seq.is_cross:
-            raise InvalidRequestError("a cross-attention cache does not grow token by token")
-        n = seq.num_tokens + 1
         if n > self._max_seq_len:
-            raise InvalidRequestError(f"request {request_id!r} would exceed max_seq_len={self._max_seq_len}")
+            raise InvalidRequestError(f"request {seq.request_id!r} would exceed max_seq_len={self._max_seq_len}")
         if (n - 1) % self._tpb == 0:
             self._bm.grow(seq, (n - 1) // self._tpb)
         seq.tokens.append(token)
@@ -189,6 +197,19 @@ class KVCacheManager:
         seq.num_tokens = n
         if self._has_swa:
             self._bm.detach_out_of_window(seq)
+        self._update_slow_at(seq)
+
+    def _update_slow_at(self, seq: Sequence) -> None:
+        """Next token count at which `add_token` must allocate or detach a block."""
+        if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
+            seq.slow_at = 0
+            return
+        tpb = self._tpb
+        at = min(len(seq.windows[0].beams[0]) * tpb + 1, self._max_seq_len + 1)
+        for wm in self._bm.windows:
+            if wm.is_swa:
+                at = min(at, wm.window + (seq.windows[wm.index].num_front_removed + 1) * tpb)
+        seq.slow_at = at
 
     def _beam_token(self, seq: Sequence, token) -> int:
         if seq.beam_width == 1 and hasattr(token, "__index__") and not isinstance(token, bool):
@@ -261,6 +282,7 @@ class KVCacheManager:
             del seq.extra_ids[new_n:]
         seq.num_tokens = new_n
         seq.context_position = min(seq.context_position, new_n)
+        self._update_slow_at(seq)
 
     def set_context_position(self, request_id: Hashable, position: int) -> None:
         """Chunked prefill: the first `position` tokens have their KV materialised."""

@@ -65,11 +65,12 @@ class Sequence:
         "max_new_tokens",
         "num_draft_tokens",
         "context_position",
-        "_context_retention",
+        "context_retention",
         "prepopulated",
         "is_cross",
         "windows",
         "stats",
+        "slow_at",
     )
 
     def __init__(self, request: Request, num_windows: int, is_cross: bool) -> None:
@@ -91,7 +92,10 @@ class Sequence:
         self.prepopulated = 0
         self.windows = [SequenceWindow(self.beam_width) for _ in range(num_windows)]
         self.stats = None
-        self._context_retention: list | None = None
+        self.context_retention: list | None = None
+        # `add_token` takes its fast path (append only) while the new token count stays below
+        # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
+        self.slow_at = 0
 
     # ------------------------------------------------------------------ keys
     def key(self, start: int, end: int) -> BlockKey:
@@ -123,9 +127,9 @@ class Sequence:
             return None, None
         if block_index * tokens_per_block >= self.prompt_len:
             return r.decode_priority, r.decode_duration_s
-        table = self._context_retention
+        table = self.context_retention
         if table is None:
-            table = self._context_retention = self._retention_table(tokens_per_block)
+            table = self.context_retention = self._retention_table(tokens_per_block)
         return table[block_index]
 
     def _retention_table(self, tpb: int) -> list[tuple[int | None, float | None]]:

@@ -96,9 +96,13 @@ class WindowBlockManager:
     def drop_cached(self, block: Block, evicted: bool = True) -> None:
         """Take `block`'s content out of the tree (true priority eviction: only this block;
         its descendants keep their own queue positions)."""
+        node = block.node
         if self.events is not None:
-            self.events.removed(self.window, block.node.hash)
-        self.tree.detach(block)
+            self.events.removed(self.window, node.hash)
+        del node.blocks[self.window]
+        block.node = None
+        if not node.blocks and not node.children:
+            self.tree._prune(node)
         if evicted:
             self.counters.evicted += 1
 
@@ -164,21 +168,17 @@ class WindowBlockManager:
         block.priority = priority
 
     # ------------------------------------------------------------------ sequence block lists
-    def append_block(self, sw: SequenceWindow, block: Block, beam: int | None = None) -> None:
-        """Append a referenced block to one beam (or, with `beam=None`, share it with all)."""
-        beams, slots = sw.beams, sw.slots
-        targets = range(len(beams)) if beam is None else (beam,)
-        for b in targets:
-            lst = beams[b]
-            block.prev_in_seq = lst[-1] if lst else None
-            lst.append(block)
-            slots[b].append(block.slot)
-
-    def append_placeholder(self, sw: SequenceWindow) -> None:
-        ph = self.placeholder
+    def extend_blocks(self, sw: SequenceWindow, blocks: list[Block], beam: int | None = None) -> None:
+        """Append referenced blocks (or placeholders) to one beam, or with `beam=None` share them
+        with every beam. Slots are mirrored for block tables (placeholders -> null slot)."""
+        slots = [b.slot for b in blocks]
+        if beam is not None:
+            sw.beams[beam].extend(blocks)
+            sw.slots[beam].extend(slots)
+            return
         for b in range(len(sw.beams)):
-            sw.beams[b].append(ph)
-            sw.slots[b].append(self.null_slot)
+            sw.beams[b].extend(blocks)
+            sw.slots[b].extend(slots)
 
     def release_block(self, block: Block, to_front: bool = False) -> None:
         block.ref_count -= 1
@@ -188,15 +188,16 @@ class WindowBlockManager:
     def release_sequence(self, sw: SequenceWindow) -> None:
         """Drop the sequence's references, last block first (so LRU evicts tails first)."""
         beams = sw.beams
-        policy = self.policy
         if len(beams) == 1:
+            freed = []
             for blk in reversed(beams[0]):
                 if blk.placeholder:
                     continue
                 rc = blk.ref_count - 1
                 blk.ref_count = rc
                 if rc == 0:
-                    policy.release(blk)
+                    freed.append(blk)
+            self.policy.release_many(freed)
             return
         for pos in range(len(beams[0]) - 1, -1, -1):
             seen = []
