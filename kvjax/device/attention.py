@@ -52,6 +52,7 @@ def dense_attention(q, k, v, seq_lens, *, scale: float, window: int):
 
 def _attention_xla(q, arr, meta, layer, block_table, seq_lens, scale, window):
     fields = _gather_xla(arr, meta, layer, block_table, seq_lens)  # F x [B, S, Hkv, D]
+    q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)  # query heads follow their kv heads
     k = fields[0]
     v = fields[1] if len(fields) == 2 else fields[0]
     return dense_attention(q, k, v, seq_lens, scale=scale, window=window)
@@ -66,6 +67,7 @@ def _attention_pallas(q, arr, meta, layer, block_table, seq_lens, scale, window)
         rep = jax.sharding.PartitionSpec()
         qspec = shd.head_sharded_spec(4, 2, meta.kv_axes)
         fn = shd.shard_map(fn, meta.mesh, in_specs=(qspec, shd.pool_spec(meta.kv_axes), rep, rep), out_specs=qspec)
+        q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)
     return fn(q, arr, block_table, seq_lens)
 
 

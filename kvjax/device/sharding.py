@@ -76,3 +76,15 @@ def shard_map(fn, mesh: Mesh, in_specs, out_specs):
     from jax.experimental.shard_map import shard_map as legacy  # pragma: no cover - old jax
 
     return legacy(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def constrain_heads(x, mesh: Mesh | None, axes: tuple[str, ...] | None, head_axis: int):
+    """Shard `x`'s head axis like the pools (a no-op without a mesh). Explicit meshes need a
+    `reshard` (they refuse to mix shardings silently), auto meshes take a constraint."""
+    if mesh is None:
+        return x
+    sharding = NamedSharding(mesh, head_sharded_spec(x.ndim, head_axis, axes))
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -53,6 +53,7 @@ def _write_pallas(arr, meta: PoolMeta, layer: int, k, v, slot_mapping):
             in_specs=(shd.pool_spec(meta.kv_axes), shd.head_sharded_spec(4, 2, meta.kv_axes), rep, rep),
             out_specs=shd.pool_spec(meta.kv_axes),
         )
+        kv = shd.constrain_heads(kv, meta.mesh, meta.kv_axes, 2)
     return fn(arr, kv, slot, off)
 
 
