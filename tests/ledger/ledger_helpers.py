@@ -1,0 +1,134 @@
+"""Shared helpers of the ledger tests: tiny configs, a fake clock, queue/tree inspection and
+a slot-content model that replays `TransferPlan`s op by op.
+
+Only public API plus the documented inspection handle `KVCacheManager.block(id, window)` is
+used to read results; free-queue order is read from the eviction policy because SPEC §3 pins
+it ("never-used before released, release to the back, last block first") and no public query
+exposes it.
+"""
+from __future__ import annotations
+
+from kvjax import CacheConfig, KVCacheManager, TransferKind
+from kvjax.ledger import cache_salt_id
+
+TPB = 4
+
+
+def make_config(**overrides) -> CacheConfig:
+    """One window, one layer, one pool: tokens_per_block 4, 8 primary blocks, max_seq_len 64."""
+    base = dict(
+        tokens_per_block=TPB,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        max_seq_len=64,
+        primary_blocks=8,
+    )
+    base.update(overrides)
+    return CacheConfig(**base)
+
+
+def make_manager(clock=None, **overrides) -> KVCacheManager:
+    cfg = make_config(**overrides)
+    return KVCacheManager(cfg) if clock is None else KVCacheManager(cfg, clock=clock)
+
+
+class FakeClock:
+    """Injectable monotonic clock (seconds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def _wm(m: KVCacheManager, window: int | None):
+    windows = m._bm.windows
+    if window is None:
+        assert len(windows) == 1
+        return windows[0]
+    return windows[m._bm.window_index[window]]
+
+
+def free_order(m: KVCacheManager, window: int | None = None, level: int = 0) -> list[int]:
+    """Ids of the free blocks of `level` in eviction order (lowest priority first, LRU first)."""
+    return [b.block_id for b in _wm(m, window).policy.free_blocks(level)]
+
+
+def free_queue(m: KVCacheManager, priority: int, window: int | None = None, level: int = 0) -> list[int]:
+    return [b.block_id for b in _wm(m, window).policy.queues[level][priority]]
+
+
+def cached_ids(m: KVCacheManager, window: int | None = None) -> set[int]:
+    """Ids of the blocks of `window` attached to the radix tree."""
+    wm = _wm(m, window)
+    return {b.block_id for b in wm.blocks if b.node is not None}
+
+
+def cached_tokens(m: KVCacheManager, block_id: int, window: int | None = None) -> tuple[int, ...] | None:
+    """The full token path (prefix + own key tokens) a cached block stands for."""
+    blk = m.block(block_id, window)
+    if blk.node is None:
+        return None
+    toks: list[int] = []
+    for key in m._bm.tree.path_keys(blk.node):
+        toks.extend(key.tokens)
+    return tuple(toks)
+
+
+def plan_ops(m: KVCacheManager) -> list[tuple[str, int, int, int, int]]:
+    """`take_transfers()` as readable tuples (kind name, pool, src, dst, num_tokens)."""
+    return [(TransferKind(op.kind).name, op.pool, op.src, op.dst, op.num_tokens) for op in m.take_transfers()]
+
+
+# --------------------------------------------------------------------------- slot-content model
+def tag(lora, salt_id, tokens, i, extra=None):
+    """What position i of a sequence's KV depends on: every earlier token and the isolation keys."""
+    return (lora, salt_id, tuple(tokens[: i + 1]), None if extra is None else tuple(extra[: i + 1]))
+
+
+class SlotModel:
+    """Per pool, the content of every primary and secondary slot: one tag per token position
+    (None = never written / undefined). `apply` replays a `TransferPlan` with the semantics of
+    kvjax/ledger/transfer_plan.py; `write` is what a model forward does to the slot table."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.tpb = config.tokens_per_block
+        self.primary = {p.index: [[None] * self.tpb for _ in range(p.num_slots)] for p in config.pools}
+        self.secondary = {p.index: [[None] * self.tpb for _ in range(max(p.secondary_blocks, 0))] for p in config.pools}
+
+    def apply(self, plan) -> None:
+        tpb = self.tpb
+        for op in plan:
+            kind, pool, src, dst, n = TransferKind(op.kind), op.pool, op.src, op.dst, op.num_tokens
+            pspec = self.config.pools[pool]
+            assert 1 <= n <= tpb, op
+            if kind is TransferKind.OFFLOAD:
+                assert n == tpb, op
+                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.secondary_blocks, op
+                self.secondary[pool][dst] = list(self.primary[pool][src])
+            elif kind is TransferKind.ONBOARD:
+                assert 0 <= src < pspec.secondary_blocks and 0 <= dst < pspec.primary_blocks, op
+                self.primary[pool][dst] = list(self.secondary[pool][src][:n]) + [None] * (tpb - n)
+            else:
+                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.primary_blocks and src != dst, op
+                self.primary[pool][dst] = list(self.primary[pool][src][:n]) + [None] * (tpb - n)
+
+    def write(self, window: int, slot: int, offset: int, value) -> None:
+        for p in self.config.pools:
+            if p.window == window:
+                assert slot != p.null_slot, "a forward would write into the null slot"
+                self.primary[p.index][slot][offset] = value
+
+    def read(self, window: int, level: int, slot: int) -> list:
+        pool = self.config.window_pools[window][0]
+        return (self.primary if level == 0 else self.secondary)[pool][slot]
+
+
+def salt(s):
+    return cache_salt_id(s)
