@@ -1,0 +1,511 @@
+"""Scenario tests pinning the ledger's exact behaviour on tiny pools (tokens_per_block 4).
+
+Every number is derived by hand from SPEC §3 / trtllm.md and the design decisions of issue 2:
+fresh blocks come in ascending id order, never-used before released; release goes to the back
+of the block's priority queue, last block of a sequence first; rewind releases to the front; a
+cached block is one attached to the radix tree; the eviction victim is the front of the lowest
+non-empty priority queue and only it leaves the tree.
+"""
+import numpy as np
+import pytest
+
+from kvjax import (
+    KVCacheManager,
+    MultimodalItem,
+    Request,
+    RetentionConfig,
+    TokenRangeRetention,
+    TransferKind,
+)
+from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData
+from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id
+from kvjax.offsets import kvcache_index_offsets
+from ledger_helpers import (
+    FakeClock,
+    cached_ids,
+    cached_tokens,
+    free_order,
+    free_queue,
+    make_config,
+    make_manager,
+    plan_ops,
+)
+
+PH = PLACEHOLDER_BLOCK_ID
+R = range
+
+
+def toks(*parts):
+    out = []
+    for p in parts:
+        out.extend(p if not isinstance(p, int) else [p])
+    return out
+
+
+def stored_chain(m, prompt_len, max_new=0, rid="seed", **kw):
+    """Admit a request with tokens 0..prompt_len-1 and remove it (storing it for reuse)."""
+    m.add_sequence(Request(rid, list(R(prompt_len)), max_new_tokens=max_new, **kw))
+    m.remove_sequence(rid)
+
+
+# =========================================================================== basic life cycle
+def test_basic_add_grow_remove():
+    m = make_manager()
+    assert m.add_sequence(Request("a", list(R(10)), max_new_tokens=6)) == 0  # empty cache
+    assert m.block_ids("a") == [[0, 1, 2]]  # ceil(10/4) blocks, ascending ids
+    assert (m.num_free_blocks(), m.num_allocated_blocks()) == (5, 3)
+    m.add_token("a", 10)
+    m.add_token("a", 11)  # positions 10, 11 still fit block 2
+    assert m.block_ids("a") == [[0, 1, 2]] and m.num_free_blocks() == 5
+    m.add_token("a", 12)  # position 12 starts block 3
+    assert m.block_ids("a") == [[0, 1, 2, 3]] and m.num_free_blocks() == 4
+    np.testing.assert_array_equal(m.block_table(["a"]), [[0, 1, 2, 3]])
+    m.verify_integrity()
+    m.remove_sequence("a")
+    # remove stores num_tokens - 1 = 12 tokens: three full blocks; block 3 holds no usable token
+    assert cached_ids(m) == {0, 1, 2}
+    assert cached_tokens(m, 2) == tuple(R(12))
+    # never-used blocks first, then released ones, last block of the sequence first
+    assert free_order(m) == [4, 5, 6, 7, 3, 2, 1, 0]
+    assert m.num_free_blocks() == 8 and m.num_allocated_blocks() == 0
+    assert len(m.take_transfers()) == 0
+    m.verify_integrity()
+
+
+def test_fresh_blocks_never_used_before_released():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(8))))
+    m.remove_sequence("a", store_for_reuse=False)
+    assert free_order(m) == [2, 3, 4, 5, 6, 7, 1, 0]
+    m.add_sequence(Request("b", list(R(100, 120))))  # 5 blocks
+    assert m.block_ids("b") == [[2, 3, 4, 5, 6]]
+    m.add_sequence(Request("c", list(R(200, 208))))
+    assert m.block_ids("c") == [[7, 1]]  # then the released ones, in release order
+
+
+# =========================================================================== reuse
+def test_reuse_of_a_stored_prefix():
+    m = make_manager()
+    stored_chain(m, 13)  # stores 12 tokens: blocks 0, 1, 2 full
+    # same 13-token prompt: usable = 12 -> keys [0..3], [4..7], [8..11] + an empty trailing key
+    assert m.add_sequence(Request("b", list(R(13)))) == 12
+    # the empty trailing key keeps ceil(13/4) = 4 positions; it is a miss: the next fresh block
+    assert m.block_ids("b") == [[0, 1, 2, 4]]
+    s = m.request_stats("b")
+    assert (s.reused_blocks, s.missed_blocks, s.alloc_total_blocks, s.alloc_new_blocks) == (3, 1, 1, 1)
+    assert s.cache_hit_rate == pytest.approx(3 / 4) and s.prepopulated_tokens == 12
+    assert len(m.take_transfers()) == 0  # full matches in primary memory move no data
+
+
+def test_last_prompt_token_never_reused():
+    m = make_manager()
+    stored_chain(m, 13)
+    # 12-token prompt identical to the cached 12 tokens: usable = 11, so block 2 matches only
+    # 3 tokens; it is a free leaf, reused in place (partial match, SPEC §3)
+    assert m.add_sequence(Request("b", list(R(12)))) == 11
+    assert m.block_ids("b") == [[0, 1, 2]]
+    assert 2 not in cached_ids(m)  # in-place partial reuse detaches the block from the tree
+    assert cached_ids(m) == {0, 1}
+    assert len(m.take_transfers()) == 0
+    s = m.request_stats("b")
+    assert (s.reused_blocks, s.missed_blocks) == (3, 0)
+
+
+def test_prompt_of_one_block_plus_one_token():
+    # prompt_len % tpb == 1: 5 tokens -> usable 4 -> one full key + the empty trailing key
+    m = make_manager()
+    stored_chain(m, 5)  # stores 4 tokens: block 0
+    assert cached_ids(m) == {0}
+    assert m.add_sequence(Request("b", list(R(5)))) == 4
+    assert m.block_ids("b") == [[0, 2]]  # free order was [2..7, 1, 0]; block 0 held by the match
+    assert m.request_stats("b").missed_blocks == 1
+
+
+def test_single_token_prompt_reuses_nothing():
+    m = make_manager()
+    stored_chain(m, 5)
+    assert m.add_sequence(Request("b", [0])) == 0  # usable 0
+    assert m.block_ids("b") == [[2]]
+
+
+def test_partial_reuse_copies_a_referenced_block():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(13))))
+    m.store_context_blocks("a")  # stores min(13 - 1, 13) = 12 tokens: blocks 0, 1, 2
+    assert cached_ids(m) == {0, 1, 2}
+    # b diverges inside block 2 after 2 tokens: blocks 0, 1 full, block 2 partial (2 tokens)
+    b = Request("b", toks(R(10), 99, 98))
+    assert m.add_sequence(b) == 10
+    # block 2 is referenced by a: copied into a fresh block (the next never-used: 4)
+    assert m.block_ids("b") == [[0, 1, 4]]
+    assert plan_ops(m) == [("COPY", 0, 2, 4, 2)]  # slots == ids here: nothing was offloaded
+    assert cached_ids(m) == {0, 1, 2}  # the source stays cached; the copy is private
+    s = m.request_stats("b")
+    assert (s.reused_blocks, s.missed_blocks, s.alloc_total_blocks, s.alloc_new_blocks) == (3, 0, 1, 1)
+    assert (m.num_free_blocks(), m.num_allocated_blocks()) == (3, 5)
+
+
+def test_partial_reuse_copies_a_free_non_leaf():
+    m = make_manager()
+    stored_chain(m, 13)  # chain 0 -> 1 -> 2, all free
+    # b matches block 0 fully and 2 tokens of block 1, which has a cached child (block 2)
+    assert m.add_sequence(Request("b", toks(R(6), 70, 71, 72))) == 6
+    assert m.block_ids("b") == [[0, 4, 5]]  # copy target 4, then the third block 5
+    assert plan_ops(m) == [("COPY", 0, 1, 4, 2)]
+    assert cached_ids(m) == {0, 1, 2}
+    # the copy source went back to the free queue: only b's blocks are allocated
+    assert m.num_allocated_blocks() == 3
+
+
+def test_partial_reuse_in_place_on_a_free_leaf():
+    m = make_manager()
+    stored_chain(m, 13)
+    assert m.add_sequence(Request("b", toks(R(10), 99, 98))) == 10
+    assert m.block_ids("b") == [[0, 1, 2]]  # block 2: free leaf -> reused in place
+    assert len(m.take_transfers()) == 0
+    assert cached_ids(m) == {0, 1}
+
+
+def test_copy_on_partial_reuse_false_turns_referenced_partials_into_misses():
+    m = make_manager(copy_on_partial_reuse=False)
+    m.add_sequence(Request("a", list(R(13))))
+    m.store_context_blocks("a")
+    assert m.add_sequence(Request("b", toks(R(10), 99, 98))) == 8  # block 2 (referenced) skipped
+    assert m.block_ids("b") == [[0, 1, 4]]
+    assert len(m.take_transfers()) == 0
+    s = m.request_stats("b")
+    assert (s.reused_blocks, s.missed_blocks) == (2, 1)
+
+
+def test_copy_on_partial_reuse_false_still_copies_free_non_leaf_and_reuses_free_leaf():
+    m = make_manager(copy_on_partial_reuse=False)
+    stored_chain(m, 13)
+    assert m.add_sequence(Request("b", toks(R(6), 70, 71, 72))) == 6  # block 1: free, not a leaf
+    assert plan_ops(m) == [("COPY", 0, 1, 4, 2)]
+    assert m.add_sequence(Request("c", toks(R(9), 99))) == 9  # block 2: free leaf -> in place
+    assert m.block_ids("c") == [[0, 1, 2]]
+    assert len(m.take_transfers()) == 0
+
+
+def test_enable_partial_reuse_false():
+    m = make_manager(enable_partial_reuse=False)
+    stored_chain(m, 13)
+    assert m.add_sequence(Request("b", toks(R(10), 99, 98))) == 8  # only full blocks
+    assert m.block_ids("b") == [[0, 1, 4]]
+    assert cached_ids(m) == {0, 1, 2}
+    # the 12-token prompt's usable 11 tokens cover block 2 only partially: a miss as well
+    assert m.add_sequence(Request("c", list(R(12)))) == 8
+    assert m.block_ids("c") == [[0, 1, 5]]
+    assert len(m.take_transfers()) == 0
+
+
+def test_reuse_disabled():
+    m = make_manager(enable_block_reuse=False)
+    stored_chain(m, 13)
+    assert cached_ids(m) == set()
+    assert m.add_sequence(Request("b", list(R(13)))) == 0
+    assert m.block_ids("b") == [[4, 5, 6, 7]]
+    m.store_context_blocks("b")
+    m.store_new_block("b")
+    assert m.store_blocks_for_reuse("b") == [4, 5, 6, 7]
+    assert cached_ids(m) == set()
+    st = m.stats()
+    assert (st.reused_blocks, st.missed_blocks, st.cache_hit_rate) == (0, 0, 0.0)
+    s = m.analyze_prefix_reuse(Request("x", list(R(13))))
+    assert (s.reusable_blocks_all, s.total_matched_tokens) == (0, 0)
+
+
+# =========================================================================== batch admission
+def test_batch_two_partial_claimers_last_in_place_earlier_copies():
+    m = make_manager()
+    stored_chain(m, 13)  # chain 0 -> 1 -> 2 (block 2 = tokens 8..11), free
+    b = Request("b", list(R(10)))  # usable 9: block 2 partially, 1 token
+    c = Request("c", list(R(11)))  # usable 10: block 2 partially, 2 tokens
+    assert m.add_sequences([b, c]) == [9, 10]
+    assert m.block_ids("b") == [[0, 1, 4]]  # earlier claimer copies (fresh block 4)
+    assert m.block_ids("c") == [[0, 1, 2]]  # last partial claimer of the free leaf: in place
+    assert plan_ops(m) == [("COPY", 0, 2, 4, 1)]
+    assert cached_ids(m) == {0, 1}
+    m.verify_integrity()
+
+
+def test_single_adds_in_sequence_differ_from_batch():
+    # without batching, the first request takes the free leaf in place and the second misses it
+    m = make_manager()
+    stored_chain(m, 13)
+    assert m.add_sequence(Request("b", list(R(10)))) == 9
+    assert m.add_sequence(Request("c", list(R(11)))) == 8  # block 2 left the tree
+    assert m.block_ids("b") == [[0, 1, 2]] and m.block_ids("c") == [[0, 1, 4]]
+
+
+def test_batch_full_match_beats_partial_claim():
+    m = make_manager()
+    stored_chain(m, 13)
+    b = Request("b", list(R(10)))  # partial on block 2
+    c = Request("c", list(R(14)))  # usable 13: full match of block 2, then a miss for [12, 13]
+    assert m.add_sequences([b, c]) == [9, 12]
+    assert m.block_ids("b") == [[0, 1, 4]]  # block 2 fully matched by c: b copies
+    assert m.block_ids("c") == [[0, 1, 2, 5]]
+    assert plan_ops(m) == [("COPY", 0, 2, 4, 1)]
+    assert cached_ids(m) == {0, 1, 2}
+
+
+def test_batch_shares_blocks_stored_by_nobody_yet():
+    # two identical new prompts in one batch: nothing cached, both allocate their own blocks
+    m = make_manager()
+    assert m.add_sequences([Request("b", list(R(6))), Request("c", list(R(6)))]) == [0, 0]
+    assert m.block_ids("b") == [[0, 1]] and m.block_ids("c") == [[2, 3]]
+
+
+# =========================================================================== eviction and retention
+def retention(*ranges, decode_priority=35, decode_duration_s=None):
+    return RetentionConfig(tuple(TokenRangeRetention(*r) for r in ranges), decode_priority, decode_duration_s)
+
+
+def test_true_priority_eviction_children_stay_cached():
+    m = make_manager()
+    # block 0 (first token 0) at priority 10, blocks 1.. at 80
+    stored_chain(m, 13, retention=retention((0, 4, 10), (4, None, 80)))
+    assert [m.priority_of_block(i) for i in R(4)] == [10, 80, 80, 80]
+    assert free_queue(m, 10) == [0] and free_queue(m, 80) == [3, 2, 1]
+    assert free_order(m) == [0, 4, 5, 6, 7, 3, 2, 1]  # lowest queue first, LRU inside
+    m.add_sequence(Request("x", list(R(100, 104))))  # one block: the victim is block 0
+    assert m.block_ids("x") == [[0]]
+    assert m.request_stats("x").alloc_new_blocks == 0  # the victim held cached tokens
+    assert cached_ids(m) == {1, 2}  # only the victim left the tree; its children stay cached
+    assert m.stats().evicted_blocks == 1
+    # ... but they are unreachable through a broken chain: no reuse without block 0
+    assert m.add_sequence(Request("y", list(R(13)))) == 0
+    assert m.block_ids("y") == [[4, 5, 6, 7]]
+    assert cached_ids(m) == {1, 2}
+    m.verify_integrity()
+
+
+def test_eviction_order_lowest_priority_then_lru():
+    m = make_manager(primary_blocks=6)
+    m.add_sequence(Request("a", list(R(9)), retention=retention((0, None, 50))))  # blocks 0, 1, 2
+    m.add_sequence(Request("b", list(R(100, 109)), retention=retention((0, None, 20))))  # 3, 4, 5
+    m.remove_sequence("a")  # stores 8 tokens: 0, 1 (block 2 has no usable token)
+    m.remove_sequence("b")  # stores 3, 4
+    assert free_order(m) == [5, 4, 3, 2, 1, 0]  # queue 20: 5, 4, 3; queue 50: 2, 1, 0
+    m.add_sequence(Request("c", list(R(200, 216))))  # 4 blocks
+    assert m.block_ids("c") == [[5, 4, 3, 2]]
+    assert cached_ids(m) == {0, 1}
+
+
+def test_retention_ranges_and_decode_priority():
+    m = make_manager()
+    r = retention((0, 8, 90), (8, None, 20), decode_priority=60)
+    m.add_sequence(Request("a", list(R(10)), max_new_tokens=8, retention=r))
+    for t in R(10, 13):
+        m.add_token("a", t)  # position 12 starts block 3: a decode block
+    assert m.block_ids("a") == [[0, 1, 2, 3]]
+    # a block takes the priority of the range holding its first token (0, 4 -> 90; 8 -> 20);
+    # block 3 starts at 12 >= prompt_len: decode priority
+    assert [m.priority_of_block(i) for i in R(4)] == [90, 90, 20, 60]
+    m.remove_sequence("a")
+    assert free_queue(m, 20) == [2] and free_queue(m, 60) == [3] and free_queue(m, 90) == [1, 0]
+    assert free_order(m) == [2, 4, 5, 6, 7, 3, 1, 0]
+
+
+def test_range_not_starting_on_a_block_boundary():
+    m = make_manager()
+    # range [2, 6): block 0 starts at 0 (outside), block 1 starts at 4 (inside)
+    m.add_sequence(Request("a", list(R(12)), retention=retention((2, 6, 70))))
+    assert [m.priority_of_block(i) for i in R(3)] == [35, 70, 35]
+
+
+def test_request_without_retention_keeps_cached_priority():
+    m = make_manager(event_buffer_max_size=64)
+    stored_chain(m, 9, retention=retention((0, None, 80)))
+    m.flush_iteration_events()
+    m.get_latest_events()
+    m.add_sequence(Request("b", list(R(9))))  # no retention stated
+    assert [m.priority_of_block(i) for i in (0, 1)] == [80, 80]
+    m.remove_sequence("b")
+    assert free_queue(m, 80) == [2, 1, 0]  # block 2 (uncached, priority 80) was never touched by b
+    # a request that does state a priority re-prioritises the matched blocks (Updated events)
+    m.add_sequence(Request("c", list(R(9)), retention=retention((0, None, 50))))
+    assert [m.priority_of_block(i) for i in (0, 1)] == [50, 50]
+    m.flush_iteration_events()
+    updates = [e.data for e in m.get_latest_events() if isinstance(e.data, UpdatedData)]
+    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
+    assert updates == [UpdatedData(h0, None, (80, 50)), UpdatedData(h1, None, (80, 50))]
+
+
+def test_durations_expire_via_refresh_with_fake_clock():
+    clock = FakeClock(1000.0)
+    m = make_manager(clock=clock)
+    m.add_sequence(Request("a", list(R(9)), retention=retention((0, None, 80, 10.0))))
+    clock.advance(50)  # in use: a duration runs from release, not from allocation
+    m.remove_sequence("a")  # released at t=1050
+    assert [m.priority_of_block(i) for i in R(3)] == [80, 80, 80]
+    clock.advance(9.5)
+    assert m.refresh_blocks() == 0
+    assert free_queue(m, 80) == [2, 1, 0]
+    clock.advance(0.5)  # t = 1060: expired
+    assert m.refresh_blocks() == 3
+    assert [m.priority_of_block(i) for i in R(3)] == [35, 35, 35]
+    # moved to the back of the default queue, in expiry order (equal expiries: release order)
+    assert free_order(m) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert m.refresh_blocks() == 0
+
+
+def test_decode_duration_expires():
+    clock = FakeClock()
+    m = make_manager(clock=clock)
+    r = retention((0, None, 35), decode_priority=90, decode_duration_s=5.0)
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=4, retention=r))
+    m.add_token("a", 4)  # block 1: decode block
+    m.remove_sequence("a", store_for_reuse=False)
+    assert m.priority_of_block(1) == 90 and m.priority_of_block(0) == 35
+    clock.advance(5)
+    assert m.refresh_blocks() == 1 and m.priority_of_block(1) == 35
+
+
+def test_reclaimed_block_duration_is_overwritten():
+    # TRT claimBlock always overwrites the duration: a request reusing the block without a
+    # duration cancels the expiry of the cached block
+    clock = FakeClock()
+    m = make_manager(clock=clock)
+    stored_chain(m, 9, retention=retention((0, None, 80, 10.0)))
+    m.add_sequence(Request("b", list(R(9))))
+    m.remove_sequence("b", store_for_reuse=False)
+    clock.advance(100)
+    assert m.refresh_blocks() == 1  # only block 2 (not reused by b) still had its duration
+    assert [m.priority_of_block(i) for i in (0, 1, 2)] == [80, 80, 35]
+
+
+# =========================================================================== offload / onboard
+def test_offload_to_secondary_and_onboard_on_hit():
+    m = make_manager(primary_blocks=4, secondary_blocks=2, event_buffer_max_size=64)
+    stored_chain(m, 9)  # blocks 0, 1 cached (8 tokens), block 2 uncached
+    assert free_order(m) == [3, 2, 1, 0] and free_order(m, level=1) == [4, 5]
+    m.take_transfers()
+    m.add_sequence(Request("b", list(R(100, 116))))  # 4 blocks
+    # 3, 2: uncached. 1: cached, priority 35 >= 30 -> offloaded into the free secondary block 4
+    # (secondary slot 0); block 4 object takes over primary slot 1. Then 0 -> block 5.
+    assert m.block_ids("b") == [[3, 2, 4, 5]]
+    np.testing.assert_array_equal(m.block_table(["b"]), [[3, 2, 1, 0]])  # slots, not ids
+    assert plan_ops(m) == [("OFFLOAD", 0, 1, 0, 4), ("OFFLOAD", 0, 0, 1, 4)]
+    assert m.block(1).level == 1 and m.block(1).slot == 0
+    assert m.block(0).level == 1 and m.block(0).slot == 1
+    assert m.block(4).level == 0 and m.block(4).slot == 1
+    assert cached_ids(m) == {0, 1}  # still in the tree, now in secondary memory
+    # the offloaded blocks are cached and unreferenced: they count as free secondary blocks
+    assert m.num_free_blocks() == 0 and m.num_free_secondary_blocks() == 2
+    assert free_order(m, level=1) == [1, 0]
+    it = m.iteration_stats()
+    # since construction: seed 3 fresh blocks, b 4 allocations of which 2 (blocks 3, 2) were new
+    assert (it.offloaded_blocks, it.alloc_total_blocks, it.alloc_new_blocks) == (2, 7, 5)
+    m.remove_sequence("b", store_for_reuse=False)
+    assert free_order(m) == [5, 4, 2, 3]
+    # a hit on the offloaded chain onboards both blocks (each swaps slots with a fresh block)
+    assert m.add_sequence(Request("c", list(R(9)))) == 8
+    assert m.block_ids("c") == [[0, 1, 2]]
+    np.testing.assert_array_equal(m.block_table(["c"]), [[0, 1, 2]])
+    # onboard 0: target = victim 5 (primary slot 0); onboard 1: target 4 (primary slot 1)
+    assert plan_ops(m) == [("ONBOARD", 0, 1, 0, 4), ("ONBOARD", 0, 0, 1, 4)]
+    assert (m.block(5).level, m.block(5).slot, m.block(4).level, m.block(4).slot) == (1, 1, 1, 0)
+    assert free_order(m, level=1) == [5, 4]
+    s = m.request_stats("c")
+    assert (s.reused_blocks, s.missed_blocks) == (2, 1)
+    assert m.iteration_stats().onboarded_blocks == 2
+    m.flush_iteration_events()
+    levels = [e.data.cache_level for e in m.get_latest_events() if isinstance(e.data, UpdatedData)]
+    assert levels == [(0, 1), (0, 1), (1, 0), (1, 0)]
+    m.verify_integrity()
+
+
+def test_offload_min_priority_drops_instead():
+    m = make_manager(primary_blocks=4, secondary_blocks=2)
+    stored_chain(m, 9, retention=retention((0, 4, 30), (4, None, 29)))  # block 0: 30, block 1: 29
+    m.add_sequence(Request("b", list(R(100, 116))))
+    # queue 29 first: [2, 1] (block 2 took priority 29 too), then queue 30: [0], queue 35: [3]
+    assert m.block_ids("b") == [[2, 1, 4, 3]]
+    # block 1 (29 < 30) dropped; block 0 (30 >= 30) offloaded into block 4's secondary slot
+    assert plan_ops(m) == [("OFFLOAD", 0, 0, 0, 4)]
+    assert cached_ids(m) == {0} and m.block(0).level == 1
+    assert free_order(m, level=1) == [0, 5]  # block 0 keeps priority 30 in the secondary queues
+
+
+def test_secondary_victim_is_evicted_when_secondary_is_full():
+    m = make_manager(primary_blocks=4, secondary_blocks=1, event_buffer_max_size=64)
+    stored_chain(m, 9)
+    m.flush_iteration_events()
+    m.get_latest_events()
+    m.add_sequence(Request("b", list(R(100, 116))))
+    # block 1 offloaded into block 4's slot; then block 0 is offloaded too: the only free
+    # secondary block is now block 1 itself (cached) -> it leaves the tree, its slot takes 0
+    assert m.block_ids("b") == [[3, 2, 4, 1]]
+    assert plan_ops(m) == [("OFFLOAD", 0, 1, 0, 4), ("OFFLOAD", 0, 0, 0, 4)]
+    assert cached_ids(m) == {0} and m.block(0).level == 1
+    m.flush_iteration_events()
+    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
+    ev = [e.data for e in m.get_latest_events()]
+    assert ev == [UpdatedData(h1, (0, 1), None), UpdatedData(h0, (0, 1), None), RemovedData((h1,))]
+
+
+def test_no_offload_without_onboarding():
+    m = make_manager(primary_blocks=4, secondary_blocks=2, onboard_blocks=False)
+    stored_chain(m, 9)
+    m.add_sequence(Request("b", list(R(100, 116))))
+    assert m.block_ids("b") == [[3, 2, 1, 0]]
+    assert len(m.take_transfers()) == 0 and cached_ids(m) == set()
+
+
+def test_partial_match_on_secondary_block():
+    m = make_manager(primary_blocks=4, secondary_blocks=2)
+    m.add_sequence(Request("a", list(R(12))))
+    m.remove_sequence("a")  # stores 11 tokens: blocks 0, 1 full; block 2 partial [8, 9, 10]
+    assert cached_ids(m) == {0, 1, 2}
+    m.add_sequence(Request("b", list(R(100, 116))))
+    # victims in order: 3 (new), 2 -> block 4, 1 -> block 5, 0: secondary full; the spare is
+    # block 2 (cached, LRU of secondary) -> dropped; block 0 offloaded into its slot
+    assert m.block_ids("b") == [[3, 4, 5, 2]]
+    assert cached_ids(m) == {0, 1}
+    m.remove_sequence("b", store_for_reuse=False)
+    m.take_transfers()
+    # c matches block 0 fully (secondary: onboard) and block 1 partially (secondary, free,
+    # not a leaf? block 2 left the tree, so block 1 is a leaf): in place, onboarded
+    assert m.add_sequence(Request("c", toks(R(6), 50, 51, 52))) == 6
+    # primary free order was [2, 5, 4, 3]: onboard targets 2 (slot 0) and 5 (slot 1), fresh 4
+    assert m.block_ids("c") == [[0, 1, 4]]
+    # in place: the whole block comes back (num_tokens == tpb)
+    assert plan_ops(m) == [("ONBOARD", 0, 0, 0, 4), ("ONBOARD", 0, 1, 1, 4)]
+    assert cached_ids(m) == {0}
+    m.verify_integrity()
+
+
+def test_multi_pool_window_one_plan_entry_per_pool():
+    # 3 layers, kv heads (1, 2, 1): two pools in the single window
+    m = make_manager(num_layers=3, num_kv_heads=(1, 2, 1), primary_blocks=4, secondary_blocks=2)
+    assert len(m.config.pools) == 2
+    stored_chain(m, 9)
+    m.take_transfers()
+    m.add_sequence(Request("b", list(R(100, 116))))
+    assert plan_ops(m) == [
+        ("OFFLOAD", 0, 1, 0, 4),
+        ("OFFLOAD", 1, 1, 0, 4),
+        ("OFFLOAD", 0, 0, 1, 4),
+        ("OFFLOAD", 1, 0, 1, 4),
+    ]
+    it = m.iteration_stats()
+    # offload bytes per block: sum over pools of layers * kv_factor * heads * head_dim * tpb * 2 bytes
+    block_bytes = (2 * 2 * 1 * 8 * 4 * 2) + (1 * 2 * 2 * 8 * 4 * 2)
+    assert it.offloaded_blocks == 2 and it.offload_bytes == 2 * block_bytes
+
+
+def test_transfer_plan_arrays():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(13))))
+    m.store_context_blocks("a")
+    m.add_sequence(Request("b", toks(R(10), 99, 98)))
+    plan = m.take_transfers()
+    for name in ("kind", "pool", "src", "dst", "num_tokens"):
+        arr = getattr(plan, name)
+        assert arr.dtype == np.int32 and arr.shape == (1,)
+    assert plan.kind[0] == TransferKind.COPY and plan.num_tokens[0] == 2
+    assert len(m.take_transfers()) == 0  # drained
