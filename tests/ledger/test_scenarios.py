@@ -509,3 +509,262 @@ def test_transfer_plan_arrays():
         assert arr.dtype == np.int32 and arr.shape == (1,)
     assert plan.kind[0] == TransferKind.COPY and plan.num_tokens[0] == 2
     assert len(m.take_transfers()) == 0  # drained
+
+
+# =========================================================================== isolation
+def test_lora_isolation():
+    m = make_manager(primary_blocks=16)
+    stored_chain(m, 9, lora_task_id=1)
+    assert m.add_sequence(Request("b", list(R(9)), lora_task_id=2)) == 0
+    assert m.add_sequence(Request("c", list(R(9)))) == 0
+    assert m.add_sequence(Request("d", list(R(9)), lora_task_id=1)) == 8
+    assert m.block_ids("d")[0][:2] == [0, 1]
+
+
+def test_cache_salt_isolation():
+    m = make_manager(primary_blocks=16)
+    stored_chain(m, 9, cache_salt="tenant-a")
+    assert m.add_sequence(Request("b", list(R(9)), cache_salt="tenant-b")) == 0
+    assert m.add_sequence(Request("c", list(R(9)))) == 0
+    assert m.add_sequence(Request("d", list(R(9)), cache_salt="tenant-a")) == 8
+    stored_chain(m, 9, rid="int-salt", cache_salt=5)
+    assert m.add_sequence(Request("e", list(R(9)), cache_salt="5")) == 0  # str "5" is not int 5
+    assert m.add_sequence(Request("f", list(R(9)), cache_salt=5)) == 8
+
+
+def test_extra_id_isolation():
+    m = make_manager(primary_blocks=16)
+    stored_chain(m, 9, extra_ids=[0] * 9)
+    assert m.add_sequence(Request("b", list(R(9)))) == 0  # extra-id usage differs
+    assert m.add_sequence(Request("c", list(R(9)), extra_ids=[0] * 9)) == 8
+    # extra id differs at position 5: block 0 full, block 1 matches 1 token (its first)
+    m.remove_sequence("c")
+    ex = [0] * 9
+    ex[5] = 3
+    assert m.add_sequence(Request("d", list(R(9)), extra_ids=ex)) == 5
+
+
+def test_generated_tokens_carry_extra_id_zero():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(8)), extra_ids=[7] * 8, max_new_tokens=4))
+    for t in R(8, 12):
+        m.add_token("a", t)
+    m.remove_sequence("a")  # stores 11 tokens: block 2 partial [8, 9, 10] with extra ids 0
+    assert m.block(2).key == BlockKey((8, 9, 10), (0, 0, 0))
+    assert m.block(1).key == BlockKey((4, 5, 6, 7), (7, 7, 7, 7))
+    assert m.add_sequence(Request("b", list(R(12)), extra_ids=[7] * 8 + [0] * 4)) == 11
+
+
+def test_multimodal_isolation_and_no_partial_match():
+    h1, h2 = b"\x11" * 32, b"\x22" * 32
+    m = make_manager(primary_blocks=16)
+    stored_chain(m, 12, mm_items=(MultimodalItem(h1, 5, 2),))  # item at [5, 7): inside block 1
+    assert m.block(0).key.mm_keys == ()  # block 0 does not overlap the item
+    assert m.block(1).key.mm_keys == ((h1, 0),)
+    # another image at the same place: block 0 reusable, block 1 not (and no partial match)
+    assert m.add_sequence(Request("b", list(R(12)), mm_items=(MultimodalItem(h2, 5, 2),))) == 4
+    # the same image: full reuse, then block 2 (no mm key, stored partially) matched partially
+    assert m.add_sequence(Request("c", list(R(12)), mm_items=(MultimodalItem(h1, 5, 2),))) == 11
+    m.remove_sequence("b")
+    m.remove_sequence("c")
+    # a token changed inside block 1 (same image): keys with mm extra keys never partially match
+    p = list(R(12))
+    p[6] = 99
+    assert m.add_sequence(Request("d", p, mm_items=(MultimodalItem(h1, 5, 2),))) == 4
+    # without multimodal items the same divergence is a partial match of 2 tokens
+    stored_chain(m, 12, rid="plain")
+    assert m.add_sequence(Request("e", p)) == 6
+
+
+def test_multimodal_start_offset_of_an_item_spanning_blocks():
+    h = b"\x33" * 32
+    m = make_manager()
+    stored_chain(m, 13, mm_items=(MultimodalItem(h, 6, 4),))  # [6, 10)
+    assert m.block(1).key.mm_keys == ((h, 0),)
+    assert m.block(2).key.mm_keys == ((h, 2),)  # first overlapping item token is its 3rd (8 - 6)
+
+
+# =========================================================================== beam search
+def test_beam_search_blocks():
+    m = make_manager(max_beam_width=2)
+    assert m.add_sequence(Request("a", list(R(10)), max_new_tokens=8, beam_width=2)) == 0
+    # 2 shared context blocks, the non-full last context block once per beam
+    assert m.block_ids("a") == [[0, 1, 2], [0, 1, 3]]
+    assert m.num_free_blocks() == 4
+    s = m.request_stats("a")
+    assert (s.missed_blocks, s.alloc_total_blocks) == (3, 4)  # per-beam last block counted once
+    np.testing.assert_array_equal(m.block_table(["a"]), [[0, 1, 2], [0, 1, 3]])
+    m.add_token("a", [10, 20])
+    m.add_token("a", [11, 21])
+    assert m.num_free_blocks() == 4
+    m.add_token("a", [12, 22])  # position 12: one new generation block per beam
+    assert m.block_ids("a") == [[0, 1, 2, 4], [0, 1, 3, 5]]
+    assert m.num_free_blocks() == 2
+    assert m.needed_blocks_one_step("a") == 0  # next token (position 13) fits
+    m.store_context_blocks("a")  # min(13 - 1, 10) = 10 tokens: blocks 0, 1
+    assert cached_ids(m) == {0, 1}
+    m.store_new_block("a")  # a no-op with beams
+    assert cached_ids(m) == {0, 1}
+    m.remove_sequence("a")  # beams are not stored at removal either
+    assert cached_ids(m) == {0, 1}
+    # released last position first, beams from the last: 5, 4, 3, 2, 1, 0
+    assert free_order(m) == [6, 7, 5, 4, 3, 2, 1, 0]
+    m.verify_integrity()
+
+
+def test_beam_search_full_last_block():
+    m = make_manager(max_beam_width=2)
+    m.add_sequence(Request("a", list(R(8)), beam_width=2))
+    # reuse path: the last context block is per beam even when full (trtllm.md §1.14)
+    assert m.block_ids("a") == [[0, 1], [0, 2]]
+    m2 = make_manager(max_beam_width=2, enable_block_reuse=False)
+    m2.add_sequence(Request("a", list(R(8)), beam_width=2))
+    assert m2.block_ids("a") == [[0, 1], [0, 1]]  # without reuse a full last block is shared
+    m2.add_sequence(Request("b", list(R(10)), beam_width=2))
+    assert m2.block_ids("b") == [[2, 3, 4], [2, 3, 5]]
+
+
+def test_beam_search_reuses_a_stored_prefix():
+    m = make_manager(max_beam_width=2)
+    stored_chain(m, 13)
+    assert m.add_sequence(Request("b", list(R(13)), beam_width=2)) == 12
+    assert m.block_ids("b") == [[0, 1, 2, 4], [0, 1, 2, 5]]
+
+
+# =========================================================================== cross attention
+def test_cross_attention_cache():
+    m = make_manager(cache_type="cross", max_beam_width=2)
+    r = Request("x", [1, 2, 3], encoder_len=10, beam_width=2)
+    assert m.needed_blocks_one_step(Request("y", [1], encoder_len=10)) == 3  # ceil(10/4)
+    assert m.remaining_blocks_to_completion(r) == 3
+    assert m.add_sequence(r) == 0
+    assert m.block_ids("x") == [[0, 1, 2], [0, 1, 2]]  # everything shared among beams
+    assert m.needed_blocks_one_step("x") == 0 and m.remaining_blocks_to_completion("x") == 0
+    m.store_context_blocks("x")
+    assert m.store_blocks_for_reuse("x") == [0, 1, 2]
+    m.remove_sequence("x")
+    assert cached_ids(m) == set()  # never stored for reuse
+    assert m.add_sequence(Request("z", [1, 2, 3], encoder_len=10)) == 0
+    assert m.block_ids("z") == [[3, 4, 5]]
+
+
+# =========================================================================== sliding windows
+def swa_manager(**kw):
+    kw.setdefault("attention_windows", (8,))
+    return make_manager(**kw)
+
+
+def test_swa_detach_replaces_front_blocks_with_placeholders():
+    m = swa_manager()
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 12):
+        m.add_token("a", t)
+    # n = 12 >= window + tpb: block 0 left every future query's window
+    assert m.block_ids("a") == [[PH, 1, 2]]
+    np.testing.assert_array_equal(m.block_table(["a"]), [[8, 1, 2]])  # null slot = primary_blocks
+    assert m.num_free_blocks() == 6
+    assert free_order(m) == [3, 4, 5, 6, 7, 0]  # released to the back
+    for t in R(12, 16):
+        m.add_token("a", t)
+    assert m.block_ids("a") == [[PH, PH, 2, 3]]
+    off = m.block_offsets(["a"])
+    assert off[0, 0, 0].tolist() == [16, 16, 4, 6]  # null slot 8 * (1 layer * 2)
+    m.verify_integrity()
+
+
+def test_swa_long_prompt_detaches_on_first_token():
+    m = swa_manager()
+    m.add_sequence(Request("a", list(R(20)), max_new_tokens=4))
+    assert m.block_ids("a") == [[0, 1, 2, 3, 4]]  # the prefill reads every block
+    m.add_token("a", 20)  # n = 21: detach while 21 - 4 * removed >= 12
+    assert m.block_ids("a") == [[PH, PH, PH, 3, 4, 5]]
+
+
+def test_swa_reuse_over_placeholders_with_safe_prefix():
+    m = swa_manager()
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 21):
+        m.add_token("a", t)
+    assert m.block_ids("a") == [[PH, PH, PH, 3, 4, 5]]
+    m.remove_sequence("a")  # stores 20 tokens: positions 0-2 are placeholders, 3 and 4 real
+    assert cached_ids(m) == {3, 4}
+    assert free_order(m) == [6, 7, 0, 1, 2, 5, 4, 3]
+    # b: 21 tokens, usable 20. The walk crosses the three gaps; 20 >= last gap end 12 + window 8
+    assert m.add_sequence(Request("b", list(R(21)))) == 20
+    # positions the first new query (token 20, window [13, 20]) cannot see stay placeholders
+    assert m.block_ids("b") == [[PH, PH, PH, 3, 4, 6]]
+    np.testing.assert_array_equal(m.block_table(["b"]), [[8, 8, 8, 3, 4, 6]])
+    s = m.request_stats("b")
+    assert (s.reused_blocks, s.missed_blocks) == (2, 1)
+    m.verify_integrity()
+
+
+def test_swa_unsafe_prefix_is_not_reused():
+    m = swa_manager()
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 21):
+        m.add_token("a", t)
+    m.remove_sequence("a")
+    # b diverges inside block 4: 19 matched tokens < last gap end 12 + window 8 = 20 (TRT's
+    # safe-prefix rule); shortening to 16, 12, ... never clears the gaps: nothing reused
+    assert m.add_sequence(Request("b", toks(R(19), 99))) == 0
+    assert PH not in m.block_ids("b")[0]
+
+
+def test_swa_gap_in_the_middle_shortens_the_prefix():
+    m = swa_manager()
+    stored_chain(m, 17, retention=retention((8, 12, 0)))  # block 2 at priority 0
+    assert cached_ids(m) == {0, 1, 2, 3}
+    m.add_sequence(Request("x", list(R(100, 104))))  # evicts block 2 only
+    assert m.block_ids("x") == [[2]] and cached_ids(m) == {0, 1, 3}
+    # b walks 0, 1, gap (block 2), 3: 16 tokens; 16 < 12 + 8, 12 < 12 + 8, 8 is before the gap
+    assert m.add_sequence(Request("b", list(R(17)))) == 8
+    assert m.block_ids("b") == [[0, 1, 5, 6, 7]]
+
+
+def test_swa_safe_prefix_after_front_gap():
+    m = swa_manager()
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 13):
+        m.add_token("a", t)
+    assert m.block_ids("a") == [[PH, 1, 2, 3]]
+    m.remove_sequence("a")  # stores 12 tokens: gap, 1, 2
+    assert m.add_sequence(Request("b", list(R(14)))) == 12  # 12 >= gap end 4 + 8
+    assert m.block_ids("b")[0][:3] == [PH, 1, 2]
+
+
+def test_vswa_prepopulated_is_min_over_windows():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks={8: 4, 64: 8})
+    assert m.windows == (8, 64)
+    stored_chain(m, 9)  # both windows cache blocks 0, 1
+    assert cached_ids(m, 8) == {0, 1} and cached_ids(m, 64) == {0, 1}
+    m.add_sequence(Request("x", list(R(100, 108))))  # window 8: blocks 3, 2; window 64: 3, 4
+    m.add_sequence(Request("y", list(R(200, 204))))  # window 8 evicts block 1; window 64: 5
+    assert cached_ids(m, 8) == {0} and cached_ids(m, 64) == {0, 1}
+    m.remove_sequence("x", store_for_reuse=False)
+    m.remove_sequence("y", store_for_reuse=False)
+    # full window matches 8 tokens, the sliding window only 4: prepopulated = min = 4
+    assert m.add_sequence(Request("b", list(R(9)))) == 4
+    assert m.block_ids("b", 64) == [[0, 6, 7]]
+    assert m.block_ids("b", 8) == [[0, 2, 3]]
+    assert m.num_free_blocks() == 1  # min over windows
+    assert (m.num_free_blocks(8), m.num_free_blocks(64)) == (1, 5)
+    assert m.num_allocated_blocks() == 3
+    with pytest.raises(ValueError):
+        m.block_ids("b")  # several windows: window= is required
+    assert set(m.store_blocks_for_reuse("b")) == {8, 64}
+    m.verify_integrity()
+
+
+def test_vswa_reuse_with_sliding_window_placeholders():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks=10)
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 21):
+        m.add_token("a", t)
+    assert m.block_ids("a", 8) == [[PH, PH, PH, 3, 4, 5]]
+    assert m.block_ids("a", 64) == [[0, 1, 2, 3, 4, 5]]
+    m.remove_sequence("a")
+    assert m.add_sequence(Request("b", list(R(21)))) == 20
+    assert m.block_ids("b", 64)[0][:5] == [0, 1, 2, 3, 4]
+    assert m.block_ids("b", 8)[0][:5] == [PH, PH, PH, 3, 4]
+    m.verify_integrity()
