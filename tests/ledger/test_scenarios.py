@@ -479,6 +479,45 @@ def test_partial_match_on_secondary_block():
     m.verify_integrity()
 
 
+def _secondary_parent_with_primary_child():
+    """X (block 3, tokens 0..3) offloaded to secondary; Y (block 1, tokens 4..7, priority 10)
+    stored under X afterwards, free, at the front of the primary free queues."""
+    m = make_manager(primary_blocks=6, secondary_blocks=2)
+    m.add_sequence(Request("d", list(R(9)), retention=retention((4, 8, 10))))  # blocks 0, 1, 2
+    stored_chain(m, 5, rid="a")  # blocks 3, 4: X = block 3 cached
+    m.add_sequence(Request("e", list(R(200, 212))))  # victims 5, 4, then X: offloaded (block 6)
+    assert m.block_ids("e") == [[5, 4, 6]]
+    m.remove_sequence("d")  # position 0 is a duplicate of X; Y = d's block 1 stored under X
+    assert cached_ids(m) == {1, 3} and m.block(3).level == 1 and m.block(1).level == 0
+    assert free_order(m) == [1, 2, 0]
+    m.take_transfers()
+    return m
+
+
+def test_onboard_target_never_evicts_a_later_match_of_the_same_request():
+    m = _secondary_parent_with_primary_child()
+    # c matches X (secondary: onboard) and Y (free primary, front of the queues). The onboard
+    # target must not be Y: Y is held for c, so the target is block 2 (slot 2).
+    assert m.add_sequence(Request("c", list(R(9)))) == 8
+    assert m.block_ids("c") == [[3, 1, 0]]
+    assert m.block_table(["c"]).tolist() == [[2, 1, 0]]
+    assert plan_ops(m) == [("ONBOARD", 0, 0, 2, 4)]
+    assert cached_ids(m) == {1, 3}
+    m.verify_integrity()
+
+
+def test_onboard_target_never_evicts_the_partial_match_of_the_same_request():
+    m = _secondary_parent_with_primary_child()
+    # Y partially matched (2 tokens), a free leaf: reused in place, after X is onboarded into
+    # block 2's slot
+    assert m.add_sequence(Request("c", toks(R(6), 50, 51, 52))) == 6
+    assert m.block_ids("c") == [[3, 1, 0]]
+    assert m.block_table(["c"]).tolist() == [[2, 1, 0]]
+    assert plan_ops(m) == [("ONBOARD", 0, 0, 2, 4)]
+    assert cached_ids(m) == {3}
+    m.verify_integrity()
+
+
 def test_multi_pool_window_one_plan_entry_per_pool():
     # 3 layers, kv heads (1, 2, 1): two pools in the single window
     m = make_manager(num_layers=3, num_kv_heads=(1, 2, 1), primary_blocks=4, secondary_blocks=2)
@@ -768,3 +807,331 @@ def test_vswa_reuse_with_sliding_window_placeholders():
     assert m.block_ids("b", 64)[0][:5] == [0, 1, 2, 3, 4]
     assert m.block_ids("b", 8)[0][:5] == [PH, PH, PH, 3, 4]
     m.verify_integrity()
+
+
+# =========================================================================== pin / unpin
+def test_pin_blocks_survive_remove_until_unpinned():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(9))))
+    m.pin_blocks("a")
+    m.remove_sequence("a")  # stores blocks 0, 1; the pins keep every block referenced
+    assert m.num_free_blocks() == 5 and cached_ids(m) == {0, 1}
+    assert free_order(m) == [3, 4, 5, 6, 7]
+    # pinned blocks are still reusable
+    assert m.add_sequence(Request("b", list(R(9)))) == 8
+    assert m.block_ids("b") == [[0, 1, 3]]
+    m.remove_sequence("b", store_for_reuse=False)
+    m.unpin_blocks([2, 1, 0])  # released in the order given
+    assert m.num_free_blocks() == 8
+    assert free_order(m) == [4, 5, 6, 7, 3, 2, 1, 0]
+    m.verify_integrity()
+
+
+def test_pinned_blocks_are_never_evicted():
+    m = make_manager(primary_blocks=4)
+    m.add_sequence(Request("a", list(R(9))))
+    m.remove_sequence("a", pin=True)
+    assert m.num_free_blocks() == 1
+    from kvjax import OutOfBlocksError
+
+    with pytest.raises(OutOfBlocksError):
+        m.add_sequence(Request("b", list(R(100, 108))))
+    m.unpin_blocks([0, 1, 2])
+    m.add_sequence(Request("b", list(R(100, 116))))
+    assert sorted(m.block_ids("b")[0]) == [0, 1, 2, 3]
+
+
+def test_store_blocks_for_reuse_with_pin():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(10)), max_new_tokens=4))
+    m.add_token("a", 10)
+    ids = m.store_blocks_for_reuse("a", pin=True)
+    assert ids == [0, 1, 2]
+    # stores num_tokens - 1 = 10 tokens, the trailing partial block included: [8, 9]
+    assert cached_ids(m) == {0, 1, 2} and cached_tokens(m, 2) == tuple(R(10))
+    assert m.block_ids("a") == [[0, 1, 2]]  # still live and referenced
+    m.remove_sequence("a")
+    assert m.num_free_blocks() == 5  # pinned
+    m.unpin_blocks(ids)
+    assert m.num_free_blocks() == 8
+    m.verify_integrity()
+
+
+def test_store_blocks_for_reuse_returns_dict_with_several_windows():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks=8)
+    m.add_sequence(Request("a", list(R(9))))
+    ids = m.store_blocks_for_reuse("a", pin=True)
+    assert ids == {8: [0, 1, 2], 64: [0, 1, 2]}
+    m.remove_sequence("a")
+    assert (m.num_free_blocks(8), m.num_free_blocks(64)) == (5, 5)
+    m.unpin_blocks(ids)
+    assert (m.num_free_blocks(8), m.num_free_blocks(64)) == (8, 8)
+    m.verify_integrity()
+
+
+def test_double_pin_needs_double_unpin():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(4))))
+    m.pin_blocks("a")
+    m.pin_blocks("a")
+    m.remove_sequence("a")
+    m.unpin_blocks([0])
+    assert m.num_free_blocks() == 7
+    m.unpin_blocks([0])
+    assert m.num_free_blocks() == 8
+
+
+# =========================================================================== rewind
+def test_rewind_releases_to_the_front():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(6)), max_new_tokens=10))
+    for t in R(6, 10):
+        m.add_token("a", t)
+    assert m.block_ids("a") == [[0, 1, 2]]
+    m.rewind("a", 3)  # 7 tokens left: block 2 is empty again
+    assert m.block_ids("a") == [[0, 1]]
+    assert free_order(m) == [2, 3, 4, 5, 6, 7]  # to the front
+    m.add_token("a", 100)  # position 7: block 1
+    m.add_token("a", 101)  # position 8: a new block, the front of the queue
+    assert m.block_ids("a") == [[0, 1, 2]]
+    m.rewind("a", 0)
+    assert m.block_ids("a") == [[0, 1, 2]]
+    m.verify_integrity()
+
+
+def test_rewind_into_a_stored_block_drops_it_from_the_tree():
+    m = make_manager(event_buffer_max_size=64)
+    m.add_sequence(Request("a", list(R(8)), max_new_tokens=8))
+    for t in R(8, 13):
+        m.add_token("a", t)
+    m.store_new_block("a")  # 12 tokens: blocks 0, 1, 2
+    assert cached_ids(m) == {0, 1, 2}
+    m.rewind("a", 3)  # 10 tokens: block 2 keeps 2 valid tokens, its cached key (4) is stale
+    assert m.block_ids("a") == [[0, 1, 2]]
+    assert cached_ids(m) == {0, 1}
+    assert free_order(m) == [3, 4, 5, 6, 7]
+    m.flush_iteration_events()
+    removed = [e.data for e in m.get_latest_events() if isinstance(e.data, RemovedData)]
+    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
+    assert removed == [RemovedData((block_hash(BlockKey((8, 9, 10, 11)), h1),))]
+    # generating again re-stores the new content
+    m.add_token("a", 50)
+    m.add_token("a", 51)
+    m.add_token("a", 52)
+    m.store_new_block("a")
+    assert cached_tokens(m, 2) == (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 51)
+    m.verify_integrity()
+
+
+def test_rewind_copies_a_shared_stored_block():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(8)), max_new_tokens=8))
+    for t in R(8, 13):
+        m.add_token("a", t)
+    m.store_new_block("a")
+    assert m.add_sequence(Request("b", list(R(14)))) == 12  # b holds a's block 2
+    assert m.block_ids("b") == [[0, 1, 2, 4]]
+    m.take_transfers()
+    m.rewind("a", 3)
+    # block 3 goes to the front, then block 2 (shared) is copied into it: 2 valid tokens
+    assert m.block_ids("a") == [[0, 1, 3]]
+    assert plan_ops(m) == [("COPY", 0, 2, 3, 2)]
+    assert cached_ids(m) == {0, 1, 2}  # b's view of block 2 is untouched
+    m.verify_integrity()
+
+
+# =========================================================================== chunked prefill
+def test_set_context_position_and_store_context_blocks():
+    m = make_manager(event_buffer_max_size=64)
+    m.add_sequence(Request("a", list(R(16))))
+    m.set_context_position("a", 5)
+    m.store_context_blocks("a")  # only materialised full blocks: 5 tokens -> block 0
+    assert cached_ids(m) == {0}
+    m.set_context_position("a", 12)
+    m.store_context_blocks("a")
+    assert cached_ids(m) == {0, 1, 2}
+    m.set_context_position("a", 16)
+    m.store_context_blocks("a")  # min(16 - 1, 16) = 15 tokens: still 3 full blocks
+    assert cached_ids(m) == {0, 1, 2}
+    m.flush_iteration_events()
+    stored = [e.data for e in m.get_latest_events() if isinstance(e.data, StoredData)]
+    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
+    assert [s.parent_hash for s in stored] == [None, h0]
+    assert [[b.block_hash for b in s.blocks] for s in stored] == [[h0], [h1, block_hash(BlockKey((8, 9, 10, 11)), h1)]]
+    # a concurrent request reuses the early-stored blocks
+    assert m.add_sequence(Request("b", list(R(13)))) == 12
+
+
+def test_store_context_blocks_default_is_whole_prompt():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(9))))
+    m.store_context_blocks("a")  # until set_context_position the whole prompt is materialised
+    assert cached_ids(m) == {0, 1}
+
+
+def test_store_new_block_during_generation():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(6)), max_new_tokens=8))
+    m.store_new_block("a")  # 5 usable tokens: block 0
+    assert cached_ids(m) == {0}
+    for t in R(6, 9):
+        m.add_token("a", t)
+    m.store_new_block("a")  # 9 tokens -> 8 usable: block 1 completes
+    assert cached_ids(m) == {0, 1}
+    assert cached_tokens(m, 1) == tuple(R(8))
+
+
+# =========================================================================== scheduler queries
+def test_analyze_prefix_reuse_and_needed_blocks_context_branch():
+    m = make_manager(primary_blocks=12)
+    stored_chain(m, 13)  # blocks 0, 1, 2 cached and free
+    m.add_sequence(Request("live", list(R(9))))  # references blocks 0, 1
+    q = Request("q", list(R(14)))
+    s = m.analyze_prefix_reuse(q)
+    assert (s.reusable_blocks_all, s.reusable_blocks_allocated, s.total_matched_tokens, s.first_new_block) == (3, 2, 12, 3)
+    # context branch: L = min(14 + 0, 64 + 0) = 14 -> 3 shared + 1 unshared = 4, minus only the
+    # reusable blocks already allocated (free cached ones are free supply already, PR #11731)
+    assert m.needed_blocks_one_step(q) == 4 - 2
+    # a partial match counts tokens, not blocks
+    s = m.analyze_prefix_reuse(Request("p", toks(R(10), 99)))
+    assert (s.reusable_blocks_all, s.total_matched_tokens) == (2, 10)
+    # nothing cached
+    s = m.analyze_prefix_reuse(Request("n", list(R(100, 110))))
+    assert (s.reusable_blocks_all, s.reusable_blocks_allocated, s.total_matched_tokens, s.first_new_block) == (0, 0, 0, 0)
+    assert m.needed_blocks_one_step(Request("n", list(R(100, 110)))) == 3
+    assert m.needed_blocks_one_step(Request("d", list(R(100, 110)), num_draft_tokens=3)) == 4  # 13 tokens
+
+
+def test_analyze_prefix_reuse_is_read_only():
+    m = make_manager()
+    stored_chain(m, 13)
+    before = m.snapshot()
+    m.analyze_prefix_reuse(Request("q", list(R(12))))
+    m.needed_blocks_one_step(Request("q", list(R(12))))
+    m.remaining_blocks_to_completion(Request("q", list(R(12)), max_new_tokens=4))
+    assert m.snapshot() == before
+
+
+def test_needed_blocks_generation_branch():
+    m = make_manager(primary_blocks=16, max_beam_width=2)
+    m.add_sequence(Request("a", list(R(12)), max_new_tokens=8))
+    assert m.needed_blocks_one_step("a") == 1  # 12 -> 13 tokens: ceil(13/4) - ceil(12/4)
+    m.add_token("a", 12)
+    assert m.needed_blocks_one_step("a") == 0  # 13 -> 14
+    m.add_sequence(Request("d", list(R(12)), max_new_tokens=20, num_draft_tokens=3))
+    assert m.needed_blocks_one_step("d") == 1  # 12 + 4 = 16 tokens
+    assert m.needed_blocks_one_step("d", two_steps_lookahead=True) == 2  # 12 + 8 = 20
+    m.add_sequence(Request("e", list(R(12)), max_new_tokens=2, num_draft_tokens=3))
+    assert m.needed_blocks_one_step("e") == 1  # capped by max_new_tokens: 14 tokens
+    m.add_token("e", 1)
+    m.add_token("e", 2)
+    assert m.needed_blocks_one_step("e") == 0  # max_new_tokens reached
+    m.add_sequence(Request("b", list(R(12)), max_new_tokens=4, beam_width=2))
+    assert m.needed_blocks_one_step("b") == 2  # one block per beam
+
+
+def test_needed_blocks_beyond_max_token_num_is_zero():
+    m = make_manager(max_seq_len=16, primary_blocks=8)
+    m.add_sequence(Request("a", list(R(16))))
+    assert m.needed_blocks_one_step("a") == 0  # 17 > max_token_num 16
+
+
+def test_remaining_blocks_to_completion():
+    m = make_manager(primary_blocks=16)
+    r = Request("a", list(R(10)), max_new_tokens=10)
+    # ctx = 10 // 4 = 2, total = ceil(20 / 4) = 5: 2 + 3 generation blocks
+    assert m.remaining_blocks_to_completion(r) == 5
+    m.add_sequence(r)
+    assert m.remaining_blocks_to_completion("a") == 2  # 3 allocated: 5 - 3
+    for t in R(10, 13):
+        m.add_token("a", t)
+    assert m.remaining_blocks_to_completion("a") == 1
+    # reusable blocks already allocated (by a) are subtracted for a new request
+    q = Request("q", list(R(10)), max_new_tokens=10)
+    assert m.remaining_blocks_to_completion(q) == 5  # nothing stored yet
+    m.store_context_blocks("a")  # blocks 0, 1: referenced by a
+    assert m.remaining_blocks_to_completion(q) == 5 - 2
+
+
+def test_remaining_blocks_swa_extra_block():
+    m = swa_manager(primary_blocks=16)
+    # window 8: ctx = min(10, 8) // 4 = 2, total = ceil(min(20, 8) / 4) = 2, gen 0, plus TRT's
+    # SWA extra block (20 > 8, ceil(20/4) = 5 > ceil(10/4) = 3 and 5 > total)
+    assert m.remaining_blocks_to_completion(Request("a", list(R(10)), max_new_tokens=10)) == 3
+
+
+def test_scheduling_dry_run():
+    m = make_manager()
+    m.add_sequence(Request("a", list(R(12))))
+    m.store_context_blocks("a")  # blocks 0, 1 cached
+    m.add_sequence(Request("b", toks(R(8), 50, 51)))  # reuses 0, 1; own block 3
+    assert m.block_ids("b") == [[0, 1, 3]]
+    assert m.num_free_blocks() == 4
+    before = m.snapshot()
+    m.start_scheduling()
+    assert m.scheduling_has_free_blocks(4) and not m.scheduling_has_free_blocks(5)
+    m.scheduling_remove_sequence("b")  # only block 3 would be freed: 0, 1 still held by a
+    assert m.scheduling_has_free_blocks(5) and not m.scheduling_has_free_blocks(6)
+    m.scheduling_remove_sequence("a")
+    assert m.scheduling_has_free_blocks(8)
+    assert m.snapshot() == before and m.num_free_blocks() == 4  # a dry run
+    m.start_scheduling()  # a new dry run starts from the real counts
+    assert not m.scheduling_has_free_blocks(5)
+
+
+# =========================================================================== tables and offsets
+def test_block_table_padding_rows_per_beam():
+    m = make_manager(max_beam_width=2, primary_blocks=16)
+    m.add_sequence(Request("a", list(R(10)), beam_width=2))
+    m.add_sequence(Request("b", list(R(100, 104))))
+    t = m.block_table(["b", "a"])
+    assert t.dtype == np.int32
+    # rows per (request, beam) in the order asked; padding is the null slot (primary_blocks)
+    assert t.tolist() == [[4, 16, 16], [0, 1, 2], [0, 1, 3]]
+    assert m.block_table(["b"], max_blocks=4).tolist() == [[4, 16, 16, 16]]
+    with pytest.raises(ValueError):
+        m.block_table(["a"], max_blocks=2)
+    assert m.block_table([]).shape == (0, 0)
+
+
+@pytest.mark.parametrize("layout", ["block_first", "layer_first"])
+@pytest.mark.parametrize("cache_type", ["self", "self_k_only"])
+def test_block_offsets_match_kvcache_index_formula(layout, cache_type):
+    m = make_manager(
+        num_layers=3,
+        num_kv_heads=(1, 2, 1),
+        primary_blocks=10,
+        layout=layout,
+        cache_type=cache_type,
+        max_beam_width=2,
+    )
+    m.add_sequence(Request("a", list(R(10)), beam_width=2))
+    m.add_sequence(Request("b", list(R(100, 105))))
+    off = m.block_offsets(["a", "b"])
+    table = m.block_table(["a", "b"])
+    assert off.dtype == np.int32 and off.shape == (2, 3, 2, 3)
+    np.testing.assert_array_equal(off, kvcache_index_offsets(m.config, table))
+    kv = 1 if cache_type == "self_k_only" else 2
+    for pool in m.config.pools:
+        stride = pool.num_layers * kv if layout == "block_first" else kv
+        for row in R(3):
+            for j in R(3):
+                slot = int(table[row, j])
+                assert off[pool.index, row, 0, j] == slot * stride
+                v = slot * stride + 1 if kv == 2 else pool.null_slot * stride
+                assert off[pool.index, row, 1, j] == v
+    # pool 0 holds layers 0 and 2 (1 kv head), pool 1 layer 1: a padded entry is the null slot
+    assert off[0, 2, 0, 2] == 10 * (2 * kv if layout == "block_first" else kv)
+
+
+def test_block_offsets_vswa_pads_narrow_windows():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks={8: 6, 64: 10})
+    m.add_sequence(Request("a", list(R(4)), max_new_tokens=20))
+    for t in R(4, 13):
+        m.add_token("a", t)
+    off = m.block_offsets(["a"])
+    tables = {w: m.block_table(["a"], w) for w in m.windows}
+    assert tables[8].tolist() == [[6, 1, 2, 3]] and tables[64].tolist() == [[0, 1, 2, 3]]
+    np.testing.assert_array_equal(off, kvcache_index_offsets(m.config, tables))
