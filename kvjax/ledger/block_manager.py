@@ -286,11 +286,10 @@ class BlockManager:
                         blk.ref_count += 1
                     c.reused_partial += 1
                     wm.extend_blocks(sw, [blk])
-                for d in range(wa.num_matched_positions, wa.num_shared):
-                    prio, dur = seq.block_priority(d, tpb)
-                    blk = wm.get_free_block(prio, dur)
-                    blk.ref_count += 1
-                    wm.extend_blocks(sw, [blk])
+                first, stop = wa.num_matched_positions, wa.num_shared
+                if stop > first:
+                    retention = None if seq.retention is None else [seq.block_priority(d, tpb) for d in range(first, stop)]
+                    wm.extend_blocks(sw, wm.take_fresh(stop - first, retention))
                 if reuse:
                     c.missed += wa.num_shared - wa.num_matched_positions + wa.num_per_beam
                 if wa.num_per_beam:

@@ -386,14 +386,16 @@ class KVCacheManager:
 
     @staticmethod
     def _table(rows: list[array.array], null_slot: int, max_blocks: int | None) -> np.ndarray:
-        longest = max((len(r) for r in rows), default=0)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        longest = int(lengths.max()) if len(rows) else 0
         width = longest if max_blocks is None else max_blocks
         if width < longest:
             raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
         out = np.full((len(rows), width), null_slot, dtype=np.int32)
-        for i, r in enumerate(rows):
-            if r:
-                out[i, : len(r)] = np.frombuffer(r, dtype=np.int32)
+        if longest:
+            # one copy of all rows' slots, scattered under a ragged mask (no per-row numpy calls)
+            flat = np.frombuffer(b"".join(rows), dtype=np.int32)
+            out[np.arange(width) < lengths[:, None]] = flat
         return out
 
     def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:

@@ -138,6 +138,15 @@ class WindowBlockManager:
         block.duration = duration
         return block
 
+    def take_fresh(self, count: int, retention: list[tuple[int | None, float | None]] | None) -> list[Block]:
+        """`count` blocks from `get_free_block`, each referenced once; `retention` holds each
+        one's (priority, duration) (None: default priority, no duration)."""
+        get = self.get_free_block
+        out = [get(None, None) for _ in range(count)] if retention is None else [get(p, d) for p, d in retention]
+        for blk in out:
+            blk.ref_count = 1
+        return out
+
     def onboard(self, block: Block) -> None:
         """Bring a claimed secondary block back to primary memory (swap with a fresh block)."""
         target = self.get_free_block(DEFAULT_PRIORITY, None)
@@ -261,9 +270,11 @@ class WindowBlockManager:
             blk = beam0[d]
             if not blk.placeholder and w not in child.blocks:
                 tree.attach(child, w, blk)
-                prio, dur = seq.block_priority(d, tpb)
-                blk.priority = DEFAULT_PRIORITY if prio is None else prio
-                blk.duration = dur
+                if seq.retention is None:
+                    blk.priority, blk.duration = DEFAULT_PRIORITY, None
+                else:
+                    prio, blk.duration = seq.block_priority(d, tpb)
+                    blk.priority = DEFAULT_PRIORITY if prio is None else prio
                 stored.append(blk)
                 if events is not None:
                     if not run:
