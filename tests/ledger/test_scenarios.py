@@ -17,7 +17,7 @@ from kvjax import (
     TokenRangeRetention,
     TransferKind,
 )
-from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData
+from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredBlock, StoredData, UpdatedData
 from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id
 from kvjax.offsets import kvcache_index_offsets
 from ledger_helpers import (
@@ -1135,3 +1135,235 @@ def test_block_offsets_vswa_pads_narrow_windows():
     tables = {w: m.block_table(["a"], w) for w in m.windows}
     assert tables[8].tolist() == [[6, 1, 2, 3]] and tables[64].tolist() == [[0, 1, 2, 3]]
     np.testing.assert_array_equal(off, kvcache_index_offsets(m.config, tables))
+
+
+# =========================================================================== statistics
+BLOCK_BYTES = 1 * 2 * 1 * 8 * 4 * 2  # layers * kv * heads * head_dim * tpb * bf16 bytes
+
+
+def test_global_and_request_stats():
+    m = make_manager()
+    st = m.stats()
+    assert (st.max_num_blocks, st.free_num_blocks, st.used_num_blocks, st.tokens_per_block) == (8, 8, 0, 4)
+    assert (st.reused_blocks, st.missed_blocks, st.cache_hit_rate) == (0, 0, 0.0)
+    m.add_sequence(Request("a", list(R(10)), max_new_tokens=4))
+    st = m.stats()
+    assert (st.alloc_total_blocks, st.alloc_new_blocks, st.reused_blocks, st.missed_blocks) == (3, 3, 0, 3)
+    assert st.cache_hit_rate == 0.0  # nothing reused: 0, not a division
+    assert (st.free_num_blocks, st.used_num_blocks, st.allocated_bytes) == (5, 3, 3 * BLOCK_BYTES)
+    assert st.num_free_blocks_per_window == {64: 5}
+    ra = m.request_stats("a")
+    assert (ra.reused_blocks, ra.missed_blocks, ra.alloc_total_blocks, ra.alloc_new_blocks) == (0, 3, 3, 3)
+    assert (ra.cache_hit_rate, ra.prepopulated_tokens) == (0.0, 0)
+    m.remove_sequence("a")
+    m.add_sequence(Request("b", list(R(10))))  # 2 full + 1 partial (in place)
+    rb = m.request_stats("b")
+    assert (rb.reused_blocks, rb.missed_blocks, rb.alloc_total_blocks, rb.alloc_new_blocks) == (3, 0, 0, 0)
+    assert (rb.cache_hit_rate, rb.prepopulated_tokens) == (1.0, 9)
+    st = m.stats()
+    assert (st.reused_blocks, st.missed_blocks, st.cache_hit_rate) == (3, 3, 0.5)
+
+
+def test_iteration_stats_are_deltas():
+    m = make_manager()
+    stored_chain(m, 13)  # 4 new blocks, 4 missed
+    it = m.iteration_stats()
+    assert (it.alloc_total_blocks, it.alloc_new_blocks, it.missed_blocks, it.reused_blocks) == (4, 4, 4, 0)
+    assert it.cache_hit_rate == 0.0
+    assert (it.primary_used_blocks, it.primary_free_blocks) == (0, 8)
+    it = m.iteration_stats()
+    assert (it.alloc_total_blocks, it.missed_blocks, it.reused_blocks, it.gen_alloc_blocks) == (0, 0, 0, 0)
+    m.add_sequence(Request("live", list(R(13))))  # holds 0, 1, 2 + a fresh block
+    m.add_sequence(Request("b", toks(R(10), 99, 98)))  # 2 full + copy of block 2 (2 tokens)
+    m.add_sequence(Request("g", [500], max_new_tokens=8))
+    for t in R(4):
+        m.add_token("g", t)  # position 4 starts a generation block
+    it = m.iteration_stats()
+    assert (it.full_reused_blocks, it.partial_reused_blocks, it.reused_blocks) == (3 + 2, 1, 6)
+    assert it.missed_blocks == 1 + 1  # live's trailing empty key, g's single block
+    assert (it.copied_blocks, it.copy_bytes) == (1, BLOCK_BYTES * 2 // 4)
+    assert it.gen_alloc_blocks == 1
+    assert it.cache_hit_rate == pytest.approx(6 / 8)
+    assert (it.primary_used_blocks, it.primary_free_blocks) == (8 - 1, 1)
+    assert (it.secondary_used_blocks, it.secondary_free_blocks) == (0, 0)
+
+
+def test_vswa_stats_sum_windows():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks={8: 4, 64: 6})
+    m.add_sequence(Request("a", list(R(5))))
+    st = m.stats()
+    assert (st.max_num_blocks, st.free_num_blocks, st.used_num_blocks) == (10, 6, 4)
+    assert st.num_free_blocks_per_window == {8: 2, 64: 4}
+    assert (st.alloc_total_blocks, st.missed_blocks) == (4, 4)  # 2 per window
+
+
+# =========================================================================== events
+def H(*keys):
+    """Chained hashes of consecutive keys from the root."""
+    out, parent = [], 0
+    for k in keys:
+        parent = block_hash(BlockKey(tuple(k)), parent)
+        out.append(parent)
+    return out
+
+
+def events(m):
+    m.flush_iteration_events()
+    return m.get_latest_events()
+
+
+def test_no_events_when_disabled():
+    m = make_manager()
+    stored_chain(m, 9)
+    m.flush_iteration_events()
+    assert m.get_latest_events() == [] and m.get_latest_events(timeout=0.01) == []
+
+
+def test_created_per_window_ascending_published_on_flush():
+    m = make_manager(
+        num_layers=2,
+        attention_windows=(64, 8),
+        primary_blocks={8: 4, 64: 6},
+        secondary_blocks={8: 1, 64: 2},
+        event_buffer_max_size=16,
+    )
+    assert m.get_latest_events() == []  # pending until the iteration flush
+    ev = events(m)
+    assert [(e.event_id, e.window_size, e.data) for e in ev] == [
+        (0, 8, CreatedData((4, 1))),
+        (1, 64, CreatedData((6, 2))),
+    ]
+    assert m.get_latest_events() == []  # consumed
+    assert m.get_latest_events(timeout=0.01) == []
+
+
+def test_stored_events_root_parent_and_chaining():
+    m = make_manager(event_buffer_max_size=64)
+    events(m)
+    stored_chain(m, 13, retention=retention((4, 8, 70)))
+    h0, h1, h2 = H(R(0, 4), R(4, 8), R(8, 12))
+    (e,) = events(m)
+    assert e.window_size == 64 and e.event_id == 1
+    assert e.data == StoredData(
+        None,  # parent is the root
+        (
+            StoredBlock(h0, (0, 1, 2, 3), None, 0, 35, ()),
+            StoredBlock(h1, (4, 5, 6, 7), None, 0, 70, ()),
+            StoredBlock(h2, (8, 9, 10, 11), None, 0, 35, ()),
+        ),
+    )
+    # a longer prompt over the same prefix stores only its new blocks, under h2
+    m.add_sequence(Request("b", list(R(18)), lora_task_id=None))
+    m.remove_sequence("b")  # stores 17 tokens: block of [12..15] and the partial [16]
+    (e,) = events(m)
+    h3 = block_hash(BlockKey((12, 13, 14, 15)), h2)
+    h4 = block_hash(BlockKey((16,)), h3)
+    assert e.data == StoredData(h2, (StoredBlock(h3, (12, 13, 14, 15), None, 0, 35, ()), StoredBlock(h4, (16,), None, 0, 35, ())))
+
+
+def test_stored_event_fields_lora_extra_ids_mm():
+    from kvjax.ledger.block_key import MmKey
+
+    m = make_manager(event_buffer_max_size=64)
+    events(m)
+    item = MultimodalItem(b"\x44" * 32, 1, 2)
+    m.add_sequence(Request("a", list(R(5)), lora_task_id=9, extra_ids=[1, 2, 3, 4, 5], mm_items=(item,), cache_salt="s"))
+    m.remove_sequence("a")
+    (e,) = events(m)
+    (blk,) = e.data.blocks
+    key = BlockKey((0, 1, 2, 3), (1, 2, 3, 4), 9, cache_salt_id("s"), (MmKey(item.hash, 0),))
+    assert blk == StoredBlock(block_hash(key, 0), ((0, 1), (1, 2), (2, 3), (3, 4)), 9, 0, 35, (MmKey(item.hash, 0),))
+
+
+def test_removed_events_batched_until_next_stored_of_the_window():
+    m = make_manager(primary_blocks=4, event_buffer_max_size=64)
+    stored_chain(m, 9)  # blocks 0, 1 cached; free [3, 2, 1, 0]
+    h0, h1 = H(R(0, 4), R(4, 8))
+    events(m)
+    m.add_sequence(Request("x", list(R(100, 116))))  # evicts 1 then 0
+    m.remove_sequence("x")  # stores x's blocks: the pending removes go out first
+    ev = [e.data for e in events(m)]
+    assert isinstance(ev[0], RemovedData) and ev[0] == RemovedData((h1, h0))
+    assert isinstance(ev[1], StoredData) and ev[1].parent_hash is None and len(ev[1].blocks) == 4
+    assert len(ev) == 2
+
+
+def test_removed_events_flushed_at_iteration_end():
+    m = make_manager(primary_blocks=4, event_buffer_max_size=64)
+    stored_chain(m, 9)
+    h0, h1 = H(R(0, 4), R(4, 8))
+    events(m)
+    m.add_sequence(Request("x", list(R(100, 116))))
+    assert [e.data for e in events(m)] == [RemovedData((h1, h0))]
+
+
+def test_stored_of_another_window_does_not_flush_pending_removes():
+    m = make_manager(num_layers=2, attention_windows=(64, 8), primary_blocks={8: 3, 64: 8}, event_buffer_max_size=64)
+    stored_chain(m, 9)  # both windows cache 0, 1
+    h0, h1 = H(R(0, 4), R(4, 8))
+    events(m)
+    m.add_sequence(Request("x", list(R(100, 112))))  # window 8 evicts 1 then 0; window 64 uses fresh blocks
+    m.remove_sequence("x")  # stores in window 64 first, then window 8
+    ev = [(e.window_size, type(e.data).__name__) for e in events(m)]
+    # TRT EventStoreForDifferentWindowDoesNotFlushPendingRemoves
+    assert ev == [(64, "StoredData"), (8, "RemovedData"), (8, "StoredData")]
+
+
+def test_updated_events_offload_onboard_priority():
+    m = make_manager(primary_blocks=4, secondary_blocks=2, event_buffer_max_size=64)
+    stored_chain(m, 9, retention=retention((0, None, 60)))
+    h0, h1 = H(R(0, 4), R(4, 8))
+    events(m)
+    m.add_sequence(Request("x", list(R(100, 116))))  # offloads 1, then 0 (both priority 60)
+    m.remove_sequence("x", store_for_reuse=False)
+    assert [e.data for e in events(m)] == [UpdatedData(h1, (0, 1), None), UpdatedData(h0, (0, 1), None)]
+    m.add_sequence(Request("c", list(R(9)), retention=retention((0, 4, 60), (4, None, 90))))
+    assert [e.data for e in events(m)] == [
+        UpdatedData(h0, (1, 0), None),
+        UpdatedData(h1, (1, 0), None),
+        UpdatedData(h1, None, (60, 90)),
+    ]
+
+
+def test_in_place_partial_reuse_emits_removed():
+    m = make_manager(event_buffer_max_size=64)
+    stored_chain(m, 13)
+    h2 = H(R(0, 4), R(4, 8), R(8, 12))[2]
+    events(m)
+    m.add_sequence(Request("b", list(R(10))))
+    assert [e.data for e in events(m)] == [RemovedData((h2,))]
+
+
+def test_regrown_partial_block_removes_its_old_hash():
+    # a trailing partial block stored by store_blocks_for_reuse, then completed and stored
+    # again under its full key: the tree forgets the partial key, so must a router
+    m = make_manager(event_buffer_max_size=64)
+    m.add_sequence(Request("a", list(R(10)), max_new_tokens=4))
+    m.add_token("a", 10)
+    m.store_blocks_for_reuse("a")  # 10 tokens: [8, 9] stored as a partial block
+    h0, h1 = H(R(0, 4), R(4, 8))
+    h_partial = block_hash(BlockKey((8, 9)), h1)
+    ev = events(m)
+    assert ev[-1].data.blocks[-1].block_hash == h_partial
+    m.add_token("a", 11)
+    m.add_token("a", 12)
+    m.store_new_block("a")  # block 2 now stored as [8, 9, 10, 11]
+    assert cached_tokens(m, 2) == tuple(R(12)) and m._bm.tree.num_nodes == 3
+    h_full = block_hash(BlockKey((8, 9, 10, 11)), h1)
+    assert [e.data for e in events(m)] == [
+        RemovedData((h_partial,)),
+        StoredData(h1, (StoredBlock(h_full, (8, 9, 10, 11), None, 0, 35, ()),)),
+    ]
+
+
+def test_bounded_event_buffer_drops_the_oldest():
+    m = make_manager(primary_blocks=32, event_buffer_max_size=3)
+    for i in R(5):  # Created (id 0) + 5 Stored (ids 1..5), all pending
+        m.add_sequence(Request(i, [100 * i + t for t in R(5)]))
+        m.remove_sequence(i)
+    assert [e.event_id for e in events(m)] == [3, 4, 5]
+    for i in R(5, 9):  # ids 6..9, published one iteration at a time, never consumed
+        m.add_sequence(Request(i, [100 * i + t for t in R(5)]))
+        m.remove_sequence(i)
+        m.flush_iteration_events()
+    assert [e.event_id for e in m.get_latest_events()] == [7, 8, 9]
