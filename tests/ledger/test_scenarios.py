@@ -941,6 +941,23 @@ def test_rewind_copies_a_shared_stored_block():
     m.verify_integrity()
 
 
+def test_rewind_copy_can_use_the_block_the_rewind_releases():
+    m = make_manager(primary_blocks=5)
+    m.add_sequence(Request("a", list(R(8)), max_new_tokens=8))
+    for t in R(8, 13):
+        m.add_token("a", t)  # blocks 0, 1, 2, 3
+    m.store_new_block("a")  # 12 tokens: 0, 1, 2 cached
+    m.add_sequence(Request("b", list(R(13))))  # shares 0, 1, 2 and takes block 4: pool full
+    assert m.num_free_blocks() == 0
+    m.take_transfers()
+    # rewinding 3 tokens releases block 3 (front of the queue) and needs one copy of block 2:
+    # the released block serves it, so the rewind must succeed
+    m.rewind("a", 3)
+    assert m.block_ids("a") == [[0, 1, 3]]
+    assert plan_ops(m) == [("COPY", 0, 2, 3, 2)]
+    m.verify_integrity()
+
+
 # =========================================================================== chunked prefill
 def test_set_context_position_and_store_context_blocks():
     m = make_manager(event_buffer_max_size=64)
