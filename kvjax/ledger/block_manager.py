@@ -223,16 +223,19 @@ class BlockManager:
             c = wm.counters
             policy = wm.policy
             take = policy.take
+            # Take every matched free block out of the queues first, so no allocation (an
+            # onboard target, a copy, a fresh block, another request's) can evict a block the
+            # batch is about to reuse or copy.
             held: list[Block] = []
-            if len(admissions) > 1:
-                # Take every matched free block out of the queues first, so no allocation of
-                # an earlier request can evict a block a later request reuses or copies.
-                for adm in admissions:
-                    wa = adm.windows[widx]
-                    for blk in wa.matched + [wa.partial[0] if wa.partial else None]:
-                        if blk is not None and blk.free_level >= 0:
-                            take(blk)
-                            held.append(blk)
+            for adm in admissions:
+                wa = adm.windows[widx]
+                for blk in wa.matched:
+                    if blk is not None and blk.free_level >= 0:
+                        take(blk)
+                        held.append(blk)
+                if wa.partial is not None and wa.partial[0].free_level >= 0:
+                    take(wa.partial[0])
+                    held.append(wa.partial[0])
             for i, adm in enumerate(admissions):
                 seq = adm.seq
                 wa = adm.windows[widx]
@@ -246,8 +249,6 @@ class BlockManager:
                     if blk is None:
                         gaps += 1
                         continue
-                    if blk.free_level >= 0:
-                        take(blk)
                     blk.ref_count += 1
                     blk.duration = None
                     if blk.level:
@@ -272,16 +273,12 @@ class BlockManager:
                     prio, dur = seq.block_priority(len(matched), tpb)
                     if in_place.get(blk) == i:
                         wm.drop_cached(blk, evicted=False)
-                        take(blk)
                         blk.priority = DEFAULT_PRIORITY if prio is None else prio
                         blk.duration = dur
                         blk.ref_count += 1
                         if blk.level:
                             wm.onboard(blk)
                     else:
-                        if blk.free_level >= 0:  # keep the source alive while copying it
-                            take(blk)
-                            held.append(blk)
                         blk = wm.copy_prefix(blk, n, prio, dur)
                         blk.ref_count += 1
                     c.reused_partial += 1

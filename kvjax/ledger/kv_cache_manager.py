@@ -128,12 +128,13 @@ class KVCacheManager:
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"request {rid!r}: prompt must be a list of token ids, got {type(prompt).__name__}")
-        try:  # one C-level pass: exact ints keep the sum an int; anything else raises or floats it
-            ok = type(sum(prompt)) is int
+        # C-level passes: exact ints keep the sum an int (anything else raises or floats it)
+        try:
+            ok = not prompt or (type(sum(prompt)) is int and min(prompt) >= 0 and max(prompt) <= _MAX_TOKEN_ID)
         except TypeError:
             ok = False
         if not ok:
-            raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints")
+            raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints in [0, 2**31)")
         if request.extra_ids is not None and len(request.extra_ids) != len(request.prompt):
             raise InvalidRequestError(f"request {rid!r}: extra_ids needs one id per prompt token")
         return Sequence(request, len(self._bm.windows), is_cross)
@@ -212,7 +213,9 @@ class KVCacheManager:
         seq.slow_at = at
 
     def _beam_token(self, seq: Sequence, token) -> int:
-        if seq.beam_width == 1 and hasattr(token, "__index__") and not isinstance(token, bool):
+        if isinstance(token, bool) or (isinstance(token, (list, tuple)) and any(isinstance(t, bool) for t in token)):
+            raise InvalidRequestError(f"tokens must be ints, got {token!r}")
+        if seq.beam_width == 1 and hasattr(token, "__index__"):
             token = int(token.__index__())
             if not 0 <= token <= _MAX_TOKEN_ID:
                 raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
@@ -256,8 +259,9 @@ class KVCacheManager:
             blk = sw.beams[0][last]
             if blk.node is not None and blk.node.key.num_tokens > filled and blk.ref_count > 1:
                 cow.append(wm)
-        for wm in cow:
-            if wm.num_free_primary < 1:
+        for wm in cow:  # blocks the rewind itself frees may receive the copy
+            freed = sum(1 for b in seq.windows[wm.index].beams[0][last + 1 :] if b.ref_count == 1)
+            if wm.num_free_primary + freed < 1:
                 raise OutOfBlocksError(f"window {wm.window}: rewind needs a free block to copy a shared block")
         for wm in self._bm.windows:
             sw = seq.windows[wm.index]
@@ -523,10 +527,9 @@ class KVCacheManager:
         n_ctx = -(-seq.prompt_len // self._tpb)
         shared = n_ctx if seq.beam_width == 1 else n_ctx - 1
         wa = bm.walk(wm, seq, seq.prompt_len - 1, shared)
-        full = [b for b, n in wa.entries if b is not None and n == self._tpb]
+        full = [b for b in wa.matched if b is not None]
         allocated = sum(1 for b in full if b.ref_count > 0)
-        matched = min(wa.coverage, seq.prompt_len - 1)
-        return PrefixReuseSummary(len(full), allocated, matched, len(full))
+        return PrefixReuseSummary(len(full), allocated, wa.coverage, len(wa.matched))
 
     def _resolve(self, request_or_id) -> tuple[Request, Sequence | None]:
         if isinstance(request_or_id, Request):

@@ -269,6 +269,8 @@ class WindowBlockManager:
             child = node.children.get(key) or tree.get_or_create_child(node, key)
             blk = beam0[d]
             if not blk.placeholder and w not in child.blocks:
+                if blk.node is not None:  # a regrown partial block: its old key leaves the tree
+                    self.drop_cached(blk, evicted=False)
                 tree.attach(child, w, blk)
                 if seq.retention is None:
                     blk.priority, blk.duration = DEFAULT_PRIORITY, None
