@@ -97,6 +97,10 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
 
 
 def _verify_tree(bm: BlockManager) -> None:
+    from kvjax.ledger import radix_tree
+
+    if radix_tree._EMPTY:
+        _fail("the shared empty child map was mutated")
     tree = bm.tree
     managers = {wm.window: wm for wm in bm.windows}
     count = 0

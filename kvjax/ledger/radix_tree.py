@@ -16,14 +16,19 @@ if TYPE_CHECKING:
     from kvjax.ledger.block import Block
 
 
+# Shared, never-mutated stand-in for a leaf's child maps: most nodes are leaves, and three
+# dicts per node would dominate the cost of storing a block.
+_EMPTY: dict = {}
+
+
 class RadixNode:
     __slots__ = ("key", "parent", "children", "partial_index", "bucket", "blocks", "depth", "is_full", "_hash", "attached")
 
     def __init__(self, key: BlockKey | None, parent: RadixNode | None, depth: int, tokens_per_block: int) -> None:
         self.key = key
         self.parent = parent
-        self.children: dict[BlockKey, RadixNode] = {}
-        self.partial_index: dict[tuple, dict[RadixNode, None]] = {}
+        self.children: dict[BlockKey, RadixNode] = _EMPTY
+        self.partial_index: dict[tuple, dict[RadixNode, None]] = _EMPTY
         self.blocks: dict[int, Block] = {}
         self.depth = depth
         self.is_full = key is not None and len(key.tokens) == tokens_per_block
@@ -90,9 +95,13 @@ class UnifiedBlockTree:
         child = node.children.get(key)
         if child is None:
             child = RadixNode(key, node, node.depth + 1, self.tokens_per_block)
+            if node.children is _EMPTY:
+                node.children = {}
             node.children[key] = child
             bucket_key = child.bucket
             if bucket_key is not None:
+                if node.partial_index is _EMPTY:
+                    node.partial_index = {}
                 node.partial_index.setdefault(bucket_key, {})[child] = None
             self.num_nodes += 1
         return child
