@@ -12,22 +12,28 @@ from kvjax.device import sharding as shd
 from kvjax.device.pools import KVPools, PoolMeta
 
 
-def _mask_tail(x, seq_lens):
-    """Zero positions >= seq_len. x: [batch, positions, H, D]."""
-    pos = jnp.arange(x.shape[1], dtype=jnp.int32)  # [positions]
-    keep = pos[None, :] < seq_lens[:, None]  # [batch, positions]
-    return jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
-
-
 def _gather_xla(arr, meta: PoolMeta, layer: int, block_table, seq_lens):
+    """One row gather per field: output row (b, p, :, :) = K/V heads of token p of request b.
+
+    Gathering `[H, D]` rows straight into `[batch, positions, H, D]` fuses the block lookup,
+    the heads/tokens transpose and the tail mask into one pass (positions >= seq_len read
+    the null slot, which is zero): on XLA CPU about twice as fast as gathering whole blocks
+    and transposing them afterwards.
+    """
     pool, j = meta.locate(layer)
     b, m = block_table.shape
-    t, h, d = meta.config.tokens_per_block, pool.num_kv_heads, pool.head_dim
-    # [batch, blocks, F, H, T, D]
-    pages = arr[block_table, j] if meta.block_axis == 0 else arr[j][block_table]
-    # [F, batch, blocks, T, H, D] -> [F, batch, blocks*T, H, D]
-    pages = jnp.transpose(pages, (2, 0, 1, 4, 3, 5)).reshape(pages.shape[2], b, m * t, h, d)
-    return tuple(_mask_tail(pages[f], seq_lens) for f in range(pages.shape[0]))
+    t = meta.config.tokens_per_block
+    pos = jnp.arange(m * t, dtype=jnp.int32)  # [positions]
+    live = pos[None, :] < seq_lens[:, None]  # [batch, positions]
+    slot = jnp.where(live, block_table[:, pos // t], pool.null_slot)  # [batch, positions]
+    off = jnp.broadcast_to(pos % t, slot.shape)  # [batch, positions]
+    out = []
+    for f in range(meta.config.kv_factor):
+        if meta.block_axis == 0:
+            out.append(arr[slot, j, f, :, off, :])  # [batch, positions, H, D]
+        else:
+            out.append(arr[j, slot, f, :, off, :])  # [batch, positions, H, D]
+    return tuple(out)
 
 
 def _gather_pallas(arr, meta: PoolMeta, layer: int, block_table, seq_lens):
