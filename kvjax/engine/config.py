@@ -1,0 +1,120 @@
+"""Run settings: the engine's knobs (`EngineConfig`) and the cache a run uses (`cache_config`).
+
+Both can come from a workload file's `[engine]` / `[cache]` tables, overridden by the CLI;
+unknown keys and wrong types raise `ValueError` naming the table and key.
+
+[cache]  tokens_per_block, primary_blocks, secondary_blocks (per window), max_seq_len,
+         enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse, onboard_blocks,
+         secondary_offload_min_priority
+[engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, min_batch_bucket,
+         min_chunk_bucket, min_blocks_bucket, prefill_rows, max_steps
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from kvjax.config import CacheConfig
+from kvjax.engine.batching import Buckets
+from kvjax.engine.scheduler import SchedulerConfig, SchedulerPolicy
+
+CACHE_DEFAULTS: dict[str, Any] = {
+    "tokens_per_block": 16,
+    "primary_blocks": 256,
+    "secondary_blocks": 0,
+    "max_seq_len": None,  # the model's
+    "enable_block_reuse": True,
+    "enable_partial_reuse": True,
+    "copy_on_partial_reuse": True,
+    "onboard_blocks": True,
+    "secondary_offload_min_priority": 30,
+}
+_BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
+
+
+def _check_keys(table: str, values: Mapping[str, Any], known, source: str) -> None:
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{source}: [{table}] unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    for k, v in values.items():
+        if k in _BOOL_KEYS:
+            if not isinstance(v, bool):
+                raise ValueError(f"{source}: [{table}] {k} must be true or false, got {v!r}")
+        elif k != "policy" and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{source}: [{table}] {k} must be an int, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler policy and budgets, shape buckets, and a safety cap on steps."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    buckets: Buckets = Buckets()
+    max_steps: int = 1_000_000
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> "EngineConfig":
+        known = {"policy", "max_batch_size", "max_num_tokens", "defer_shared_prefix", "min_batch_bucket",
+                 "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps"}
+        _check_keys("engine", values, known, source)
+        v = dict(values)
+        try:
+            sched = SchedulerConfig(
+                policy=SchedulerPolicy.parse(v.get("policy", SchedulerPolicy.GUARANTEED_NO_EVICT)),
+                max_batch_size=v.get("max_batch_size", SchedulerConfig.max_batch_size),
+                max_num_tokens=v.get("max_num_tokens", SchedulerConfig.max_num_tokens),
+                defer_shared_prefix=v.get("defer_shared_prefix", True),
+            )
+            buckets = Buckets(
+                min_batch=v.get("min_batch_bucket", Buckets.min_batch),
+                min_chunk=v.get("min_chunk_bucket", Buckets.min_chunk),
+                min_blocks=v.get("min_blocks_bucket", Buckets.min_blocks),
+                prefill_rows=v.get("prefill_rows", Buckets.prefill_rows),
+            )
+            max_steps = v.get("max_steps", cls.max_steps)
+            if max_steps < 1:
+                raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        except ValueError as e:
+            raise ValueError(f"{source}: [engine] {e}") from None
+        return cls(sched, buckets, max_steps)
+
+
+def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>") -> CacheConfig:
+    """The run's `CacheConfig`: the model's KV geometry, `CACHE_DEFAULTS` overridden by `values`.
+
+    `max_num_tokens` (the engine's chunk budget) sizes TensorRT-LLM's temporary attention window.
+    """
+    _check_keys("cache", values, CACHE_DEFAULTS, source)
+    v = {**CACHE_DEFAULTS, **values}
+    try:
+        return model_spec.cache_config(
+            primary_blocks=v["primary_blocks"],
+            secondary_blocks=v["secondary_blocks"],
+            tokens_per_block=v["tokens_per_block"],
+            max_seq_len=v["max_seq_len"],
+            enable_block_reuse=v["enable_block_reuse"],
+            enable_partial_reuse=v["enable_partial_reuse"],
+            copy_on_partial_reuse=v["copy_on_partial_reuse"],
+            onboard_blocks=v["onboard_blocks"],
+            secondary_offload_min_priority=v["secondary_offload_min_priority"],
+            max_num_tokens=max_num_tokens,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: [cache] {e}") from None
+
+
+def device_config(config: CacheConfig) -> CacheConfig:
+    """`config` with its policy fields at their defaults: only the geometry matters to the
+    device, and jit specialises on the pools' config, so runs that differ only in policy
+    (reuse on / off, offload threshold) share compiled executables."""
+    return dataclasses.replace(
+        config,
+        enable_block_reuse=True,
+        enable_partial_reuse=True,
+        copy_on_partial_reuse=True,
+        onboard_blocks=True,
+        secondary_offload_min_priority=30,
+        event_buffer_max_size=0,
+        max_num_tokens=None,
+    )

@@ -1,0 +1,88 @@
+"""`LiveRequest`: one request's life in the engine (phase, tokens, pending token, timings).
+
+Phases: WAITING (not in the ledger: new, or paused) -> CONTEXT (admitted; prefill chunks run
+until the admitted prompt is materialised) -> GENERATION (one token per step) -> FINISHED.
+A paused request goes back to WAITING; it is re-admitted with prompt = original prompt +
+tokens generated so far, so the ledger's prefix reuse recovers what it had computed.
+
+The token sampled at the end of a step is *pending*: it enters the ledger (`add_token`) at
+the start of the next step that schedules the request, which is when its KV gets written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvjax.engine.workloads import WorkItem
+from kvjax.request import Request
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    CONTEXT = "context"
+    GENERATION = "generation"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """One `add_sequence` of a request: prompt length, tokens reused (prepopulated), whether
+    it resumed a paused request, and the prefill tokens it computed."""
+
+    prompt_len: int
+    reused: int
+    resumed: bool
+    computed: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class LiveRequest:
+    item: WorkItem
+    prompt: list[int]  # resolved full prompt (a follow-up's includes its parent's conversation)
+    arrival_step: int
+    arrival_time: float
+    seed: int  # sampling key stream of this request
+    order: int  # admission order (oldest first among running requests)
+    phase: Phase = Phase.WAITING
+    output: list[int] = dataclasses.field(default_factory=list)
+    pending: int | None = None  # sampled, not yet in the ledger
+    context: list[int] = dataclasses.field(default_factory=list)  # prompt of the current admission
+    context_pos: int = 0  # tokens of `context` whose KV is materialised
+    admissions: list[Admission] = dataclasses.field(default_factory=list)
+    pauses: int = 0
+    admit_time: float | None = None
+    first_token_time: float | None = None
+    first_token_step: int | None = None
+    finish_time: float | None = None
+    finish_step: int | None = None
+    chosen_logits: list[float] = dataclasses.field(default_factory=list)
+    margins: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.item.request_id
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.item.max_new_tokens - len(self.output)
+
+    @property
+    def context_remaining(self) -> int:
+        return len(self.context) - self.context_pos
+
+    def ledger_request(self) -> Request:
+        """The `kvjax.Request` of the next admission: prompt + tokens generated so far."""
+        item = self.item
+        return Request(
+            request_id=item.request_id,
+            prompt=self.prompt + self.output,
+            max_new_tokens=self.remaining_new_tokens,
+            lora_task_id=item.lora_task_id,
+            cache_salt=item.cache_salt,
+            retention=item.retention,
+        )
+
+    def finished_by(self, token: int) -> bool:
+        """Does sampling `token` (already appended to `output`) end the request?"""
+        eos = self.item.eos_id
+        return len(self.output) >= self.item.max_new_tokens or (eos is not None and token == eos)
