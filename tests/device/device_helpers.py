@@ -58,13 +58,18 @@ def assert_pools_equal(pools: KVPools, expected) -> None:
             np.testing.assert_array_equal(np.asarray(a), e, err_msg=f"secondary pool {i}")
 
 
-def random_tables(rng, pool, batch: int, max_blocks: int, tpb: int):
-    """Distinct random slots per row, null-slot padding, ragged lengths (one empty row)."""
+def random_tables(rng, pool, batch: int, max_blocks: int, tpb: int, *, disjoint: bool = False):
+    """Distinct random slots per row (across rows too when `disjoint`), null-slot padding,
+    ragged lengths (row 0 full, others random, possibly empty)."""
     table = np.full((batch, max_blocks), pool.null_slot, np.int32)
     lens = np.zeros(batch, np.int32)
+    free = list(rng.permutation(pool.primary_blocks))
     for b in range(batch):
         n_blocks = int(rng.integers(0, max_blocks + 1)) if b else max_blocks
-        n_blocks = min(n_blocks, pool.primary_blocks)
-        table[b, :n_blocks] = rng.choice(pool.primary_blocks, n_blocks, replace=False)
+        n_blocks = min(n_blocks, len(free) if disjoint else pool.primary_blocks)
+        if disjoint:
+            table[b, :n_blocks], free = free[:n_blocks], free[n_blocks:]
+        else:
+            table[b, :n_blocks] = rng.choice(pool.primary_blocks, n_blocks, replace=False)
         lens[b] = 0 if n_blocks == 0 else int(rng.integers((n_blocks - 1) * tpb + 1, n_blocks * tpb + 1))
     return table, lens

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from device_helpers import DTYPES, LAYOUTS, fill, make_config, random_tables, snapshot, assert_pools_equal
 from kvjax.device import allocate_pools, gather_kv, gather_kv_reference, write_kv, write_kv_reference
@@ -121,3 +122,35 @@ def test_bad_input():
         gather_kv(pools, 0, np.array([[1]], np.int32), np.array([1, 2], np.int32))
     with pytest.raises(ValueError, match="KVPools"):
         gather_kv(pools.primary, 0, np.array([[1]], np.int32), np.array([1], np.int32))
+
+
+@settings(max_examples=5)
+@given(
+    tpb=st.sampled_from([1, 2, 4, 8]),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([1, 4, 6]),
+    layers=st.integers(1, 3),
+    batch=st.integers(1, 3),
+    max_blocks=st.integers(1, 4),
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_random_shapes_roundtrip(tpb, heads, head_dim, layers, batch, max_blocks, layout, dtype):
+    """Random geometry: write every live position of every request, gather it back."""
+    cfg = make_config(layout=layout, dtype=dtype, tokens_per_block=tpb, num_kv_heads=heads, head_dim=head_dim,
+                      num_layers=layers, attention_windows=None, primary_blocks=batch * max_blocks + 1)
+    rng = np.random.default_rng(tpb * 1000 + heads * 100 + head_dim * 10 + layers)
+    pools = fill(allocate_pools(cfg), seed=tpb)
+    pool = cfg.pools[0]
+    table, lens = random_tables(rng, pool, batch, max_blocks, tpb, disjoint=True)
+    layer = layers - 1
+    pos = [(b, p) for b in range(batch) for p in range(lens[b])]
+    sm = np.array([table[b, p // tpb] * tpb + p % tpb for b, p in pos] or [-1], np.int32)
+    k = jnp.asarray(rng.standard_normal((len(sm), heads, head_dim)), dtype)
+    pools = write_kv(pools, layer, k, -k, sm)
+    kk, vv = gather_kv(pools, layer, table, lens)
+    kr, vr = gather_kv_reference(pools, layer, jnp.asarray(table), jnp.asarray(lens))
+    np.testing.assert_array_equal(np.asarray(kk), np.asarray(kr))
+    np.testing.assert_array_equal(np.asarray(vv), np.asarray(vr))
+    for i, (b, p) in enumerate(pos):
+        np.testing.assert_array_equal(np.asarray(kk[b, p]), np.asarray(k[i]))
