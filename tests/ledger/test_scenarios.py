@@ -1384,3 +1384,26 @@ def test_bounded_event_buffer_drops_the_oldest():
         m.remove_sequence(i)
         m.flush_iteration_events()
     assert [e.event_id for e in m.get_latest_events()] == [7, 8, 9]
+
+
+# =========================================================================== sink tokens
+def test_sink_bubble_disables_reuse():
+    # TRT: a sink length that is not a multiple of tpb leaves a bubble; reuse is disabled
+    m = make_manager(sink_token_length=2)
+    stored_chain(m, 13)
+    assert cached_ids(m) == set()
+    assert m.add_sequence(Request("b", list(R(13)))) == 0
+    # context branch: L = 13 + bubble 2 = 15 -> 3 shared + 1 unshared
+    assert m.needed_blocks_one_step(Request("q", list(R(13)))) == 4
+
+
+def test_snapshot_is_hashable_and_tracks_state():
+    m = make_manager(event_buffer_max_size=8)
+    s0 = m.snapshot()
+    hash(s0)
+    m.add_sequence(Request("a", list(R(5))))
+    s1 = m.snapshot()
+    hash(s1)
+    assert s1 != s0
+    m.remove_sequence("a", store_for_reuse=False)
+    assert m.snapshot() != s1

@@ -1,0 +1,403 @@
+"""Hypothesis stateful test of the whole ledger on tiny pools (issue 2 quality bar).
+
+Random operation sequences (add, add batch, add token, rewind, store, remove, pin/unpin,
+refresh with a fake clock, take_transfers, scheduler queries) run against pools of 6-12 blocks
+(tokens_per_block 2 or 4, 0-4 secondary blocks, optionally a second, sliding window and beam
+width 2), so eviction, offload, onboard, partial reuse and copies happen all the time.
+
+After every step: `verify_integrity()`, count and table invariants, and a data check. The test
+keeps a model of every memory slot's content (one tag per token position, a tag naming the
+token and every token before it plus the isolation keys). Every `TransferPlan` is replayed op
+by op with the semantics documented in kvjax/ledger/transfer_plan.py, and a model forward
+writes each sequence's new tokens into the slots its block table names. Then:
+  * every live sequence's block table points at slots holding exactly its own tokens, for
+    every position it has written (prepopulated positions included), placeholders aside;
+  * every block in the radix tree holds the tokens its tree path spells (primary or secondary);
+  * blocks pinned by removed sequences keep their content until unpinned.
+So reuse, partial copy, offload and onboard can never serve another request's KV unnoticed.
+"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvjax import (
+    InvalidRequestError,
+    KVCacheManager,
+    OutOfBlocksError,
+    Request,
+    RetentionConfig,
+    TokenRangeRetention,
+)
+from kvjax.ledger import PLACEHOLDER_BLOCK_ID
+from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
+
+# Shared prefixes: bases 0 and 1 share 8 tokens, so prompts cut from them meet at block
+# boundaries (tpb 2 or 4) and diverge inside blocks (partial matches) when suffixes differ.
+BASES = [
+    list(range(100, 132)),
+    list(range(100, 108)) + list(range(200, 224)),
+    list(range(300, 332)),
+]
+
+
+@st.composite
+def prompts(draw, tpb, max_len):
+    base = BASES[draw(st.sampled_from([0, 0, 0, 1, 2]))]
+    # cuts around block boundaries: full-block matches, partial matches, the prompt_len % tpb == 1 rule
+    cut = draw(st.sampled_from([1, tpb - 1, tpb, tpb + 1, 2 * tpb - 1, 2 * tpb, 2 * tpb + 1, 3 * tpb, 3 * tpb + 2]))
+    suffix = draw(st.lists(st.integers(0, 1), max_size=3))
+    return (base[:cut] + suffix)[:max_len]
+
+
+@st.composite
+def retentions(draw, tpb):
+    if draw(st.integers(0, 3)):  # mostly none
+        return None
+    prio = draw(st.sampled_from([0, 20, 30, 60, 90]))
+    end = draw(st.sampled_from([None, tpb, 2 * tpb, 3 * tpb]))
+    dur = draw(st.sampled_from([None, 1.0, 5.0]))
+    decode = draw(st.sampled_from([35, 10, 80]))
+    return RetentionConfig((TokenRangeRetention(0, end, prio, dur),), decode, draw(st.sampled_from([None, 2.0])))
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    # ------------------------------------------------------------------ set-up
+    @initialize(
+        tpb=st.sampled_from([2, 4]),
+        primary=st.integers(6, 12),
+        secondary=st.sampled_from([0, 1, 2, 4]),
+        swa=st.booleans(),
+        beams=st.booleans(),
+        policy=st.sampled_from(
+            [
+                dict(),
+                dict(copy_on_partial_reuse=False),
+                dict(enable_partial_reuse=False),
+                dict(secondary_offload_min_priority=50),
+            ]
+        ),
+    )
+    def setup(self, tpb, primary, secondary, swa, beams, policy):
+        self.tpb = tpb
+        self.max_seq_len = 8 * tpb
+        kw = dict(
+            tokens_per_block=tpb,
+            max_seq_len=self.max_seq_len,
+            primary_blocks=primary,
+            secondary_blocks=secondary,
+            max_beam_width=2 if beams else 1,
+            event_buffer_max_size=32,
+            **policy,
+        )
+        if swa:  # a full-attention layer and a sliding-window layer (window not a multiple of tpb)
+            kw.update(num_layers=2, attention_windows=(self.max_seq_len, 2 * tpb + 1))
+        self.config = make_config(**kw)
+        self.clock = FakeClock()
+        self.m = KVCacheManager(self.config, clock=self.clock)
+        self.model = SlotModel(self.config)
+        self.live: dict = {}  # rid -> dict(beams=[token lists], lora, salt, prompt_len)
+        self.pins: list = []  # block ids to unpin (list, or dict window -> list)
+        self.pinned_content: dict = {}  # (window, block id) -> content at removal
+        self.next_id = 0
+        self.multi = len(self.config.windows) > 1
+
+    # ------------------------------------------------------------------ model helpers
+    def _engine_step(self):
+        """Apply the pending transfer plan to the slot model (before any forward writes)."""
+        self._apply(self.m.take_transfers())
+
+    def _apply(self, plan):
+        for k in set(plan.kind.tolist()):
+            event(f"transfer {k}")
+        self.model.apply(plan)
+
+    def _rows(self, rid, window):
+        return self.m.block_ids(rid, window if self.multi else None)
+
+    def _write(self, rid, positions):
+        info = self.live[rid]
+        tpb = self.tpb
+        for w in self.config.windows:
+            table = self.m.block_table([rid], w if self.multi else None)
+            for b, toks in enumerate(info["beams"]):
+                for i in positions:
+                    slot = int(table[b, i // tpb])
+                    self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i))
+
+    def _check_seq_content(self, rid, upto):
+        info = self.live[rid]
+        tpb = self.tpb
+        for w in self.config.windows:
+            ids = self._rows(rid, w)
+            for b, toks in enumerate(info["beams"]):
+                for i in range(upto):
+                    bid = ids[b][i // tpb]
+                    if bid == PLACEHOLDER_BLOCK_ID:
+                        continue
+                    blk = self.m.block(bid, w if self.multi else None)
+                    got = self.model.read(w, blk.level, blk.slot)[i % tpb]
+                    want = tag(info["lora"], info["salt"], toks, i)
+                    assert got == want, f"request {rid} window {w} beam {b} position {i}: slot holds {got}, expected {want}"
+
+    def _make_request(self, data, rid):
+        max_new = data.draw(st.integers(0, 2 * self.tpb), label="max_new")
+        prompt = data.draw(prompts(self.tpb, self.max_seq_len - max_new), label="prompt")
+        beam = data.draw(st.sampled_from([1, 2]), label="beam") if self.config.max_beam_width > 1 else 1
+        lora = data.draw(st.sampled_from([None, None, None, 7]), label="lora")
+        cache_salt = data.draw(st.sampled_from([None, None, None, "s"]), label="salt")
+        ret = data.draw(retentions(self.tpb), label="retention")
+        return Request(rid, prompt, max_new_tokens=max_new, beam_width=beam, lora_task_id=lora, cache_salt=cache_salt, retention=ret)
+
+    def _admitted(self, req, prepopulated):
+        assert 0 <= prepopulated <= max(len(req.prompt) - 1, 0)
+        assert self.m.request_stats(req.request_id).prepopulated_tokens == prepopulated
+        self.live[req.request_id] = dict(
+            beams=[list(req.prompt) for _ in range(req.beam_width)],
+            lora=req.lora_task_id,
+            salt=salt(req.cache_salt),
+            prompt_len=len(req.prompt),
+        )
+
+    def _new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    def _seq_block_ids(self, rid):
+        out = {}
+        for w in self.config.windows:
+            ids = {i for beam in self._rows(rid, w) for i in beam if i != PLACEHOLDER_BLOCK_ID}
+            out[w] = sorted(ids)
+        return out if self.multi else out[self.config.windows[0]]
+
+    # ------------------------------------------------------------------ rules
+    @precondition(lambda self: len(self.live) < 4)
+    @rule(data=st.data())
+    def add(self, data):
+        req = self._make_request(data, self._new_id())
+        before = self.m.snapshot()
+        try:
+            p = self.m.add_sequence(req)
+        except OutOfBlocksError:
+            event("add: out of blocks")
+            assert self.m.snapshot() == before
+            return
+        event(f"add: prepopulated {'>0' if p else '0'}")
+        self._engine_step()
+        self._admitted(req, p)
+        self._check_seq_content(req.request_id, p)  # reused KV is this request's own
+        self._write(req.request_id, range(p, len(req.prompt)))
+
+    @precondition(lambda self: len(self.live) < 3)
+    @rule(data=st.data(), n=st.integers(2, 3))
+    def add_batch(self, data, n):
+        reqs = [self._make_request(data, self._new_id()) for _ in range(n)]
+        before = self.m.snapshot()
+        try:
+            ps = self.m.add_sequences(reqs)
+        except OutOfBlocksError:
+            event("add_batch: out of blocks")
+            assert self.m.snapshot() == before
+            return
+        event("add_batch: ok")
+        self._engine_step()
+        for req, p in zip(reqs, ps):
+            self._admitted(req, p)
+            self._check_seq_content(req.request_id, p)
+        for req, p in zip(reqs, ps):
+            self._write(req.request_id, range(p, len(req.prompt)))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def add_token(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        info = self.live[rid]
+        n = len(info["beams"][0])
+        if n >= self.max_seq_len:
+            return
+        toks = [data.draw(st.integers(0, 3), label="token") for _ in info["beams"]]
+        before = self.m.snapshot()
+        try:
+            self.m.add_token(rid, toks[0] if len(toks) == 1 else toks)
+        except OutOfBlocksError:
+            assert self.m.snapshot() == before
+            return
+        for beam, t in zip(info["beams"], toks):
+            beam.append(t)
+        self._engine_step()
+        self._write(rid, [n])
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def rewind(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        info = self.live[rid]
+        generated = len(info["beams"][0]) - info["prompt_len"]
+        if len(info["beams"]) != 1 or generated == 0:
+            return
+        k = data.draw(st.integers(1, generated), label="k")
+        before = self.m.snapshot()
+        try:
+            self.m.rewind(rid, k)
+        except (OutOfBlocksError, InvalidRequestError) as e:
+            if isinstance(e, InvalidRequestError):
+                assert "released" in str(e)  # only a sliding window's released blocks may refuse
+            assert self.m.snapshot() == before
+            return
+        del info["beams"][0][-k:]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), op=st.sampled_from(["context", "chunk", "new", "reuse", "reuse_pin"]))
+    def store(self, data, op):
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        if op == "context":
+            self.m.store_context_blocks(rid)
+        elif op == "chunk":
+            pos = data.draw(st.integers(0, len(self.live[rid]["beams"][0])), label="pos")
+            self.m.set_context_position(rid, pos)
+            self.m.store_context_blocks(rid)
+        elif op == "new":
+            self.m.store_new_block(rid)
+        else:
+            ids = self.m.store_blocks_for_reuse(rid, pin=op == "reuse_pin")
+            if self.multi:
+                assert {w: sorted(v) for w, v in ids.items()} == self._seq_block_ids(rid)
+            else:
+                assert sorted(ids) == self._seq_block_ids(rid)
+            if op == "reuse_pin":
+                self.pins.append(ids)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), store=st.booleans(), pin=st.sampled_from([False, False, True]))
+    def remove(self, data, store, pin):
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        ids = self._seq_block_ids(rid)
+        self.m.remove_sequence(rid, store_for_reuse=store, pin=pin)
+        if pin:
+            self.pins.append(ids)
+        del self.live[rid]
+        for w, bids in (ids.items() if self.multi else [(self.config.windows[0], ids)]):
+            for bid in bids:
+                blk = self.m.block(bid, w if self.multi else None)
+                if blk.pin_count:
+                    self.pinned_content[(w, bid)] = list(self.model.read(w, blk.level, blk.slot))
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def finish_oldest(self):
+        """The common case, weighted up: the oldest request finishes and is stored for reuse."""
+        rid = min(self.live)
+        self.m.remove_sequence(rid)
+        del self.live[rid]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def pin(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        self.m.pin_blocks(rid)
+        self.pins.append(self._seq_block_ids(rid))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        i = data.draw(st.integers(0, len(self.pins) - 1), label="pin")
+        self.m.unpin_blocks(self.pins.pop(i))
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 10.0]))
+    def refresh(self, dt):
+        self.clock.advance(dt)
+        self.m.refresh_blocks()
+
+    @rule()
+    def take_transfers(self):
+        plan = self.m.take_transfers()
+        for name in ("kind", "pool", "src", "dst", "num_tokens"):
+            assert getattr(plan, name).dtype.name == "int32"
+        self._apply(plan)
+
+    @rule(data=st.data())
+    def scheduler_queries(self, data):
+        before = self.m.snapshot()
+        req = self._make_request(data, "probe")
+        s = self.m.analyze_prefix_reuse(req)
+        assert 0 <= s.reusable_blocks_allocated <= s.reusable_blocks_all
+        assert 0 <= s.total_matched_tokens <= len(req.prompt) - 1 or s.total_matched_tokens == 0
+        windows = self.config.windows if self.multi else [None]
+        for w in windows:
+            assert self.m.needed_blocks_one_step(req, window=w) >= 0
+            assert self.m.remaining_blocks_to_completion(req, window=w) >= 0
+            for rid in self.live:
+                assert self.m.needed_blocks_one_step(rid, window=w) >= 0
+                assert self.m.needed_blocks_one_step(rid, two_steps_lookahead=True, window=w) >= 0
+                assert self.m.remaining_blocks_to_completion(rid, window=w) >= 0
+        self.m.start_scheduling()
+        for rid in list(self.live)[:2]:
+            self.m.scheduling_remove_sequence(rid)
+        assert self.m.scheduling_has_free_blocks(0)
+        self.m.flush_iteration_events()
+        self.m.get_latest_events()
+        self.m.iteration_stats()
+        after = self.m.snapshot()
+        assert after[:4] == before[:4]  # events aside, the queries changed nothing
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def ledger_invariants(self):
+        m = self.m
+        m.verify_integrity()
+        rids = sorted(self.live)
+        rows = sum(len(self.live[r]["beams"]) for r in rids)
+        for w in self.config.windows:
+            ww = w if self.multi else None
+            total = self.config.primary_blocks_for(w)
+            assert m.num_free_blocks(ww) + m.num_allocated_blocks(ww) == total
+            table = m.block_table(rids, ww)
+            width = max((len(m.block_ids(r, ww)[0]) for r in rids), default=0)
+            assert table.shape == (rows, width)
+            r0 = 0
+            for rid in rids:
+                ids = m.block_ids(rid, ww)
+                assert len(ids) == len(self.live[rid]["beams"])
+                for b, beam in enumerate(ids):
+                    assert len(beam) == -(-len(self.live[rid]["beams"][0]) // self.tpb)
+                    for j, bid in enumerate(beam):
+                        if bid == PLACEHOLDER_BLOCK_ID:
+                            assert table[r0 + b, j] == total  # the null slot
+                            continue
+                        blk = m.block(bid, ww)
+                        assert blk.level == 0, "a live sequence references a secondary block"
+                        assert table[r0 + b, j] == blk.slot
+                    assert (table[r0 + b, len(beam) :] == total).all()  # padding: null slot
+                r0 += len(ids)
+
+    @invariant()
+    def slot_contents(self):
+        self._engine_step()
+        for rid, info in self.live.items():
+            self._check_seq_content(rid, len(info["beams"][0]))
+        # every cached block holds what its tree path spells
+        for wm in self.m._bm.windows:
+            w = wm.window
+            for blk in wm.blocks:
+                node = blk.node
+                if node is None:
+                    continue
+                keys = self.m._bm.tree.path_keys(node)
+                toks = [t for k in keys for t in k.tokens]
+                offset = len(toks) - len(node.key.tokens)
+                content = self.model.read(w, blk.level, blk.slot)
+                for j in range(len(node.key.tokens)):
+                    want = tag(node.key.lora_task_id, node.key.cache_salt_id, toks, offset + j)
+                    assert content[j] == want, f"cached block {blk.block_id} (window {w}) position {j}: {content[j]} != {want}"
+        # blocks pinned by removed sequences keep their KV
+        for (w, bid), want in list(self.pinned_content.items()):
+            blk = self.m.block(bid, w if self.multi else None)
+            if blk.pin_count == 0:
+                del self.pinned_content[(w, bid)]
+                continue
+            assert blk.level == 0 and self.model.read(w, 0, blk.slot) == want
+
+
+TestLedgerStateful = LedgerMachine.TestCase
+TestLedgerStateful.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
