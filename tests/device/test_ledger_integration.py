@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvjax import CacheConfig, KVCacheManager, OutOfBlocksError, Request, TransferKind
-from kvjax.device import allocate_pools, apply_transfers, gather_kv, pad_block_table, pad_seq_lens, pad_slot_mapping, write_kv
+from kvjax.device import allocate_pools, apply_transfers, build_kvcache_offsets, gather_kv, pad_block_table, pad_seq_lens, pad_slot_mapping, write_kv
 
 TPB, LAYERS, HEADS, DIM = 4, 2, 1, 4
 
@@ -87,6 +87,9 @@ class Engine:
         if not rids:
             return
         table = self.mgr.block_table(rids, max_blocks=self.cfg.max_blocks_per_seq)
+        # the ledger's KVCacheIndex offsets equal the device builder's for the same slots
+        np.testing.assert_array_equal(self.mgr.block_offsets(rids, max_blocks=table.shape[1]),
+                                      np.asarray(build_kvcache_offsets(self.cfg, table)))
         table = pad_block_table(table, self.cfg.pools[0].null_slot, max_blocks=table.shape[1])
         lens = pad_seq_lens(np.array([len(self.tokens[r]) for r in rids], np.int32))
         for layer in range(LAYERS):
