@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from kvjax.engine.request_state import Admission, LiveRequest, Phase
 from kvjax.engine.runner import ModelRunner
 from kvjax.engine.sampling import request_seed
 from kvjax.engine.scheduler import CapacityScheduler
+from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
 
 
@@ -53,16 +53,19 @@ class RunResult:
     chosen_logits: dict[str, list[float]]  # logit of every sampled token
     margins: dict[str, list[float]]  # top-2 logit margin at every sampled token
     metrics: RunMetrics
+    ledger: Any = None  # the run's KVCacheManager (empty of requests; its cache and stats remain)
 
 
 class Engine:
     """Serves workloads with one model; `run` builds a fresh ledger and pools per call, and
     runs share compiled executables (see `device_config`)."""
 
-    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto") -> None:
+    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None) -> None:
+        if runner is not None and runner.model is not model:
+            raise ValueError("runner serves a different model")
         self.model = model
         self.config = config
-        self.runner = ModelRunner(model, impl=impl)
+        self.runner = ModelRunner(model, impl=impl) if runner is None else runner  # engines may share one
 
     def run(
         self,
@@ -124,7 +127,7 @@ class _Session:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunResult:
-        self.t0 = time.perf_counter()
+        self.clock = ServingClock()
         traces0 = self.engine.runner.num_traces
         while self.future or self.waiting or self.running:
             if self.step >= self.cfg.max_steps:
@@ -133,7 +136,7 @@ class _Session:
                 self.step = max(self.step, self.future[0][0])
             self._one_step()
             self.step += 1
-        wall = time.perf_counter() - self.t0
+        wall = self.clock.now()
         self._final_checks()
         metrics = RunMetrics(
             label=self.label,
@@ -141,6 +144,7 @@ class _Session:
             steps=self.steps,
             ledger=dataclasses.asdict(self.ledger.stats()),
             wall_s=wall,
+            compile_s=self.clock.compile_s,
             compilations=self.engine.runner.num_traces - traces0,
             accounting_misses=self.accounting_misses,
             deferred=self.deferred,
@@ -152,10 +156,11 @@ class _Session:
             chosen_logits={k: list(r.chosen_logits) for k, r in by_id.items()},
             margins={k: list(r.margins) for k, r in by_id.items()},
             metrics=metrics,
+            ledger=self.ledger,
         )
 
     def _one_step(self) -> None:
-        now = time.perf_counter()
+        now = self.clock.now()
         self._release(now)
         sched = self.scheduler.schedule(list(self.running.values()), self.waiting)
         self.deferred += sched.deferred
@@ -200,7 +205,8 @@ class _Session:
         if len(plan):
             from kvjax.device import apply_transfers
 
-            self.pools = apply_transfers(self.pools, plan)
+            with self.clock.measuring():
+                self.pools = apply_transfers(self.pools, plan)
         # 6. forwards + sampling
         finished = 0
         if decode:
@@ -325,7 +331,8 @@ class _Session:
         top_p = np.array([r.item.sampling.top_p for r in reqs], np.float32)
         seed = np.array([r.seed for r in reqs], np.int32)
         index = np.array([len(r.output) for r in reqs], np.int32)
-        toks, chosen, margins, self.pools = self.engine.runner.run(self.pools, batch, temperature, top_p, seed, index)
+        with self.clock.measuring():
+            toks, chosen, margins, self.pools = self.engine.runner.run(self.pools, batch, temperature, top_p, seed, index)
         return toks, chosen, margins
 
     def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float) -> int:
@@ -334,7 +341,7 @@ class _Session:
         r.chosen_logits.append(chosen)
         r.margins.append(margin)
         if r.first_token_time is None:
-            r.first_token_time = time.perf_counter()
+            r.first_token_time = self.clock.now()
             r.first_token_step = self.step
         if r.finished_by(token):
             return self._finish(r)
@@ -346,7 +353,7 @@ class _Session:
         del self.running[r.request_id]
         r.phase = Phase.FINISHED
         r.pending = None
-        r.finish_time = time.perf_counter()
+        r.finish_time = self.clock.now()
         r.finish_step = self.step
         self.done.append(r)
         for child in self.children.pop(r.request_id, ()):
@@ -362,7 +369,7 @@ class _Session:
         self.steps.append(
             StepRecord(
                 step=self.step,
-                time_s=time.perf_counter() - self.t0,
+                time_s=self.clock.now(),
                 decode_rows=decode_rows,
                 prefill_tokens=prefill_tokens,
                 admitted=admitted,
@@ -373,6 +380,7 @@ class _Session:
                 onboarded=it.onboarded_blocks,
                 copied=it.copied_blocks,
                 evicted=it.evicted_blocks,
+                partial_reused=it.partial_reused_blocks,
                 token_hit_rate=self._reused_tokens / self._admitted_tokens if self._admitted_tokens else 0.0,
                 block_hit_rate=st.cache_hit_rate,
             )

@@ -2,7 +2,8 @@
 
 TTFT is measured from a request's arrival (the start of the step that released it) to the
 end of the step that sampled its first token; TPOT is the mean time between its later
-tokens. Token hit rate = prompt tokens reused / prompt tokens admitted; block hit rate is the
+tokens. All times are on the serving clock (wall time minus JAX compile time, which is
+reported on its own; see `serving_clock.py`). Token hit rate = prompt tokens reused / prompt tokens admitted; block hit rate is the
 ledger's `cache_hit_rate` (reused / (reused + missed) blocks).
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ class StepRecord:
     onboarded: int
     copied: int
     evicted: int
+    partial_reused: int
     token_hit_rate: float  # cumulative
     block_hit_rate: float  # cumulative (ledger)
 
@@ -66,7 +68,8 @@ class RunMetrics:
     requests: list[RequestRecord]
     steps: list[StepRecord]
     ledger: dict[str, Any]  # final `KVCacheManager.stats()` as a dict
-    wall_s: float
+    wall_s: float  # compile time excluded
+    compile_s: float
     compilations: int
     accounting_misses: int
     deferred: int
@@ -84,6 +87,7 @@ class RunMetrics:
             "requests": len(reqs),
             "steps": len(self.steps),
             "wall_s": self.wall_s,
+            "compile_s": self.compile_s,
             "prompt_tokens": sum(r.prompt_tokens for r in reqs),
             "admitted_prompt_tokens": admitted,
             "prefill_computed_tokens": computed,
@@ -100,6 +104,7 @@ class RunMetrics:
             "blocks_offloaded": self.ledger.get("offloaded_blocks", 0),
             "blocks_onboarded": self.ledger.get("onboarded_blocks", 0),
             "blocks_copied": self.ledger.get("copied_blocks", 0),
+            "blocks_reused_partially": sum(s.partial_reused for s in self.steps),
             "blocks_evicted": self.ledger.get("evicted_blocks", 0),
             "peak_blocks_in_use": max((s.blocks_in_use for s in self.steps), default=0),
             "pauses": sum(r.pauses for r in reqs),
@@ -123,6 +128,7 @@ _ROWS = (
     ("requests", "requests", "{:d}"),
     ("steps", "engine steps", "{:d}"),
     ("prompt_tokens", "prompt tokens", "{:d}"),
+    ("admitted_prompt_tokens", "prompt tokens admitted (+ resumes)", "{:d}"),
     ("prefill_computed_tokens", "prefill tokens computed", "{:d}"),
     ("prefill_reused_tokens", "prefill tokens reused", "{:d}"),
     ("output_tokens", "output tokens", "{:d}"),
@@ -134,9 +140,11 @@ _ROWS = (
     ("tpot_mean_s", "TPOT mean", "ms"),
     ("output_tok_per_s", "throughput (output)", "{:.1f} tok/s"),
     ("total_tok_per_s", "throughput (computed+output)", "{:.1f} tok/s"),
-    ("wall_s", "wall time", "{:.1f} s"),
+    ("wall_s", "serving time (compile excluded)", "{:.1f} s"),
+    ("compile_s", "compile time", "{:.1f} s"),
     ("blocks_offloaded", "blocks offloaded", "{:d}"),
     ("blocks_onboarded", "blocks onboarded", "{:d}"),
+    ("blocks_reused_partially", "blocks reused partially", "{:d}"),
     ("blocks_copied", "blocks copied (partial reuse)", "{:d}"),
     ("blocks_evicted", "blocks evicted", "{:d}"),
     ("peak_blocks_in_use", "peak blocks in use", "{:d}"),

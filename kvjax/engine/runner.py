@@ -23,19 +23,19 @@ class ModelRunner:
         self.model = model
         self.impl = impl
         self.num_traces = 0
-        self.shapes: set[tuple] = set()  # (B, T, max_blocks, stochastic) seen
+        self.shapes: set[tuple] = set()  # (B, T, max_blocks) seen
         graphdef, state = nnx.split(model)
         self._state = state
 
-        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, seed, index, *, stochastic):
+        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, seed, index):
             self.num_traces += 1
             model = nnx.merge(graphdef, state)
             logits, pools = model.paged_forward(tokens, positions, pools, tables, seq_lens, slots, impl=impl)
             last = logits[:, -1, :]  # [B, V]: rows are right-aligned, the last token is at T - 1
-            tok, chosen, margin = sample(last, temperature, top_p, seed, index, stochastic=stochastic)
+            tok, chosen, margin = sample(last, temperature, top_p, seed, index)
             return tok, chosen, margin, pools
 
-        self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("stochastic",))
+        self._step = jax.jit(step, donate_argnums=(3,))
 
     def run(self, pools, batch: ForwardBatch, temperature: np.ndarray, top_p: np.ndarray, seed: np.ndarray, index: np.ndarray):
         """Forward `batch` and sample each real row's next token.
@@ -51,8 +51,7 @@ class ModelRunner:
             out[:n] = a
             return out
 
-        stochastic = bool(np.any(np.asarray(temperature) > 0))
-        self.shapes.add(batch.shape + (stochastic,))
+        self.shapes.add(batch.shape)
         tok, chosen, margin, pools = self._step(
             self._state,
             batch.tokens,
@@ -65,7 +64,6 @@ class ModelRunner:
             pad(top_p, np.float32, 1.0),
             pad(seed, np.int32, 0),
             pad(index, np.int32, 0),
-            stochastic=stochastic,
         )
         tok, chosen, margin = jax.device_get((tok, chosen, margin))
         return np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools

@@ -54,21 +54,17 @@ def _top_p_logits(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def sample(
-    logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, index: jax.Array, *, stochastic: bool = True
-):
+def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, seed: jax.Array, index: jax.Array):
     """Sample one token per row (traceable; the engine calls it inside its jitted step).
 
     logits: float32 [B, V]; temperature, top_p: float32 [B]; seed, index: int32 [B] (the
-    request's seed and the index of the output token being drawn). `stochastic=False` (static)
-    skips the sampling path when every row is greedy.
+    request's seed and the index of the output token being drawn). Greedy and sampled rows
+    mix freely in one batch (one executable per shape, whatever the sampling settings).
     Returns (tokens int32 [B], chosen-token logit float32 [B], top-2 logit margin float32 [B]).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
     top2 = jax.lax.top_k(logits, 2)[0]  # [B, 2]
     margin = top2[:, 0] - top2[:, 1]  # [B]
-    if not stochastic:
-        return greedy, top2[:, 0], margin
 
     def draw(row, t, p, s, i):
         key = jax.random.fold_in(jax.random.key(s), i)
