@@ -98,7 +98,8 @@ def build_batch(ledger, rows: Sequence[Row], buckets: Buckets, *, chunk_bucket: 
         sm = np.full((b, t), -1, np.int32)  # [B, T]
         for i, r in enumerate(rows):
             pos = np.arange(r.start, r.seq_len, dtype=np.int32)  # [len]
-            blocks = full[i, pos // tpb]  # [len]
+            index = np.minimum(pos // tpb, full.shape[1] - 1)  # [len]
+            blocks = np.where(pos // tpb < full.shape[1], full[i, index], null)  # [len]
             if (blocks == null).any():  # the null slot must stay zero: new tokens need real blocks
                 raise RuntimeError(f"request {r.request_id!r}: window {w} has no block for positions {pos.tolist()}")
             sm[i, t - len(pos):] = blocks * tpb + pos % tpb

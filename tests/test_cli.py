@@ -1,0 +1,181 @@
+"""The `kvjax` command: capacity figures equal hand-computed values, the demo runs and compares,
+and a bad flag or config file gives one line, `kvjax: error: ...`, never a traceback."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvjax.cli import main, parse_size
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table_rows(out: str) -> dict[int, list[str]]:
+    """Capacity table rows keyed by window."""
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if len(cells) == 8 and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    return rows
+
+
+# ---------------------------------------------------------------------- capacity
+def test_capacity_llama_3_1_8b(capsys):
+    code, out, err = run_cli(capsys, "capacity", "--model", "configs/models/llama-3.1-8b.toml",
+                             "--gpu-memory", "141GiB", "--host-memory", "512GiB")
+    assert code == 0 and err == ""
+    # 2 (K, V) x 32 layers x 8 kv heads x 128 dims x 2 bytes (bf16)
+    per_token = 2 * 32 * 8 * 128 * 2
+    assert per_token == 131072 and f"KV bytes/token   {per_token}" in out
+    primary = int(0.9 * 141 * GiB)  # 136257837465 bytes
+    tokens = primary // per_token  # 1039564 tokens fit ...
+    blocks = math.ceil(tokens / 32)  # ... in 32487 blocks (TensorRT-LLM rounds up)
+    secondary = 512 * GiB // per_token // 32  # 131072 host blocks
+    assert (tokens, blocks, secondary) == (1039564, 32487, 131072)
+    assert table_rows(out)[131072] == ["131072", "32", "131072", "100.00%", str(blocks), str(blocks * 32),
+                                       str(secondary), str(secondary * 32)]
+    # 2048 + 512 tokens = 80 blocks per request
+    assert f"max batch        {blocks // 80} requests of 2048 input + 512 output tokens" in out
+
+
+def test_capacity_gemma_3_27b_variable_windows(capsys):
+    code, out, _ = run_cli(capsys, "capacity", "--model", "gemma-3-27b", "--gpu-memory", "141GiB",
+                           "--input-len", "4096", "--output-len", "1024")
+    assert code == 0
+    # layers cycle 5 x local (1024) + 1 global: 52 local, 10 global; 2 x 16 heads x 128 x 2 B = 8192 B per layer
+    local, glob = 52 * 8192, 10 * 8192
+    assert (local, glob) == (425984, 81920)
+    # memory share proportional to window x bytes/token, so tokens per window = budget x window / total
+    total = 1024 * local + 131072 * glob
+    primary = int(0.9 * 141 * GiB)
+    local_blocks = math.ceil(primary * 1024 // total / 32)
+    global_blocks = math.ceil(primary * 131072 // total / 32)
+    assert (local_blocks, global_blocks) == (391, 49950)
+    rows = table_rows(out)
+    assert rows[1024][:5] == ["1024", "52", "425984", "3.90%", "391"]
+    assert rows[131072][:5] == ["131072", "10", "81920", "96.10%", "49950"]
+    # a 5120-token request holds 1024/32 + 1 (SWA extra) = 33 local blocks: 391 // 33 = 11
+    assert "max batch        11 requests of 4096 input + 1024 output tokens" in out
+
+
+def test_capacity_multi_query_fp8(capsys):
+    code, out, _ = run_cli(capsys, "capacity", "--model", "falcon-7b", "--gpu-memory", "80GB",
+                           "--fraction", "0.5", "--dtype", "float8_e4m3fn", "--tokens-per-block", "64")
+    assert code == 0
+    per_token = 2 * 32 * 1 * 64 * 1  # one kv head (multi-query), head dim 64, 1 byte
+    assert f"KV bytes/token   {per_token}" in out
+    blocks = math.ceil(int(0.5 * 80e9) // per_token / 64)
+    assert table_rows(out)[2048][4] == str(blocks)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("141GiB", 141 * GiB), ("512GB", 512 * 10**9), ("100MiB", 100 * 2**20), ("1.5TiB", int(1.5 * 2**40)),
+     ("4096", 4096), ("2 gib", 2 * GiB), ("64KB", 64000)],
+)
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+# ---------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["capacity", "--model", "llama-3.1-8b", "--gpu-memory", "lots"], "argument --gpu-memory: invalid size 'lots'"),
+        (["capacity", "--model", "llama-3.1-8b"], "the following arguments are required: --gpu-memory"),
+        (["capacity", "--model", "llama-3.1-8b", "--gpu-memory", "1GiB", "--fraction", "2"], "expected a number in (0, 1]"),
+        (["capacity", "--model", "no-such-model", "--gpu-memory", "1GiB"], "unknown model 'no-such-model'"),
+        (["capacity", "--model", "llama-3.1-8b", "--gpu-memory", "1KiB"], "gives no block"),
+        (["serve"], "invalid choice: 'serve'"),
+        (["run"], "the following arguments are required: --workload"),
+        (["demo", "--policy", "fifo"], "argument --policy: invalid choice"),
+        (["demo", "--users", "0"], "expected a positive int"),
+        (["run", "--workload", "no-such-workload"], "unknown workload 'no-such-workload'"),
+        (["demo", "--set", "users"], "--set expects KEY=VALUE"),
+        (["demo", "--set", "colour=3"], "unknown key 'colour'"),
+        (["demo", "--tokens-per-block", "12"], "tokens_per_block must be a positive power of two"),
+    ],
+)
+def test_bad_flags_give_one_line(capsys, argv, message):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("kvjax: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_bad_config_files(capsys, tmp_path):
+    bad_workload = tmp_path / "bad.toml"
+    bad_workload.write_text('[workload]\nkind = "chat"\nusers = "many"\n')
+    code, _, err = run_cli(capsys, "run", "--workload", str(bad_workload))
+    assert code == 2 and err.count("\n") == 1 and f"{bad_workload}: workload 'chat': users must be an int" in err
+    bad_model = tmp_path / "model.toml"
+    bad_model.write_text((ROOT / "configs/models/llama-3.1-8b.toml").read_text().replace("num_layers = 32", 'num_layers = "four"'))
+    code, _, err = run_cli(capsys, "capacity", "--model", str(bad_model), "--gpu-memory", "1GiB")
+    assert code == 2 and err.count("\n") == 1 and "field 'num_layers'" in err
+    bad_cache = tmp_path / "cache.toml"
+    bad_cache.write_text('[workload]\nkind = "chat"\n[cache]\nprimary_blocks = -3\n')
+    code, _, err = run_cli(capsys, "run", "--workload", str(bad_cache), "--model", "micro")
+    assert code == 2 and err.count("\n") == 1 and "[cache]" in err and "primary_blocks" in err
+
+
+def test_entry_point_prints_no_traceback(tmp_path):
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[workload\n")
+    exe = Path(sys.executable).with_name("kvjax")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvjax.cli"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(cmd + ["run", "--workload", str(bad)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("kvjax: error: ") and proc.stderr.count("\n") == 1
+    assert "invalid TOML" in proc.stderr
+
+
+# ---------------------------------------------------------------------- serving
+QUICK = ["--model", "micro", "--tokens-per-block", "8", "--max-seq-len", "256", "--no-progress",
+         "--set", "system_prompt_tokens=24", "--set", "user_tokens=[4, 8]", "--max-num-tokens", "64"]
+
+
+def test_demo_on_a_tiny_setting(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "demo", "--users", "2", "--turns", "2", "--max-new-tokens", "3",
+                             "--out", str(tmp_path), *QUICK)
+    assert code == 0, err
+    assert "reuse on" in out and "reuse off" in out
+    for row in ("prefill tokens computed", "prefill tokens reused", "TTFT mean", "throughput (output)", "hit rate (tokens)"):
+        assert row in out
+    (identical,) = [line.split()[-2:] for line in out.splitlines() if line.startswith("generated tokens identical")]
+    assert identical == ["yes", "yes"]
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["identical_outputs"] is True
+    on, off = (run["summary"] for run in data["runs"])
+    assert on["requests"] == off["requests"] == 4
+    assert on["prefill_reused_tokens"] > 0 and off["prefill_reused_tokens"] == 0
+    assert on["prefill_computed_tokens"] + on["prefill_reused_tokens"] == on["admitted_prompt_tokens"]
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_run_a_workload_file(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "--workload", "configs/workloads/long-doc-qa.toml", "--no-reuse",
+                             "--out", str(tmp_path), "--model", "micro", "--tokens-per-block", "8", "--max-seq-len", "256",
+                             "--no-progress", "--set", "document_tokens=64", "--set", "questions=3",
+                             "--policy", "guaranteed_no_evict", "--primary-blocks", "40")
+    assert code == 0, err
+    assert "reuse off" in out and "reuse on" not in out
+    data = json.loads((tmp_path / "run-long-doc-qa.json").read_text())
+    (run,) = data["runs"]
+    assert run["summary"]["requests"] == 3 and run["summary"]["prefill_reused_tokens"] == 0
+    assert data["cache"]["primary_blocks"] == 40 and data["engine"]["policy"] == "guaranteed_no_evict"
+    assert len(run["requests"]) == 3 and len(run["steps"]) == run["summary"]["steps"]
