@@ -62,7 +62,10 @@ class KVPools:
     """Device KV pools (a pytree: arrays are leaves, config and placement are static).
 
     `primary[i]` / `secondary[i]` belong to `config.pools[i]`. Ops return a new `KVPools`
-    and donate the old one: always rebind (`pools = write_kv(pools, ...)`).
+    and donate the old one: always rebind (`pools = write_kv(pools, ...)`). Inspect pools
+    through copies (`np.asarray(jnp.copy(a))`): converting a pool array itself may cache a
+    zero-copy numpy view on it (seen on jax 0.11 CPU), and a viewed buffer cannot be donated,
+    so the next op would silently copy the whole pool.
     """
 
     primary: tuple[jax.Array, ...]

@@ -46,16 +46,19 @@ def fill(pools: KVPools, seed: int = 0) -> KVPools:
 
 
 def snapshot(pools: KVPools):
-    return [np.asarray(a) for a in pools.primary], [None if s is None else np.asarray(s) for s in pools.secondary]
+    """Host copies taken from device copies: converting a pool array itself can leave a cached
+    zero-copy numpy view on it (jax 0.11), which then blocks its in-place donation."""
+    return ([np.array(jnp.copy(a)) for a in pools.primary],
+            [None if s is None else np.array(jnp.copy(s)) for s in pools.secondary])
 
 
 def assert_pools_equal(pools: KVPools, expected) -> None:
-    prim, sec = expected
-    for i, (a, e) in enumerate(zip(pools.primary, prim)):
-        np.testing.assert_array_equal(np.asarray(a), e, err_msg=f"primary pool {i}")
-    for i, (a, e) in enumerate(zip(pools.secondary, sec)):
+    prim, sec = snapshot(pools)
+    for i, (a, e) in enumerate(zip(prim, expected[0])):
+        np.testing.assert_array_equal(a, e, err_msg=f"primary pool {i}")
+    for i, (a, e) in enumerate(zip(sec, expected[1])):
         if e is not None:
-            np.testing.assert_array_equal(np.asarray(a), e, err_msg=f"secondary pool {i}")
+            np.testing.assert_array_equal(a, e, err_msg=f"secondary pool {i}")
 
 
 def random_tables(rng, pool, batch: int, max_blocks: int, tpb: int, *, disjoint: bool = False):
