@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from device_helpers import DTYPES, LAYOUTS, fill, make_config, random_tables, snapshot, assert_pools_equal
 from kvjax.device import allocate_pools, gather_kv, gather_kv_reference, write_kv, write_kv_reference
-from kvjax.device import gather as gather_mod
+from kvjax.device import gather as gather_mod, write as write_mod
 
 IMPLS = ("xla", "pallas")
 
@@ -82,10 +82,9 @@ def test_bucketed_steps_do_not_retrace():
     pools = allocate_pools(cfg)
     rng = np.random.default_rng(0)
     pool, _ = pools.locate(0)
-    gather_mod._gather_kv.clear_cache() if hasattr(gather_mod._gather_kv, "clear_cache") else None
-    traced = chex.assert_max_traces(gather_mod._gather_xla, n=1)
-    orig = gather_mod._gather_xla
-    gather_mod._gather_xla = traced
+    orig_g, orig_w = gather_mod._gather_xla, write_mod._write_xla
+    gather_mod._gather_xla = chex.assert_max_traces(orig_g, n=1)
+    write_mod._write_xla = chex.assert_max_traces(orig_w, n=1)
     try:
         jax.clear_caches()
         for step in range(4):
@@ -94,7 +93,7 @@ def test_bucketed_steps_do_not_retrace():
             pools = write_kv(pools, 0, k, v, sm, impl="xla")
             gather_kv(pools, 0, table, lens, impl="xla")
     finally:
-        gather_mod._gather_xla = orig
+        gather_mod._gather_xla, write_mod._write_xla = orig_g, orig_w
         jax.clear_caches()
 
 
