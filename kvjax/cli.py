@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import sys
 import tomllib
@@ -232,14 +233,24 @@ def _setup(args, *, demo: bool) -> _Setup:
     return _Setup(spec, workload, cache, engine_config, workload.name)
 
 
+@functools.lru_cache(maxsize=4)
+def _model_and_runner(spec, seed: int):
+    """The model and its jitted runner, kept for later commands of the same process (tests,
+    notebooks calling `main` repeatedly) so their executables are compiled once."""
+    from kvjax.engine.runner import ModelRunner
+    from kvjax.models import Transformer
+
+    model = Transformer.from_spec(spec, seed=seed)
+    return model, ModelRunner(model)
+
+
 def _serve(setup: _Setup, args, runs: list[tuple[str, bool]]):
     """Run the workload once per (label, reuse) with one engine (shared compiled executables)."""
     from kvjax.engine.config import cache_config
     from kvjax.engine.engine import Engine
-    from kvjax.models import Transformer
 
-    model = Transformer.from_spec(setup.spec, seed=args.seed)
-    engine = Engine(model, setup.engine)
+    model, runner = _model_and_runner(setup.spec, args.seed)
+    engine = Engine(model, setup.engine, runner=runner)
     items = setup.workload.build(setup.spec.vocab_size)
     results = []
     for label, reuse in runs:

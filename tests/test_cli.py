@@ -168,14 +168,18 @@ def test_demo_on_a_tiny_setting(capsys, tmp_path):
 
 
 def test_run_a_workload_file(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "run", "--workload", "configs/workloads/long-doc-qa.toml", "--no-reuse",
-                             "--out", str(tmp_path), "--model", "micro", "--tokens-per-block", "8", "--max-seq-len", "256",
-                             "--no-progress", "--set", "document_tokens=64", "--set", "questions=3",
-                             "--policy", "guaranteed_no_evict", "--primary-blocks", "40")
+    # the demo test's geometry: this process's runner for micro already compiled its shapes
+    code, out, err = run_cli(capsys, "run", "--workload", "configs/workloads/chat.toml", "--no-reuse",
+                             "--out", str(tmp_path), "--users", "3", "--turns", "1", "--policy", "max_utilization", *QUICK)
+    assert code == 2 and "unrecognized arguments: --users" in err  # demo-only flags
+    code, out, err = run_cli(capsys, "run", "--workload", "configs/workloads/chat.toml", "--no-reuse",
+                             "--out", str(tmp_path), "--set", "users=3", "--set", "turns=1", "--set", "max_new_tokens=2",
+                             "--policy", "max_utilization", *QUICK)
     assert code == 0, err
     assert "reuse off" in out and "reuse on" not in out
-    data = json.loads((tmp_path / "run-long-doc-qa.json").read_text())
+    data = json.loads((tmp_path / "run-chat.json").read_text())
     (run,) = data["runs"]
     assert run["summary"]["requests"] == 3 and run["summary"]["prefill_reused_tokens"] == 0
-    assert data["cache"]["primary_blocks"] == 40 and data["engine"]["policy"] == "guaranteed_no_evict"
+    assert data["cache"]["tokens_per_block"] == 8 and data["engine"]["policy"] == "max_utilization"
     assert len(run["requests"]) == 3 and len(run["steps"]) == run["summary"]["steps"]
+    assert all(r["output_tokens"] == 2 for r in run["requests"])
