@@ -299,17 +299,25 @@ class KVCacheManager:
     def _can_store(self, seq: Sequence) -> bool:
         return self._bm.reuse and not seq.is_cross
 
+    @staticmethod
+    def _materialised(seq: Sequence) -> int:
+        """Tokens whose KV exists: the context position during a chunked prefill, else all but
+        the newest token (whose KV the next forward writes)."""
+        if seq.context_position < seq.prompt_len:
+            return seq.context_position
+        return seq.num_tokens - 1
+
     def store_context_blocks(self, request_id: Hashable) -> None:
         """Make the materialised full context blocks reusable now ("early reuse")."""
         seq = self._seq(request_id)
         if self._can_store(seq):
-            self._bm.store(seq, min(seq.num_tokens - 1, seq.context_position), allow_partial=False)
+            self._bm.store(seq, min(self._materialised(seq), seq.prompt_len), allow_partial=False)
 
     def store_new_block(self, request_id: Hashable) -> None:
         """During generation: make newly completed full blocks reusable (beam width 1 only)."""
         seq = self._seq(request_id)
         if self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, seq.num_tokens - 1, allow_partial=False)
+            self._bm.store(seq, self._materialised(seq), allow_partial=False)
 
     def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:
         """Store every block, the trailing partial one included, without releasing them; with
@@ -318,7 +326,7 @@ class KVCacheManager:
         windows)."""
         seq = self._seq(request_id)
         if self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, seq.num_tokens - 1, allow_partial=True)
+            self._bm.store(seq, self._materialised(seq), allow_partial=True)
         if pin:
             self._pin(seq)
         return self._own_block_ids(seq)
@@ -363,7 +371,7 @@ class KVCacheManager:
         newest token has no KV yet), optionally pin them, then release last block first."""
         seq = self._seq(request_id)
         if store_for_reuse and self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, seq.num_tokens - 1, allow_partial=True)
+            self._bm.store(seq, self._materialised(seq), allow_partial=True)
         if pin:
             self._pin(seq)
         self._bm.release(seq)
@@ -537,9 +545,22 @@ class KVCacheManager:
         seq = self._seq(request_or_id)
         return seq.request, seq
 
-    def needed_blocks_one_step(self, request_or_id, two_steps_lookahead: bool = False, window: int | None = None) -> int:
+    def needed_blocks_one_step(
+        self,
+        request_or_id,
+        two_steps_lookahead: bool = False,
+        window: int | None = None,
+        *,
+        summary: PrefixReuseSummary | None = None,
+    ) -> int:
         """Blocks the next step needs: the whole context for a request not yet admitted (minus
-        reusable blocks already referenced by others), else the generation growth."""
+        reusable blocks already referenced by others: free cached ones are already counted
+        as free), else the generation growth. Pass a cached `summary` to skip the tree walk.
+
+        Sliding windows: admission allocates every prompt block (out-of-window ones are only
+        released as generation proceeds), so the context branch does not cap the prompt at
+        `window + chunk` as TensorRT-LLM's formula does; it would under-reserve.
+        """
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
         cfg, tpb = self.config, self._tpb
@@ -548,12 +569,13 @@ class KVCacheManager:
         if seq is None:  # context phase, first chunk
             chunk = request.max_new_tokens  # TensorRT-LLM's (sic) chunkSize
             prompt_len = request.encoder_len if self._bm.is_cross else len(request.prompt)
-            length = min(prompt_len + request.num_draft_tokens, wm.window + chunk) + bubble
+            span = prompt_len if wm.is_swa else wm.window + chunk
+            length = min(prompt_len + request.num_draft_tokens, span) + bubble
             shared = length // tpb
             needed = shared + -(-(length % tpb) // tpb) * beam
             if self._bm.reuse and not cfg.is_variable_window:
-                recoverable = (min(prompt_len, wm.window + chunk) - 1) // tpb
-                summary = self.analyze_prefix_reuse(request)
+                recoverable = (min(prompt_len, span) - 1) // tpb
+                summary = summary or self.analyze_prefix_reuse(request)
                 needed -= min(summary.reusable_blocks_allocated, recoverable, shared)
             return needed
         if seq.is_cross or seq.context_position < seq.prompt_len:
@@ -566,8 +588,13 @@ class KVCacheManager:
             return 0
         return (-(-nxt // tpb) - -(-curr // tpb)) * beam
 
-    def remaining_blocks_to_completion(self, request_or_id, window: int | None = None) -> int:
-        """Blocks still to allocate for the request to finish (TensorRT-LLM's formula)."""
+    def remaining_blocks_to_completion(
+        self, request_or_id, window: int | None = None, *, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        """Blocks still to allocate for the request to finish (TensorRT-LLM's formula for full
+        attention). A sliding window holds at most its prompt at admission, then about
+        `window / tokens_per_block + 2` blocks (growth is paid for by out-of-window releases),
+        so its remaining need is the peak of those minus what is held now."""
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
         cfg, tpb = self.config, self._tpb
@@ -576,16 +603,26 @@ class KVCacheManager:
         if self._bm.is_cross:
             return -(-request.encoder_len // tpb) if seq is None else 0
         prompt_len = len(request.prompt)
+        final = prompt_len + request.max_new_tokens
+        alloc = 0 if seq is None else len(seq.windows[wm.index].beams[0])
+        reuse_ok = self._bm.reuse and not cfg.is_variable_window and alloc == 0
+        if wm.is_swa:
+            held = 0 if seq is None else alloc - seq.windows[wm.index].num_front_removed
+            ctx = -(-(prompt_len + bubble) // tpb)
+            if reuse_ok:
+                summary = summary or self.analyze_prefix_reuse(request)
+                ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
+            steady = min(-(-(final + bubble) // tpb), -(-wm.window // tpb) + 2) * beam
+            peak = max(ctx if seq is None else held, steady)
+            return max(0, peak - held)
         span = wm.window + wm.temporary_window
         ctx = (min(prompt_len, span) + bubble) // tpb
-        total = -(-(min(prompt_len + request.max_new_tokens, span) + bubble) // tpb)
+        total = -(-(min(final, span) + bubble) // tpb)
         gen = total - ctx
-        alloc = 0 if seq is None else len(seq.windows[wm.index].beams[0])
         reusable = 0
-        if self._bm.reuse and not cfg.is_variable_window and alloc == 0:
-            summary = self.analyze_prefix_reuse(request)
+        if reuse_ok:
+            summary = summary or self.analyze_prefix_reuse(request)
             reusable = min(summary.reusable_blocks_allocated, ctx, (prompt_len - 1) // tpb)
-        final = prompt_len + request.max_new_tokens
         cur_tokens = prompt_len if seq is None else seq.num_tokens
         extra = int(final > wm.window and -(-final // tpb) > -(-cur_tokens // tpb) and -(-final // tpb) > total)
         if alloc < ctx - reusable:

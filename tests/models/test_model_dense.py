@@ -42,14 +42,14 @@ def _params(model):
 def test_tiny_structure(tiny):
     spec = tiny.spec
     assert (spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads) == (4, 256, 8, 2)
-    assert len(tiny.blocks) == 4 and tiny.lm_head is None  # tied embeddings
+    assert len(tiny.blocks) == 4 and tiny.lm_head is not None  # untied: a random tied model echoes its input
     assert tiny.embed.shape == (4096, 256) and tiny.embed[...].dtype == jnp.float32
     attn = tiny.blocks[0].attn
     assert attn.wq.shape == (256, 8, 32) and attn.wk.shape == (256, 2, 32) and attn.wv.shape == (256, 2, 32)
     assert tiny.blocks[0].mlp.gate.shape == (256, 768)
     n_params = sum(p.size for p in _params(tiny))
     per_layer = 256 * 8 * 32 * 2 + 256 * 2 * 32 * 2 + 3 * 256 * 768 + 2 * 256
-    assert n_params == 4096 * 256 + 4 * per_layer + 256
+    assert n_params == 2 * 4096 * 256 + 4 * per_layer + 256  # embedding + untied output head
 
 
 def test_init_is_deterministic_per_seed():
