@@ -5,7 +5,7 @@ CPU's last-level cache, as ratios to two ceilings measured in the same run:
 All rates count bytes *moved* (each byte read once and written once), so they compare
 directly with a copy. Also: paged decode attention vs dense attention over the same K/V.
 
-    python benchmarks/device_bench.py [--quick] [--impl xla|pallas] [--out results/device_bench.json]
+    python benchmarks/device_bench.py [--quick] [--impl xla|pallas] [--strategy ...] [--out results/device_bench.json]
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small pools (seconds; numbers are in-cache, not DRAM)")
     ap.add_argument("--impl", default="xla", choices=["auto", "xla", "pallas"])
-    ap.add_argument("--swap", default="auto", choices=["auto", "bulk", "blockwise"])
+    ap.add_argument("--strategy", default="auto", choices=["auto", "sequential", "bulk", "blockwise"],
+                    help="apply_transfers strategy for copy and swaps")
     ap.add_argument("--out", default="results/device_bench.json")
     args = ap.parse_args()
     q = args.quick
@@ -94,7 +95,7 @@ def main() -> None:
     layer_block_bytes = 2 * heads * tpb * dim * 2
     rng = np.random.default_rng(0)
     res = {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-           "machine": platform.processor() or platform.machine(), "quick": q, "impl": args.impl,
+           "machine": platform.processor() or platform.machine(), "quick": q, "impl": args.impl, "strategy": args.strategy,
            "pool_primary_bytes": pools.primary[0].nbytes, "pool_secondary_bytes": pools.secondary[0].nbytes}
     res.update(ceilings((64 << 20) if q else (1 << 30), reps))
     ref_np, ref_x = res["numpy_copy_GBps"], res["xla_stream_GBps"]
@@ -140,7 +141,7 @@ def main() -> None:
     copy_plan = TransferPlan.from_ops([(TransferKind.COPY, 0, int(s), int(d), tpb) for s, d in zip(perm[:n_blk], perm[n_blk:2 * n_blk])])
 
     def copy():
-        st["p"] = apply_transfers(st["p"], copy_plan, impl=args.impl)
+        st["p"] = apply_transfers(st["p"], copy_plan, impl=args.impl, strategy=args.strategy)
         st["p"].primary[0].block_until_ready()
 
     report("copy", n_blk * block_bytes, tmin(copy, reps))
@@ -153,7 +154,7 @@ def main() -> None:
 
     def swap(plan):
         def run():
-            st["p"] = apply_transfers(st["p"], plan, impl=args.impl, swap=args.swap)
+            st["p"] = apply_transfers(st["p"], plan, impl=args.impl, strategy=args.strategy)
             jax.block_until_ready((st["p"].primary, st["p"].secondary))
         return run
 

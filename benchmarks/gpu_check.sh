@@ -5,7 +5,7 @@
 #   3. native Mosaic GPU kernels vs their references at serving-sized shapes,
 #   4. benchmarks/device_bench.py: gather/write/copy/swap bandwidth as ratios to the measured
 #      device copy and host<->device link, and paged vs dense decode attention, for
-#      impl=xla and impl=pallas, swap=blockwise and swap=bulk.
+#      impl=xla and impl=pallas and the apply_transfers strategies.
 # On a CPU-only machine it runs end to end too (small shapes, interpreters): `bash benchmarks/gpu_check.sh`.
 # Writes everything under ${OUT:-results/gpu_check}/.
 set -uo pipefail
@@ -77,25 +77,25 @@ for layout in ("block_first", "layer_first"):
         print(f"{layout:11s} {impl:6s} write   exact={np.array_equal(np.asarray(p.primary[0]), want)}")
         K = TransferKind
         plan = TransferPlan.from_ops([(K.OFFLOAD, 0, 3, 1, 16), (K.COPY, 0, 5, 3, 7), (K.ONBOARD, 0, 1, 9, 16), (K.COPY, 0, 9, 10, 16)])
-        for swap in ("blockwise", "bulk"):
+        for strategy in ("blockwise", "bulk", "sequential"):
             want = apply_transfers_reference(p, plan)  # from the current state: plans are not idempotent
-            want = [np.asarray(a) for a in (*want.primary, *want.secondary)]
+            want = [np.array(jnp.copy(a)) for a in (*want.primary, *want.secondary)]
             try:
-                p = apply_transfers(p, plan, impl=impl, swap=swap)
-                got = [np.asarray(a) for a in (*p.primary, *p.secondary)]
-                print(f"{layout:11s} {impl:6s} transfers swap={swap:9s} exact={all(np.array_equal(a, b) for a, b in zip(got, want))}")
-            except Exception as e:  # report and continue: the other strategy may work
-                print(f"{layout:11s} {impl:6s} transfers swap={swap:9s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                p = apply_transfers(p, plan, impl=impl, strategy=strategy)
+                got = [np.array(jnp.copy(a)) for a in (*p.primary, *p.secondary)]
+                print(f"{layout:11s} {impl:6s} transfers {strategy:10s} exact={all(np.array_equal(a, b) for a, b in zip(got, want))}")
+            except Exception as e:  # report and continue: another strategy may work
+                print(f"{layout:11s} {impl:6s} transfers {strategy:10s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
 PY
 
 step "bandwidth and attention benchmarks"
-# GPU: both impls x both swap strategies. CPU: the Pallas interpreter is a test vehicle, so
+# GPU: both impls and the transfer strategies. CPU: the Pallas interpreter is a test vehicle, so
 # only one (small) pallas run, to show the script works end to end.
-if [ "$GPU" = 1 ]; then RUNS="xla:blockwise xla:bulk pallas:blockwise pallas:bulk"; T_BENCH=55; else RUNS="xla:blockwise xla:bulk pallas:bulk"; T_BENCH=600; fi
+if [ "$GPU" = 1 ]; then RUNS="xla:blockwise xla:bulk xla:sequential pallas:blockwise"; T_BENCH=55; else RUNS="xla:sequential xla:bulk pallas:blockwise"; T_BENCH=600; fi
 for run in $RUNS; do
-  impl=${run%%:*}; swap=${run##*:}
-  timeout $T_BENCH $PY benchmarks/device_bench.py $QUICK --impl $impl --swap $swap --out "$OUTDIR/bench_${impl}_${swap}.json" 2>&1 \
-    | tee "$OUTDIR/bench_${impl}_${swap}.txt" || status=1
+  impl=${run%%:*}; strategy=${run##*:}
+  timeout $T_BENCH $PY benchmarks/device_bench.py $QUICK --impl $impl --strategy $strategy --out "$OUTDIR/bench_${impl}_${strategy}.json" 2>&1 \
+    | tee "$OUTDIR/bench_${impl}_${strategy}.txt" || status=1
 done
 echo; echo "gpu_check finished with status $status; results in $OUTDIR"
 exit $status

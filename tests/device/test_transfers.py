@@ -1,5 +1,5 @@
 """apply_transfers: equal to applying the plan entry by entry (property test), hazard
-splitting, partial copies, both swap strategies and impls, donation, no recompiles."""
+splitting, partial copies, every strategy and impl, donation, no recompiles."""
 import chex
 import jax
 import numpy as np
@@ -38,11 +38,11 @@ def plans(draw, max_ops=10):
 
 
 @settings(max_examples=25)
-@given(plan=plans(), layout=st.sampled_from(LAYOUTS), swap=st.sampled_from(["bulk", "blockwise"]))
-def test_plan_equals_one_by_one(plan, layout, swap):
+@given(plan=plans(), layout=st.sampled_from(LAYOUTS), strategy=st.sampled_from(["sequential", "bulk", "blockwise"]))
+def test_plan_equals_one_by_one(plan, layout, strategy):
     pools = pools_for(layout)
     expected = snapshot(apply_transfers_reference(pools, plan))
-    pools = apply_transfers(pools, plan, swap=swap, impl="xla")
+    pools = apply_transfers(pools, plan, strategy=strategy, impl="xla")
     assert_pools_equal(pools, expected)
     for a in pools.secondary:
         assert a.sharding.memory_kind == "pinned_host"
@@ -55,6 +55,16 @@ def test_pallas_impl_matches(layout):
     expected = snapshot(apply_transfers_reference(pools, plan))
     pools = apply_transfers(pools, plan, impl="pallas")
     assert_pools_equal(pools, expected)
+
+
+def test_sequential_runs_keep_order_per_pool():
+    cfg = CONFIGS["block_first"]
+    K = TransferKind
+    plan = TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 2, 4), (K.OFFLOAD, 1, 0, 2, 4), (K.ONBOARD, 0, 1, 0, 4),
+                                  (K.ONBOARD, 1, 1, 0, 4), (K.COPY, 0, 0, 3, 2), (K.COPY, 0, 1, 4, 4)])
+    runs = [(p, k, n, ops[:, :n].tolist()) for p, k, ops, n in tr.split_runs(cfg, plan)]
+    assert runs == [(0, K.OFFLOAD, 1, [[0], [2], [4]]), (0, K.ONBOARD, 1, [[1], [0], [4]]),
+                    (0, K.COPY, 2, [[0, 1], [3, 4], [2, 4]]), (1, K.OFFLOAD, 1, [[0], [2], [4]]), (1, K.ONBOARD, 1, [[1], [0], [4]])]
 
 
 def test_hazards_split_segments_and_war_does_not():
@@ -85,10 +95,18 @@ def test_donation_and_no_recompiles():
             n = 3 + step % 2
             ops = [(K.OFFLOAD, p, i, (i + step) % 4, TPB) for p in (0, 1) for i in range(n)]
             ops += [(K.COPY, p, 4, 5, 2 + step % 2) for p in (0, 1)]
-            pools = apply_transfers(pools, TransferPlan.from_ops(ops), swap="bulk")
+            pools = apply_transfers(pools, TransferPlan.from_ops(ops), strategy="bulk")
     finally:
         tr._gather_primary = orig
         jax.clear_caches()
+    sizes = []
+    for step in range(4):  # the sequential strategy: same buckets, no new compilations
+        n = 3 + step % 2
+        ops = [(K.OFFLOAD, p, i, (i + step) % 4, TPB) for p in (0, 1) for i in range(n)]
+        ops += [(K.COPY, p, 4, 5, 2 + step % 2) for p in (0, 1)]
+        pools = apply_transfers(pools, TransferPlan.from_ops(ops), strategy="sequential")
+        sizes.append(tr._sequential_run._cache_size())
+    assert sizes[1:] == sizes[:1] * 3, sizes
     assert [a.unsafe_buffer_pointer() for a in pools.primary] == ptr_p
     assert [a.unsafe_buffer_pointer() for a in pools.secondary] == ptr_s
 
@@ -108,8 +126,8 @@ def test_bad_plans():
             apply_transfers(pools, TransferPlan.from_ops(ops))
     with pytest.raises(ValueError, match="TransferPlan"):
         apply_transfers(pools, [(0, 0, 0, 0, 4)])
-    with pytest.raises(ValueError, match="swap"):
-        apply_transfers(pools, TransferPlan.empty(), swap="dma")
+    with pytest.raises(ValueError, match="strategy"):
+        apply_transfers(pools, TransferPlan.empty(), strategy="dma")
     no_sec = allocate_pools(make_config(secondary_blocks=0))
     with pytest.raises(ValueError, match=r"outside \[0, 0\)"):
         apply_transfers(no_sec, TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 0, 4)]))
