@@ -7,7 +7,7 @@ Semantics (SPEC §2): entries take effect one by one, in order
 (a partial write changes only the first num_tokens token positions of the destination
 block, for every layer, K/V field and head).
 
-Two strategies (`strategy=`):
+Strategies (`strategy=`):
 
 "sequential" (default on CPU): per pool, entries in plan order, as fori loops of in-place
 dynamic_slice -> dynamic_update_slice, one loop per run of same-kind entries. That *is* the
@@ -15,8 +15,9 @@ one-by-one semantics, needs no staging buffer, and on XLA CPU each block move is
 measured 3.3x faster than gather + scatter there (XLA CPU gathers/scatters element by
 element, and a fresh staging buffer page-faults on every call).
 
-"bulk" / "blockwise" (batched; "blockwise" is the default on GPU): the plan is cut on the host into *segments*, maximal runs of consecutive entries
-in which no entry reads or writes a location that an earlier entry of the run writes
+"bulk" / "blockwise" (batched; "blockwise" is the default on GPU): the plan is cut on the
+host into *segments*, maximal runs of consecutive entries in which no entry reads or
+writes a location that an earlier entry of the run writes
 (read-after-write and write-after-write hazards). Reading everything first and writing
 everything afterwards then equals the in-order application (write-after-read is harmless),
 so a segment runs as one jitted step: one gather of all sources into a staging buffer, one
