@@ -274,12 +274,18 @@ def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_ds
     return tuple(new_prim), tuple(new_sec)
 
 
-def resolve_strategy(strategy: str) -> str:
+def resolve_strategy(strategy: str, impl: str) -> str:
+    """"auto": sequential XLA loops on CPU, batched blockwise on GPU; impl="pallas" means the
+    batched path (its gather/scatter are the Pallas copy kernels)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"{strategy=} must be one of {STRATEGIES}")
+    if strategy == "sequential" and impl == "pallas":
+        raise ValueError("strategy='sequential' is plain XLA loops: use impl='xla', or a batched strategy with impl='pallas'")
     if strategy != "auto":
         return strategy
-    return "blockwise" if backend.on_gpu() else "sequential"
+    if backend.on_gpu():
+        return "blockwise"
+    return "bulk" if impl == "pallas" else "sequential"
 
 
 # ------------------------------------------------------------------------- sequential
@@ -357,12 +363,12 @@ def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", s
         if pools.secondary[i] is None and len(plan) and ((plan.pool == i) & (plan.kind != TransferKind.COPY)).any():
             raise ValueError(f"plan moves blocks of pool {i} to/from a secondary tier it does not have (secondary_blocks=0)")
     impl = backend.resolve(impl, "apply_transfers")
-    strategy = resolve_strategy(strategy)
+    strategy = resolve_strategy(strategy, impl)
     if not len(plan):
         return pools
-    if strategy == "sequential" and impl == "xla":
+    if strategy == "sequential":
         return _apply_sequential(pools, plan)
-    swap = "bulk" if strategy == "sequential" else strategy  # impl="pallas": batched, Pallas copy kernels
+    swap = strategy
     for seg in split_segments(pools.config, plan):
         writes_prim = bool(seg.on_src.shape[1] or seg.cp_src.shape[1])
         writes_sec = bool(seg.off_src.shape[1])

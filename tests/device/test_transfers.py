@@ -128,6 +128,8 @@ def test_bad_plans():
         apply_transfers(pools, [(0, 0, 0, 0, 4)])
     with pytest.raises(ValueError, match="strategy"):
         apply_transfers(pools, TransferPlan.empty(), strategy="dma")
+    with pytest.raises(ValueError, match="sequential"):
+        apply_transfers(pools, TransferPlan.empty(), strategy="sequential", impl="pallas")
     no_sec = allocate_pools(make_config(secondary_blocks=0))
     with pytest.raises(ValueError, match=r"outside \[0, 0\)"):
         apply_transfers(no_sec, TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 0, 4)]))
