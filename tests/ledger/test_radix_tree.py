@@ -153,3 +153,16 @@ def test_iter_nodes_visits_every_node():
     chain(t, [K(7)], [blk(3)])
     assert t.num_nodes == 4
     assert sorted(n.key.tokens for n in t.iter_nodes()) == [(1, 2, 3, 4), (5, 6, 7, 8), (5, 6, 7, 9), (7,)]
+
+
+def test_new_leaves_start_without_children():
+    # leaves may share an empty child map internally; growing one node must not leak children
+    t = UnifiedBlockTree(TPB)
+    a = t.get_or_create_child(t.root, K(1, 2, 3, 4))
+    t.get_or_create_child(a, K(5, 6, 7, 8))
+    b = t.get_or_create_child(t.root, K(9, 9, 9, 9))
+    c = t.get_or_create_child(a, K(5, 6, 7, 9))
+    for leaf in (b, c):
+        assert leaf.children == {} and leaf.partial_index == {}
+    assert len(a.children) == 2 and len(t.root.children) == 2
+    assert t.best_partial_child(b, K(5, 6), W, False) == (None, 0)

@@ -1072,11 +1072,40 @@ def test_remaining_blocks_to_completion():
     assert m.remaining_blocks_to_completion(q) == 5 - 2
 
 
-def test_remaining_blocks_swa_extra_block():
-    m = swa_manager(primary_blocks=16)
-    # window 8: ctx = min(10, 8) // 4 = 2, total = ceil(min(20, 8) / 4) = 2, gen 0, plus TRT's
-    # SWA extra block (20 > 8, ceil(20/4) = 5 > ceil(10/4) = 3 and 5 > total)
-    assert m.remaining_blocks_to_completion(Request("a", list(R(10)), max_new_tokens=10)) == 3
+def _peak_blocks(window, tpb, prompt_len, max_new, primary):
+    """Run a request to completion in a pool of `primary` blocks; the most blocks it held."""
+    m = make_manager(attention_windows=(window,), tokens_per_block=tpb, primary_blocks=primary)
+    m.add_sequence(Request("a", list(R(prompt_len)), max_new_tokens=max_new))
+    peak = m.num_allocated_blocks()
+    for t in R(max_new):
+        m.add_token("a", 1000 + t)
+        peak = max(peak, m.num_allocated_blocks())
+    m.verify_integrity()
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("window", "tpb", "prompt_len", "max_new"),
+    [(8, 4, 10, 10), (9, 4, 10, 20), (5, 4, 3, 20), (8, 4, 30, 10), (16, 4, 6, 40), (7, 2, 9, 21)],
+)
+def test_swa_scheduling_queries_cover_what_the_request_really_uses(window, tpb, prompt_len, max_new):
+    m = make_manager(attention_windows=(window,), tokens_per_block=tpb, primary_blocks=64)
+    req = Request("a", list(R(prompt_len)), max_new_tokens=max_new)
+    remaining = m.remaining_blocks_to_completion(req)
+    # the context branch reserves exactly what admission allocates: every prompt block (the
+    # sliding window only releases out-of-window blocks as tokens are added)
+    assert m.needed_blocks_one_step(req) == -(-prompt_len // tpb)
+    # a pool of `remaining` blocks serves the request to completion (grow happens before the
+    # out-of-window detach, so the transient peak counts)
+    _peak_blocks(window, tpb, prompt_len, max_new, primary=remaining)
+    # and the reservation is tight up to one block: peak = max(prompt blocks, ceil(w/tpb) + 1)
+    true_peak = max(-(-prompt_len // tpb), min(-(-(prompt_len + max_new) // tpb), -(-window // tpb) + 1))
+    _peak_blocks(window, tpb, prompt_len, max_new, primary=true_peak)
+    from kvjax import OutOfBlocksError
+
+    with pytest.raises(OutOfBlocksError):
+        _peak_blocks(window, tpb, prompt_len, max_new, primary=true_peak - 1)
+    assert true_peak <= remaining <= true_peak + 1
 
 
 def test_scheduling_dry_run():

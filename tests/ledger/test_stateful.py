@@ -64,21 +64,32 @@ def retentions(draw, tpb):
 
 class LedgerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ set-up
-    @initialize(
-        tpb=st.sampled_from([2, 4]),
-        primary=st.integers(6, 12),
-        secondary=st.sampled_from([0, 1, 2, 4]),
-        swa=st.booleans(),
-        beams=st.booleans(),
-        policy=st.sampled_from(
-            [
-                dict(),
-                dict(copy_on_partial_reuse=False),
-                dict(enable_partial_reuse=False),
-                dict(secondary_offload_min_priority=50),
-            ]
-        ),
-    )
+    # A family of configurations per TestCase (below), so every family is explored whatever
+    # the derandomized draws favour: (tokens_per_block, secondary, sliding window, beams).
+    FAMILY = dict(tpb=[4, 2], secondary=[0, 1, 2, 4], swa=[False, True], beams=[False, True])
+
+    @initialize(data=st.data(), primary=st.integers(6, 12))
+    def init(self, data, primary):
+        f = self.FAMILY
+        self.setup(
+            tpb=data.draw(st.sampled_from(f["tpb"]), label="tpb"),
+            primary=primary,
+            secondary=data.draw(st.sampled_from(f["secondary"]), label="secondary"),
+            swa=data.draw(st.sampled_from(f["swa"]), label="swa"),
+            beams=data.draw(st.sampled_from(f["beams"]), label="beams"),
+            policy=data.draw(
+                st.sampled_from(
+                    [
+                        dict(),
+                        dict(copy_on_partial_reuse=False),
+                        dict(enable_partial_reuse=False),
+                        dict(secondary_offload_min_priority=50),
+                    ]
+                ),
+                label="policy",
+            ),
+        )
+
     def setup(self, tpb, primary, secondary, swa, beams, policy):
         self.tpb = tpb
         self.max_seq_len = 8 * tpb
@@ -102,6 +113,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.pinned_content: dict = {}  # (window, block id) -> content at removal
         self.next_id = 0
         self.multi = len(self.config.windows) > 1
+        event(f"config: tpb {tpb}, secondary {secondary}, swa {swa}, beams {beams}")
 
     # ------------------------------------------------------------------ model helpers
     def _engine_step(self):
@@ -124,7 +136,7 @@ class LedgerMachine(RuleBasedStateMachine):
             for b, toks in enumerate(info["beams"]):
                 for i in positions:
                     slot = int(table[b, i // tpb])
-                    self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i))
+                    self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i, info["extra"]))
 
     def _check_seq_content(self, rid, upto):
         info = self.live[rid]
@@ -138,7 +150,7 @@ class LedgerMachine(RuleBasedStateMachine):
                         continue
                     blk = self.m.block(bid, w if self.multi else None)
                     got = self.model.read(w, blk.level, blk.slot)[i % tpb]
-                    want = tag(info["lora"], info["salt"], toks, i)
+                    want = tag(info["lora"], info["salt"], toks, i, info["extra"])
                     assert got == want, f"request {rid} window {w} beam {b} position {i}: slot holds {got}, expected {want}"
 
     def _make_request(self, data, rid):
@@ -148,7 +160,18 @@ class LedgerMachine(RuleBasedStateMachine):
         lora = data.draw(st.sampled_from([None, None, None, 7]), label="lora")
         cache_salt = data.draw(st.sampled_from([None, None, None, "s"]), label="salt")
         ret = data.draw(retentions(self.tpb), label="retention")
-        return Request(rid, prompt, max_new_tokens=max_new, beam_width=beam, lora_task_id=lora, cache_salt=cache_salt, retention=ret)
+        extra = data.draw(st.sampled_from([None, None, None, None, 0, 1]), label="extra ids")
+        extra_ids = None if extra is None else [extra] * len(prompt)
+        return Request(
+            rid,
+            prompt,
+            max_new_tokens=max_new,
+            beam_width=beam,
+            lora_task_id=lora,
+            cache_salt=cache_salt,
+            retention=ret,
+            extra_ids=extra_ids,
+        )
 
     def _admitted(self, req, prepopulated):
         assert 0 <= prepopulated <= max(len(req.prompt) - 1, 0)
@@ -158,6 +181,7 @@ class LedgerMachine(RuleBasedStateMachine):
             lora=req.lora_task_id,
             salt=salt(req.cache_salt),
             prompt_len=len(req.prompt),
+            extra=None if req.extra_ids is None else list(req.extra_ids),
         )
 
     def _new_id(self):
@@ -173,8 +197,12 @@ class LedgerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.live) < 4)
-    @rule(data=st.data())
-    def add(self, data):
+    @rule(data=st.data(), k=st.integers(1, 2))
+    def add(self, data, k):
+        for _ in range(k):
+            self._add_one(data)
+
+    def _add_one(self, data):
         req = self._make_request(data, self._new_id())
         before = self.m.snapshot()
         try:
@@ -225,6 +253,8 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         for beam, t in zip(info["beams"], toks):
             beam.append(t)
+        if info["extra"] is not None:
+            info["extra"].append(0)  # generated tokens carry extra id 0 (SPEC §4)
         self._engine_step()
         self._write(rid, [n])
 
@@ -246,6 +276,56 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.m.snapshot() == before
             return
         del info["beams"][0][-k:]
+        if info["extra"] is not None:
+            del info["extra"][-k:]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), k=st.integers(1, 4), op=st.sampled_from(["none", "new", "reuse", "reuse_pin"]))
+    def speculate(self, data, k, op):
+        """Draft tokens: add k tokens, maybe store them, then reject some (rewind into them)."""
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        info = self.live[rid]
+        if len(info["beams"]) != 1:
+            return
+        added = 0
+        for _ in range(k):
+            if len(info["beams"][0]) >= self.max_seq_len:
+                break
+            t = data.draw(st.integers(0, 3), label="draft token")
+            before = self.m.snapshot()
+            try:
+                self.m.add_token(rid, t)
+            except OutOfBlocksError:
+                assert self.m.snapshot() == before
+                break
+            n = len(info["beams"][0])
+            info["beams"][0].append(t)
+            if info["extra"] is not None:
+                info["extra"].append(0)
+            self._engine_step()
+            self._write(rid, [n])
+            added += 1
+        if op == "new":
+            self.m.store_new_block(rid)
+        elif op != "none":
+            ids = self.m.store_blocks_for_reuse(rid, pin=op == "reuse_pin")
+            if op == "reuse_pin":
+                self.pins.append(ids)
+        generated = len(info["beams"][0]) - info["prompt_len"]
+        j = data.draw(st.integers(0, generated), label="rejected")
+        before = self.m.snapshot()
+        try:
+            self.m.rewind(rid, j)
+        except (OutOfBlocksError, InvalidRequestError) as e:
+            if isinstance(e, InvalidRequestError):
+                assert "released" in str(e)
+            assert self.m.snapshot() == before
+            return
+        if j:
+            event("speculate: rewound")
+            del info["beams"][0][-j:]
+            if info["extra"] is not None:
+                del info["extra"][-j:]
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), op=st.sampled_from(["context", "chunk", "new", "reuse", "reuse_pin"]))
@@ -283,34 +363,34 @@ class LedgerMachine(RuleBasedStateMachine):
                 if blk.pin_count:
                     self.pinned_content[(w, bid)] = list(self.model.read(w, blk.level, blk.slot))
 
-    @precondition(lambda self: self.live)
-    @rule()
-    def finish_oldest(self):
-        """The common case, weighted up: the oldest request finishes and is stored for reuse."""
-        rid = min(self.live)
-        self.m.remove_sequence(rid)
-        del self.live[rid]
+    @rule(data=st.data(), k=st.integers(1, 2))
+    def churn(self, data, k):
+        """The common serving cycle, weighted up: the oldest request finishes (stored for
+        reuse) and new ones arrive, often sharing its prefix."""
+        if self.live:
+            rid = min(self.live)
+            self.m.remove_sequence(rid)
+            del self.live[rid]
+        for _ in range(k):
+            self._add_one(data)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.live or self.pins)
     @rule(data=st.data())
-    def pin(self, data):
+    def pin_or_unpin(self, data):
+        if self.pins and (not self.live or data.draw(st.booleans(), label="unpin")):
+            i = data.draw(st.integers(0, len(self.pins) - 1), label="pin")
+            self.m.unpin_blocks(self.pins.pop(i))
+            return
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
         self.m.pin_blocks(rid)
         self.pins.append(self._seq_block_ids(rid))
 
-    @precondition(lambda self: self.pins)
-    @rule(data=st.data())
-    def unpin(self, data):
-        i = data.draw(st.integers(0, len(self.pins) - 1), label="pin")
-        self.m.unpin_blocks(self.pins.pop(i))
-
-    @rule(dt=st.sampled_from([0.5, 1.0, 3.0, 10.0]))
-    def refresh(self, dt):
-        self.clock.advance(dt)
-        self.m.refresh_blocks()
-
-    @rule()
-    def take_transfers(self):
+    @rule(op=st.sampled_from(["refresh", "transfers"]), dt=st.sampled_from([0.5, 1.0, 3.0, 10.0]))
+    def housekeeping(self, op, dt):
+        if op == "refresh":
+            self.clock.advance(dt)
+            self.m.refresh_blocks()
+            return
         plan = self.m.take_transfers()
         for name in ("kind", "pool", "src", "dst", "num_tokens"):
             assert getattr(plan, name).dtype.name == "int32"
@@ -387,8 +467,11 @@ class LedgerMachine(RuleBasedStateMachine):
                 toks = [t for k in keys for t in k.tokens]
                 offset = len(toks) - len(node.key.tokens)
                 content = self.model.read(w, blk.level, blk.slot)
+                extra = None
+                if node.key.extra_ids is not None:
+                    extra = [e for k in keys for e in k.extra_ids]
                 for j in range(len(node.key.tokens)):
-                    want = tag(node.key.lora_task_id, node.key.cache_salt_id, toks, offset + j)
+                    want = tag(node.key.lora_task_id, node.key.cache_salt_id, toks, offset + j, extra)
                     assert content[j] == want, f"cached block {blk.block_id} (window {w}) position {j}: {content[j]} != {want}"
         # blocks pinned by removed sequences keep their KV
         for (w, bid), want in list(self.pinned_content.items()):
@@ -399,5 +482,28 @@ class LedgerMachine(RuleBasedStateMachine):
             assert blk.level == 0 and self.model.read(w, 0, blk.slot) == want
 
 
-TestLedgerStateful = LedgerMachine.TestCase
-TestLedgerStateful.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+class OffloadMachine(LedgerMachine):
+    """Secondary memory: offload, onboard, partial onboard copies."""
+
+    FAMILY = dict(tpb=[4, 2], secondary=[2, 4, 1], swa=[False], beams=[False])
+
+
+class SlidingWindowMachine(LedgerMachine):
+    """A full-attention window plus a sliding window: detach, placeholders, safe prefixes."""
+
+    FAMILY = dict(tpb=[2, 4], secondary=[0, 2], swa=[True], beams=[False])
+
+
+class BeamMachine(LedgerMachine):
+    """Beam width 2 next to single-beam requests."""
+
+    FAMILY = dict(tpb=[4, 2], secondary=[0, 2], swa=[False, True], beams=[True])
+
+
+_settings = settings(max_examples=45, stateful_step_count=50, deadline=None)
+TestOffload = OffloadMachine.TestCase
+TestOffload.settings = _settings
+TestSlidingWindow = SlidingWindowMachine.TestCase
+TestSlidingWindow.settings = _settings
+TestBeams = BeamMachine.TestCase
+TestBeams.settings = _settings
