@@ -126,8 +126,13 @@ class SlotModel:
                 self.primary[p.index][slot][offset] = value
 
     def read(self, window: int, level: int, slot: int) -> list:
-        pool = self.config.window_pools[window][0]
-        return (self.primary if level == 0 else self.secondary)[pool][slot]
+        """A slot's content; every pool of the window must agree (one plan entry per pool)."""
+        store = self.primary if level == 0 else self.secondary
+        pools = self.config.window_pools[window]
+        content = store[pools[0]][slot]
+        for p in pools[1:]:
+            assert store[p][slot] == content, f"pools {pools[0]} and {p} of window {window} disagree at slot {slot}"
+        return content
 
 
 def salt(s):

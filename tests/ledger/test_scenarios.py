@@ -250,6 +250,13 @@ def test_batch_full_match_beats_partial_claim():
     assert cached_ids(m) == {0, 1, 2}
 
 
+def test_empty_batch():
+    m = make_manager()
+    before = m.snapshot()
+    assert m.add_sequences([]) == []
+    assert m.snapshot() == before
+
+
 def test_batch_shares_blocks_stored_by_nobody_yet():
     # two identical new prompts in one batch: nothing cached, both allocate their own blocks
     m = make_manager()
@@ -515,6 +522,27 @@ def test_onboard_target_never_evicts_the_partial_match_of_the_same_request():
     assert m.block_table(["c"]).tolist() == [[2, 1, 0]]
     assert plan_ops(m) == [("ONBOARD", 0, 0, 2, 4)]
     assert cached_ids(m) == {3}
+    m.verify_integrity()
+
+
+def test_partial_copy_from_a_secondary_block_is_a_partial_onboard():
+    m = make_manager(primary_blocks=4, secondary_blocks=4)
+    stored_chain(m, 13)  # chain 0 -> 1 -> 2 cached, block 3 not
+    m.add_sequence(Request("x", list(R(100, 116))))
+    # victims 3 (new), then 2, 1, 0 offloaded into secondary blocks 4, 5, 6 (slots 0, 1, 2)
+    assert m.block_ids("x") == [[3, 4, 5, 6]]
+    assert [(m.block(i).level, m.block(i).slot) for i in (0, 1, 2)] == [(1, 2), (1, 1), (1, 0)]
+    m.remove_sequence("x", store_for_reuse=False)  # primary free: 6 (slot 0), 5 (1), 4 (2), 3 (3)
+    m.take_transfers()
+    # c: block 0 fully (onboard into block 6's slot 0), block 1 partially (2 tokens); block 1 is
+    # not a leaf (block 2 hangs below it): copied straight from secondary memory into block 5
+    assert m.add_sequence(Request("c", toks(R(6), 90, 91))) == 6
+    assert m.block_ids("c") == [[0, 5]]
+    assert m.block_table(["c"]).tolist() == [[0, 1]]
+    assert plan_ops(m) == [("ONBOARD", 0, 2, 0, 4), ("ONBOARD", 0, 1, 1, 2)]
+    assert cached_ids(m) == {0, 1, 2} and (m.block(1).level, m.block(2).level) == (1, 1)
+    it = m.iteration_stats()
+    assert (it.onboarded_blocks, it.copied_blocks) == (1, 1)
     m.verify_integrity()
 
 

@@ -30,7 +30,7 @@ from kvjax import (
     RetentionConfig,
     TokenRangeRetention,
 )
-from kvjax.ledger import PLACEHOLDER_BLOCK_ID
+from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData
 from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
 
 # Shared prefixes: bases 0 and 1 share 8 tokens, so prompts cut from them meet at block
@@ -99,11 +99,13 @@ class LedgerMachine(RuleBasedStateMachine):
             primary_blocks=primary,
             secondary_blocks=secondary,
             max_beam_width=2 if beams else 1,
-            event_buffer_max_size=32,
+            event_buffer_max_size=100_000,  # never drops: the router mirror below needs every event
             **policy,
         )
         if swa:  # a full-attention layer and a sliding-window layer (window not a multiple of tpb)
             kw.update(num_layers=2, attention_windows=(self.max_seq_len, 2 * tpb + 1))
+        elif self.FAMILY.get("two_pools"):  # two pools in one window: one plan entry per pool
+            kw.update(num_layers=2, num_kv_heads=(1, 2))
         self.config = make_config(**kw)
         self.clock = FakeClock()
         self.m = KVCacheManager(self.config, clock=self.clock)
@@ -112,6 +114,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.pins: list = []  # block ids to unpin (list, or dict window -> list)
         self.pinned_content: dict = {}  # (window, block id) -> content at removal
         self.next_id = 0
+        self.router: dict = {}  # window -> {block hash: cache level}, rebuilt from events only
         self.multi = len(self.config.windows) > 1
         event(f"config: tpb {tpb}, secondary {secondary}, swa {swa}, beams {beams}")
 
@@ -415,8 +418,6 @@ class LedgerMachine(RuleBasedStateMachine):
         for rid in list(self.live)[:2]:
             self.m.scheduling_remove_sequence(rid)
         assert self.m.scheduling_has_free_blocks(0)
-        self.m.flush_iteration_events()
-        self.m.get_latest_events()
         self.m.iteration_stats()
         after = self.m.snapshot()
         assert after[:4] == before[:4]  # events aside, the queries changed nothing
@@ -452,6 +453,31 @@ class LedgerMachine(RuleBasedStateMachine):
                 r0 += len(ids)
 
     @invariant()
+    def events_mirror_the_tree(self):
+        """A router that only reads events knows exactly which blocks are cached, and where."""
+        self.m.flush_iteration_events()
+        for e in self.m.get_latest_events():
+            d, view = e.data, self.router.setdefault(e.window_size, {})
+            if isinstance(d, CreatedData):
+                assert view == {}
+            elif isinstance(d, StoredData):
+                assert d.parent_hash is None or d.parent_hash != 0
+                for b in d.blocks:
+                    assert b.block_hash not in view, f"Stored twice without Removed: {b}"
+                    view[b.block_hash] = b.cache_level
+            elif isinstance(d, RemovedData):
+                for h in d.block_hashes:
+                    assert h in view, f"Removed a hash never stored: {h}"
+                    del view[h]
+            elif isinstance(d, UpdatedData) and d.cache_level is not None:
+                old, new = d.cache_level
+                assert view.get(d.block_hash) == old, f"Updated {d} but router has {view.get(d.block_hash)}"
+                view[d.block_hash] = new
+        for wm in self.m._bm.windows:
+            truth = {b.node.hash: b.level for b in wm.blocks if b.node is not None}
+            assert self.router.get(wm.window, {}) == truth
+
+    @invariant()
     def slot_contents(self):
         self._engine_step()
         for rid, info in self.live.items():
@@ -485,7 +511,7 @@ class LedgerMachine(RuleBasedStateMachine):
 class OffloadMachine(LedgerMachine):
     """Secondary memory: offload, onboard, partial onboard copies."""
 
-    FAMILY = dict(tpb=[4, 2], secondary=[2, 4, 1], swa=[False], beams=[False])
+    FAMILY = dict(tpb=[4, 2], secondary=[2, 4, 1], swa=[False], beams=[False], two_pools=True)
 
 
 class SlidingWindowMachine(LedgerMachine):
