@@ -133,6 +133,7 @@ def test_batch_with_a_live_duplicate(m):
         (dict(prompt=[1, None]), "int"),
         (dict(prompt=[-1, 2, 3]), "int"),  # negative token id (add_token rejects it too)
         (dict(prompt=[1, 2**31]), "int"),  # beyond int32 (add_token rejects it too)
+        (dict(prompt=[True, 2]), "int"),  # a bool is not a token id (add_token rejects it too)
     ],
 )
 def test_bad_request_rejected(m, request_kwargs, match):

@@ -1049,6 +1049,16 @@ def test_analyze_prefix_reuse_and_needed_blocks_context_branch():
     assert m.needed_blocks_one_step(Request("d", list(R(100, 110)), num_draft_tokens=3)) == 4  # 13 tokens
 
 
+def test_scheduler_queries_accept_a_cached_summary():
+    m = make_manager(primary_blocks=12)
+    stored_chain(m, 13)
+    m.add_sequence(Request("live", list(R(9))))
+    q = Request("q", list(R(14)), max_new_tokens=6)
+    s = m.analyze_prefix_reuse(q)
+    assert m.needed_blocks_one_step(q, summary=s) == m.needed_blocks_one_step(q) == 2
+    assert m.remaining_blocks_to_completion(q, summary=s) == m.remaining_blocks_to_completion(q)
+
+
 def test_analyze_prefix_reuse_is_read_only():
     m = make_manager()
     stored_chain(m, 13)
