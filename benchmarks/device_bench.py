@@ -4,7 +4,9 @@ CPU's last-level cache, as ratios to two ceilings measured in the same run:
   xla     XLA's own streaming rate: a donated elementwise `x + 1` over a large array
   xla_fresh  the same `x + 1` without donation: a fresh output buffer every call, as any op
           that returns a new array pays (gather_kv does). On a CPU a fresh buffer of this size
-          is a new mmap whose pages fault on first touch, often the dominant cost.
+          is a new mmap whose pages fault on first touch, often the dominant cost (measured
+          2-3x cheaper with transparent huge pages, e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+          where THP is in `madvise` mode: an environment setting, not used by default).
 All rates count bytes *moved* (each byte read once and written once), so they compare
 directly with a copy. Also: paged decode attention vs dense attention over the same K/V.
 
