@@ -165,13 +165,20 @@ class FloorDriver:
         )
 
 
-def run_interleaved(trace, a, Naive):
-    """Both sides in lockstep, alternating which goes first each wave, so machine noise (these
-    machines are shared and noisy) hits both alike and the ratio is meaningful."""
+def run_both(trace, a, Naive):
+    """Run both caches over the trace. `--mode interleaved` (default) runs them in lockstep,
+    alternating which goes first each wave, so load on a shared machine hits both alike (each
+    also evicts the other's working set from the CPU caches, as a model forward between ledger
+    calls would); `--mode sequential` runs each alone, one after the other."""
     drivers = [KvjaxDriver(a)] + ([FloorDriver(a, Naive)] if Naive is not None else [])
-    for k, (start, wave) in enumerate(waves(trace, a.concurrency)):
-        for d in (drivers if k % 2 == 0 else drivers[::-1]):
-            d.wave(start, wave)
+    if a.mode == "sequential":
+        for d in drivers:
+            for start, wave in waves(trace, a.concurrency):
+                d.wave(start, wave)
+    else:
+        for k, (start, wave) in enumerate(waves(trace, a.concurrency)):
+            for d in (drivers if k % 2 == 0 else drivers[::-1]):
+                d.wave(start, wave)
     return [d.result() for d in drivers]
 
 
@@ -238,6 +245,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--events", action="store_true", help="also publish KV events (computes block hashes)")
     p.add_argument("--repeats", type=int, default=1, help="run each side this many times, report the best")
+    p.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved")
     p.add_argument("--out", default=str(ROOT / "results" / "ledger_bench.json"))
     a = p.parse_args(argv)
 
@@ -245,7 +253,7 @@ def main(argv=None):
     ideal = ideal_hit_rate(trace, a)
     Naive = load_floor()
     gc.disable()  # both sides alike; collections would add noise unrelated to the bookkeeping
-    runs = [run_interleaved(trace, a, Naive) for _ in range(a.repeats)]
+    runs = [run_both(trace, a, Naive) for _ in range(a.repeats)]
     ours = min((summarise("kvjax", r[0], a.requests) for r in runs), key=lambda r: r["total_s"])
     floor = None
     if Naive is not None:
@@ -254,7 +262,8 @@ def main(argv=None):
     gc.enable()
 
     print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
-          f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} events={a.events}")
+          f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} events={a.events} "
+          f"mode={a.mode}")
     print(f"{'':24}{'req/s':>10}{'ops/s':>12}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}")
     rows = [("kvjax", ours)] + ([("floor (dict+LRU)", floor)] if floor else [])
     for name, r in rows:

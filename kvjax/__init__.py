@@ -8,9 +8,12 @@ from kvjax.config import CacheConfig, PoolSpec
 from kvjax.errors import (
     DuplicateRequestError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidRequestError,
     KVCacheError,
     OutOfBlocksError,
+    SchedulingStateError,
+    UnknownBlockError,
     UnknownRequestError,
 )
 from kvjax.ledger.transfer_plan import TransferKind, TransferOp, TransferPlan
@@ -60,6 +63,9 @@ __all__ = sorted(
         "UnknownRequestError",
         "DuplicateRequestError",
         "InvalidRequestError",
+        "InvalidArgumentError",
+        "UnknownBlockError",
+        "SchedulingStateError",
         "IntegrityError",
     }
     | _LEDGER_NAMES

@@ -20,8 +20,23 @@ class DuplicateRequestError(KVCacheError, ValueError):
     """A request with this id is already tracked by the ledger."""
 
 
-class InvalidRequestError(KVCacheError, ValueError):
-    """A request or argument that can never be served (empty prompt, too long, bad beam width...)."""
+class InvalidArgumentError(KVCacheError, ValueError):
+    """An argument the ledger cannot act on (unknown window, block not pinned, table too narrow...)."""
+
+
+class InvalidRequestError(InvalidArgumentError):
+    """A request or token that can never be served (empty prompt, too long, bad beam width...)."""
+
+
+class UnknownBlockError(KVCacheError, KeyError):
+    """The block id does not exist in that window manager."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SchedulingStateError(KVCacheError, RuntimeError):
+    """A scheduling dry-run call came before `start_scheduling()`."""
 
 
 class IntegrityError(KVCacheError):

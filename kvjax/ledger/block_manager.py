@@ -84,6 +84,7 @@ class BlockManager:
         lora, salt = seq.lora_task_id, seq.salt_id
         swa = wm.is_swa
         n_full = min(usable // tpb, num_shared)
+        sig = (lora, salt)
         d = 0
         while d < n_full:
             start = d * tpb
@@ -100,6 +101,9 @@ class BlockManager:
             matched.append(blk)
             node = child
             d += 1
+            run = child.run
+            if run is not None and plain and not swa and run.sig == sig and d < n_full:
+                node, d = self._follow_run(node, run, tokens, d, n_full, w, matched)
         while matched and matched[-1] is None:  # a walk cannot end on a gap
             matched.pop()
             gaps.pop()
@@ -115,6 +119,38 @@ class BlockManager:
                 partial = (cand.blocks[w], n)
         coverage = len(matched) * tpb + (partial[1] if partial else 0)
         return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage)
+
+    def _follow_run(self, node, run, tokens: list[int], d: int, n_full: int, window: int, matched: list) -> tuple:
+        """Extend a match along the nodes one earlier `store` created: compare the prompt with
+        that store's tokens in one slice comparison (binary search on a mismatch), then follow
+        `next_in_run` links while they are alive and hold a block of this window."""
+        tpb = self.tokens_per_block
+        rt = run.tokens
+        off = d * tpb - run.base  # our next block starts here inside the run
+        k = min((len(rt) - off) // tpb, n_full - d)
+        if k <= 0:
+            return node, d
+        ours = tuple(tokens[d * tpb : (d + k) * tpb])
+        if ours != rt[off : off + k * tpb]:
+            lo, hi = 0, k  # the first lo blocks are equal; the first hi are not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if ours[: mid * tpb] == rt[off : off + mid * tpb]:
+                    lo = mid
+                else:
+                    hi = mid
+            k = lo
+        start = len(matched)
+        for _ in range(k):  # only full blocks: k counts whole blocks of the run's tokens
+            nxt = node.next_in_run
+            if nxt is None or not nxt.attached:
+                break
+            blk = nxt.blocks.get(window)
+            if blk is None:
+                break
+            matched.append(blk)
+            node = nxt
+        return node, d + len(matched) - start
 
     def _safe(self, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
         """Can `length` prepopulated tokens be reused in this window? A sliding window needs
@@ -273,13 +309,14 @@ class BlockManager:
                     prio, dur = seq.block_priority(len(matched), tpb)
                     if in_place.get(blk) == i:
                         wm.drop_cached(blk, evicted=False)
-                        blk.priority = DEFAULT_PRIORITY if prio is None else prio
+                        if prio is not None:  # else the block keeps its own, as a full match does
+                            blk.priority = prio
                         blk.duration = dur
                         blk.ref_count += 1
                         if blk.level:
                             wm.onboard(blk)
-                    else:
-                        blk = wm.copy_prefix(blk, n, prio, dur)
+                    else:  # the copy inherits the source's retention unless the request states one
+                        blk = wm.copy_prefix(blk, n, blk.priority if prio is None else prio, blk.duration if prio is None else dur)
                         blk.ref_count += 1
                     c.reused_partial += 1
                     wm.extend_blocks(sw, [blk])

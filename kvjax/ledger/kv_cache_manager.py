@@ -14,7 +14,15 @@ from collections.abc import Callable, Hashable, Iterable, Sequence as Seq
 import numpy as np
 
 from kvjax.config import CacheConfig
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, UnknownRequestError
+from kvjax.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    InvalidRequestError,
+    OutOfBlocksError,
+    SchedulingStateError,
+    UnknownBlockError,
+    UnknownRequestError,
+)
 from kvjax.ledger.block import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, Block
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.events import KVCacheEvent
@@ -90,12 +98,12 @@ class KVCacheManager:
         bm = self._bm
         if window is None:
             if len(bm.windows) != 1:
-                raise ValueError(f"this cache has several attention windows {self.windows}; pass window=")
+                raise InvalidArgumentError(f"this cache has several attention windows {self.windows}; pass window=")
             return bm.windows[0]
         try:
             return bm.windows[bm.window_index[window]]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown attention window {window!r}; windows are {self.windows}") from None
+            raise InvalidArgumentError(f"unknown attention window {window!r}; windows are {self.windows}") from None
 
     # ------------------------------------------------------------------ admission
     def _validate(self, request: Request, batch_ids: set | None = None) -> Sequence:
@@ -128,16 +136,28 @@ class KVCacheManager:
         prompt = request.prompt
         if not isinstance(prompt, (list, tuple)):
             raise InvalidRequestError(f"request {rid!r}: prompt must be a list of token ids, got {type(prompt).__name__}")
-        # C-level passes: exact ints keep the sum an int (anything else raises or floats it)
+        # One cheap pass over the whole prompt (exact ints keep the sum an int; floats, str and
+        # None do not). Values are checked after the tree walk, on the tokens that did not
+        # match: matched tokens equal cached ones, which were checked when they were stored.
+        tokens = prompt
         try:
-            ok = not prompt or (type(sum(prompt)) is int and min(prompt) >= 0 and max(prompt) <= _MAX_TOKEN_ID)
+            exact = type(sum(prompt)) is int
         except TypeError:
-            ok = False
-        if not ok:
-            raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints in [0, 2**31)")
+            exact = False
+        if not exact:  # numpy integers are converted once; anything else is rejected
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+                raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints in [0, 2**31)")
+            tokens = [int(t) for t in prompt]
         if request.extra_ids is not None and len(request.extra_ids) != len(request.prompt):
             raise InvalidRequestError(f"request {rid!r}: extra_ids needs one id per prompt token")
-        return Sequence(request, len(self._bm.windows), is_cross)
+        return Sequence(request, len(self._bm.windows), is_cross, tokens)
+
+    @staticmethod
+    def _check_token_values(seq: Sequence, start: int) -> None:
+        """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids)."""
+        rest = seq.tokens[start:] if start else seq.tokens
+        if rest and (bool in set(map(type, rest)) or min(rest) < 0 or max(rest) > _MAX_TOKEN_ID):
+            raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
 
     def add_sequence(self, request: Request) -> int:
         """Admit a request: reuse cached prefix blocks, allocate the rest of its prompt.
@@ -155,6 +175,8 @@ class KVCacheManager:
             ids.add(r.request_id)
         bm = self._bm
         admissions = [bm.plan_sequence(s) for s in seqs]
+        for adm in admissions:
+            self._check_token_values(adm.seq, adm.prepopulated)
         in_place = bm.check_capacity(admissions)  # raises before any change
         bm.commit_admission(admissions, in_place)
         out = []
@@ -355,11 +377,11 @@ class KVCacheManager:
             counts: dict[int, int] = {}
             for i in ids:
                 if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(wm.blocks):
-                    raise ValueError(f"unknown block id {i!r} in window {wm.window}")
+                    raise InvalidArgumentError(f"unknown block id {i!r} in window {wm.window}")
                 counts[int(i)] = counts.get(int(i), 0) + 1
             for i, k in counts.items():
                 if wm.blocks[i].pin_count < k:
-                    raise ValueError(f"block {i} of window {wm.window} is not pinned {k} time(s)")
+                    raise InvalidArgumentError(f"block {i} of window {wm.window} is not pinned {k} time(s)")
         for wm, ids in items:
             for i in ids:
                 blk = wm.blocks[int(i)]
@@ -402,7 +424,7 @@ class KVCacheManager:
         longest = int(lengths.max()) if len(rows) else 0
         width = longest if max_blocks is None else max_blocks
         if width < longest:
-            raise ValueError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
+            raise InvalidArgumentError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
         out = np.full((len(rows), width), null_slot, dtype=np.int32)
         if longest:
             # one copy of all rows' slots, scattered under a ragged mask (no per-row numpy calls)
@@ -512,14 +534,14 @@ class KVCacheManager:
     def priority_of_block(self, block_id: int, window: int | None = None) -> int:
         wm = self._window_manager(window)
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < len(wm.blocks):
-            raise KeyError(f"unknown block id {block_id!r} in window {wm.window}")
+            raise UnknownBlockError(f"unknown block id {block_id!r} in window {wm.window}")
         return wm.blocks[int(block_id)].priority
 
     def block(self, block_id: int, window: int | None = None) -> Block:
         """The metadata handle of a block (read-only use: inspection and tests)."""
         wm = self._window_manager(window)
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < len(wm.blocks):
-            raise KeyError(f"unknown block id {block_id!r} in window {wm.window}")
+            raise UnknownBlockError(f"unknown block id {block_id!r} in window {wm.window}")
         return wm.blocks[int(block_id)]
 
     # ------------------------------------------------------------------ scheduler queries
@@ -592,8 +614,8 @@ class KVCacheManager:
         self, request_or_id, window: int | None = None, *, summary: PrefixReuseSummary | None = None
     ) -> int:
         """Blocks still to allocate for the request to finish (TensorRT-LLM's formula for full
-        attention). A sliding window holds at most its prompt at admission, then about
-        `window / tokens_per_block + 2` blocks (growth is paid for by out-of-window releases),
+        attention). A sliding window holds at most its prompt at admission, then at most
+        `ceil(window / tokens_per_block) + 1` blocks (growth is paid for by out-of-window releases),
         so its remaining need is the peak of those minus what is held now."""
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
@@ -612,7 +634,9 @@ class KVCacheManager:
             if reuse_ok:
                 summary = summary or self.analyze_prefix_reuse(request)
                 ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
-            steady = min(-(-(final + bubble) // tpb), -(-wm.window // tpb) + 2) * beam
+            # held blocks peak at ceil(window / tpb) + 1: a new block is allocated before the
+            # token's detach releases the front one
+            steady = min(-(-(final + bubble) // tpb), -(-wm.window // tpb) + 1) * beam
             peak = max(ctx if seq is None else held, steady)
             return max(0, peak - held)
         span = wm.window + wm.temporary_window
@@ -637,7 +661,7 @@ class KVCacheManager:
     def scheduling_remove_sequence(self, request_id: Hashable) -> None:
         """Dry run: count the blocks that would become free if the request were removed."""
         if self._sched_free is None:
-            raise RuntimeError("call start_scheduling() first")
+            raise SchedulingStateError("call start_scheduling() first")
         seq = self._seq(request_id)
         epoch = self._sched_epoch
         for wm in self._bm.windows:
@@ -651,7 +675,7 @@ class KVCacheManager:
 
     def scheduling_has_free_blocks(self, n: int, window: int | None = None) -> bool:
         if self._sched_free is None:
-            raise RuntimeError("call start_scheduling() first")
+            raise SchedulingStateError("call start_scheduling() first")
         if window is None:
             return all(f >= n for f in self._sched_free)
         return self._sched_free[self._window_manager(window).index] >= n

@@ -21,8 +21,35 @@ if TYPE_CHECKING:
 _EMPTY: dict = {}
 
 
+class TokenRun:
+    """The tokens one `store` call covered (a plain sequence: no extra ids or multimodal keys),
+    shared by the nodes it created. A walk that matches one of those nodes can compare the rest
+    of its prompt against the run in one C-level slice comparison and follow `next_in_run`
+    links instead of hashing a key per block."""
+
+    __slots__ = ("tokens", "sig", "base")
+
+    def __init__(self, tokens: tuple[int, ...], sig: tuple, base: int) -> None:
+        self.tokens = tokens  # the sequence's tokens from position `base` on
+        self.sig = sig  # (lora_task_id, cache_salt_id) of every key in the run
+        self.base = base
+
+
 class RadixNode:
-    __slots__ = ("key", "parent", "children", "partial_index", "bucket", "blocks", "depth", "is_full", "_hash", "attached")
+    __slots__ = (
+        "key",
+        "parent",
+        "children",
+        "partial_index",
+        "bucket",
+        "blocks",
+        "depth",
+        "is_full",
+        "_hash",
+        "attached",
+        "run",
+        "next_in_run",
+    )
 
     def __init__(self, key: BlockKey | None, parent: RadixNode | None, depth: int, tokens_per_block: int) -> None:
         self.key = key
@@ -35,6 +62,8 @@ class RadixNode:
         self.bucket = None if key is None else partial_index_key(key)  # partial-match bucket in the parent
         self._hash: int | None = None
         self.attached = True  # False once pruned from the tree
+        self.run: TokenRun | None = None  # set when created by a plain sequence's store
+        self.next_in_run: RadixNode | None = None  # the child created right after it, same run
 
     @property
     def hash(self) -> int:

@@ -73,11 +73,11 @@ class Sequence:
         "slow_at",
     )
 
-    def __init__(self, request: Request, num_windows: int, is_cross: bool) -> None:
+    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: list[int] | None = None) -> None:
         self.request_id: Hashable = request.request_id
         self.request = request
         self.is_cross = is_cross
-        self.tokens: list[int] = list(request.prompt)
+        self.tokens: list[int] = list(request.prompt if tokens is None else tokens)
         self.extra_ids: list[int] | None = None if request.extra_ids is None else list(request.extra_ids)
         self.prompt_len = request.encoder_len if is_cross else len(self.tokens)
         self.num_tokens = self.prompt_len

@@ -15,6 +15,7 @@ from kvjax.ledger.block import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, Block
 from kvjax.ledger.block_key import BlockKey
 from kvjax.ledger.eviction import LRUEvictionPolicy
 from kvjax.ledger.events import StoredBlock
+from kvjax.ledger.radix_tree import TokenRun
 from kvjax.ledger.stats import Counters
 from kvjax.ledger.transfer_plan import TransferKind, TransferRecorder
 
@@ -257,6 +258,8 @@ class WindowBlockManager:
         tokens = seq.tokens
         plain = seq.extra_ids is None and not seq.mm_items
         lora, salt = seq.lora_task_id, seq.salt_id
+        token_run = TokenRun(tuple(tokens[depth * tpb : num_tokens]), (lora, salt), depth * tpb) if plain else None
+        prev_created = None
         for d in range(depth, n_blocks):
             start = d * tpb
             end = start + tpb
@@ -266,7 +269,14 @@ class WindowBlockManager:
                 key = _new_key(BlockKey, (tuple(tokens[start:end]), None, lora, salt, ()))
             else:
                 key = seq.key(start, end)
-            child = node.children.get(key) or tree.get_or_create_child(node, key)
+            child = node.children.get(key)
+            if child is None:
+                child = tree.get_or_create_child(node, key)
+                if token_run is not None:
+                    child.run = token_run
+                    if prev_created is node:
+                        node.next_in_run = child
+                prev_created = child
             blk = beam0[d]
             if not blk.placeholder and w not in child.blocks:
                 if blk.node is not None:  # a regrown partial block: its old key leaves the tree

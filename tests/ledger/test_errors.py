@@ -405,3 +405,16 @@ def test_failed_calls_leave_transfers_and_events_untouched(m):
 def test_error_config_check():
     # sanity: a fixture-free config can be built with the helper defaults
     assert make_config().windows == (64,)
+
+
+def test_numpy_integer_prompt_tokens_are_accepted_as_ints():
+    # a list of numpy ints (e.g. from array.tolist() of another dtype, or a comprehension over an
+    # array) is as good as Python ints: same keys, so it reuses what Python-int prompts stored
+    import numpy as np
+
+    m = make_manager()
+    m.add_sequence(Request("py", list(R(9))))
+    m.remove_sequence("py")
+    assert m.add_sequence(Request("np", [np.int64(t) for t in R(9)])) == 8
+    assert all(type(t) is int for t in m._seqs["np"].tokens)
+    m.verify_integrity()
