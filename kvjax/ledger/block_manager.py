@@ -121,36 +121,32 @@ class BlockManager:
         return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage)
 
     def _follow_run(self, node, run, tokens: list[int], d: int, n_full: int, window: int, matched: list) -> tuple:
-        """Extend a match along the nodes one earlier `store` created: compare the prompt with
-        that store's tokens in one slice comparison (binary search on a mismatch), then follow
-        `next_in_run` links while they are alive and hold a block of this window."""
+        """Extend a match along the nodes one earlier `store` created, following `next_in_run`
+        links while they are alive and hold a block of this window. One slice comparison of the
+        rest of the prompt against that store's tokens usually proves the whole stretch equal;
+        otherwise each block is compared as it is followed."""
         tpb = self.tokens_per_block
         rt = run.tokens
         off = d * tpb - run.base  # our next block starts here inside the run
         k = min((len(rt) - off) // tpb, n_full - d)
         if k <= 0:
             return node, d
-        ours = tuple(tokens[d * tpb : (d + k) * tpb])
-        if ours != rt[off : off + k * tpb]:
-            lo, hi = 0, k  # the first lo blocks are equal; the first hi are not
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if ours[: mid * tpb] == rt[off : off + mid * tpb]:
-                    lo = mid
-                else:
-                    hi = mid
-            k = lo
-        start = len(matched)
+        start = d * tpb
+        verify = tuple(tokens[start : start + k * tpb]) != rt[off : off + k * tpb]
+        first = len(matched)
         for _ in range(k):  # only full blocks: k counts whole blocks of the run's tokens
             nxt = node.next_in_run
             if nxt is None or not nxt.attached:
+                break
+            if verify and tuple(tokens[start : start + tpb]) != nxt.key.tokens:
                 break
             blk = nxt.blocks.get(window)
             if blk is None:
                 break
             matched.append(blk)
             node = nxt
-        return node, d + len(matched) - start
+            start += tpb
+        return node, d + len(matched) - first
 
     def _safe(self, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
         """Can `length` prepopulated tokens be reused in this window? A sliding window needs
@@ -376,14 +372,12 @@ class BlockManager:
                     wm.detach_front_block(sw)
 
     # ------------------------------------------------------------------ storing
-    def store(self, seq: Sequence, num_tokens: int, allow_partial: bool) -> dict[int, list[Block]]:
-        """Store the blocks covering `num_tokens` tokens in every window (largest window first)."""
-        out: dict[int, list[Block]] = {}
+    def store(self, seq: Sequence, num_tokens: int, allow_partial: bool) -> int:
+        """Store the blocks covering `num_tokens` tokens in every window (largest window first).
+        Returns the number of blocks newly stored."""
         if num_tokens <= 0:
-            return {wm.window: [] for wm in self.windows}
-        for wm in reversed(self.windows):
-            out[wm.window] = wm.store(seq, seq.windows[wm.index], num_tokens, allow_partial)
-        return out
+            return 0
+        return sum(wm.store(seq, seq.windows[wm.index], num_tokens, allow_partial) for wm in reversed(self.windows))
 
     def release(self, seq: Sequence) -> None:
         for wm in self.windows:

@@ -121,7 +121,7 @@ def _verify_tree(bm: BlockManager) -> None:
             if bk is not None:
                 buckets.setdefault(bk, set()).add(child)
             stack.append(child)
-        if {k: set(v) for k, v in node.partial_index.items()} != buckets:
+        if node.partial_index is not None and {k: set(v) for k, v in node.partial_index.items()} != buckets:
             _fail(f"partial-match index stale at depth {node.depth}")
         for w, blk in node.blocks.items():
             if w not in managers or managers[w].blocks[blk.block_id] is not blk:

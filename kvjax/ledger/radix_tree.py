@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from kvjax.ledger.block import Block
 
 
-# Shared, never-mutated stand-in for a leaf's child maps: most nodes are leaves, and three
-# dicts per node would dominate the cost of storing a block.
+# Shared, never-mutated stand-in for a leaf's child map: most nodes are leaves, and a dict per
+# node would weigh on the cost of storing a block.
 _EMPTY: dict = {}
 
 
@@ -41,7 +41,6 @@ class RadixNode:
         "parent",
         "children",
         "partial_index",
-        "bucket",
         "blocks",
         "depth",
         "is_full",
@@ -55,11 +54,12 @@ class RadixNode:
         self.key = key
         self.parent = parent
         self.children: dict[BlockKey, RadixNode] = _EMPTY
-        self.partial_index: dict[tuple, dict[RadixNode, None]] = _EMPTY
+        # Children bucketed by partial_index_key, built on the first partial lookup at this node
+        # (divergence points) and maintained from then on; None until then.
+        self.partial_index: dict[tuple, dict[RadixNode, None]] | None = None
         self.blocks: dict[int, Block] = {}
         self.depth = depth
         self.is_full = key is not None and len(key.tokens) == tokens_per_block
-        self.bucket = None if key is None else partial_index_key(key)  # partial-match bucket in the parent
         self._hash: int | None = None
         self.attached = True  # False once pruned from the tree
         self.run: TokenRun | None = None  # set when created by a plain sequence's store
@@ -106,7 +106,14 @@ class UnifiedBlockTree:
         bucket_key = partial_index_key(key)
         if bucket_key is None:
             return None, 0
-        bucket = node.partial_index.get(bucket_key)
+        index = node.partial_index
+        if index is None:
+            index = node.partial_index = {}
+            for child in node.children.values():
+                bk = partial_index_key(child.key)
+                if bk is not None:
+                    index.setdefault(bk, {})[child] = None
+        bucket = index.get(bucket_key)
         if not bucket:
             return None, 0
         best, best_n = None, 0
@@ -127,11 +134,10 @@ class UnifiedBlockTree:
             if node.children is _EMPTY:
                 node.children = {}
             node.children[key] = child
-            bucket_key = child.bucket
-            if bucket_key is not None:
-                if node.partial_index is _EMPTY:
-                    node.partial_index = {}
-                node.partial_index.setdefault(bucket_key, {})[child] = None
+            if node.partial_index is not None:
+                bucket_key = partial_index_key(key)
+                if bucket_key is not None:
+                    node.partial_index.setdefault(bucket_key, {})[child] = None
             self.num_nodes += 1
         return child
 
@@ -164,12 +170,13 @@ class UnifiedBlockTree:
         while node.parent is not None and not node.blocks and not node.children:
             parent = node.parent
             del parent.children[node.key]
-            bucket_key = node.bucket
-            if bucket_key is not None:
-                bucket = parent.partial_index[bucket_key]
-                del bucket[node]
-                if not bucket:
-                    del parent.partial_index[bucket_key]
+            if parent.partial_index is not None:
+                bucket_key = partial_index_key(node.key)
+                if bucket_key is not None:
+                    bucket = parent.partial_index[bucket_key]
+                    del bucket[node]
+                    if not bucket:
+                        del parent.partial_index[bucket_key]
             node.attached = False
             self.num_nodes -= 1
             node = parent

@@ -112,7 +112,7 @@ class WindowBlockManager:
         """Claim a primary block: the policy's victim, whose cached content is offloaded to a
         free secondary block when its priority allows, else evicted."""
         policy = self.policy
-        victim, can_offload = policy.pop_victim(PRIMARY)
+        victim, can_offload = policy.pop_victim(PRIMARY)  # raises OutOfBlocksError when empty
         c = self.counters
         c.alloc_total += 1
         if victim.node is None:
@@ -232,11 +232,11 @@ class WindowBlockManager:
         sw.num_front_removed = pos + 1
 
     # ------------------------------------------------------------------ storing for reuse
-    def store(self, seq: Sequence, sw: SequenceWindow, num_tokens: int, allow_partial: bool) -> list[Block]:
+    def store(self, seq: Sequence, sw: SequenceWindow, num_tokens: int, allow_partial: bool) -> int:
         """Attach the sequence's blocks covering its first `num_tokens` tokens to the tree.
 
         Positions whose key is already cached keep the cached block (ours is a duplicate and
-        stays private). Returns the blocks newly stored. Full blocks advance a per-sequence
+        stays private). Returns how many blocks were newly stored. Full blocks advance a per-sequence
         cursor so repeated calls only walk new blocks.
         """
         tpb = self.tokens_per_block
@@ -247,12 +247,12 @@ class WindowBlockManager:
         if node is None or not node.attached:
             node, depth = self.tree.root, 0
         if depth >= n_blocks:
-            return []
+            return 0
         tree = self.tree
         w = self.window
         beam0 = sw.beams[0]
         events = self.events
-        stored: list[Block] = []
+        stored = 0
         run: list[Block] = []
         run_parent: RadixNode | None = None
         tokens = seq.tokens
@@ -281,13 +281,14 @@ class WindowBlockManager:
             if not blk.placeholder and w not in child.blocks:
                 if blk.node is not None:  # a regrown partial block: its old key leaves the tree
                     self.drop_cached(blk, evicted=False)
-                tree.attach(child, w, blk)
+                child.blocks[w] = blk  # tree.attach, inlined: the slot is known to be empty
+                blk.node = child
                 if seq.retention is None:
                     blk.priority, blk.duration = DEFAULT_PRIORITY, None
                 else:
                     prio, blk.duration = seq.block_priority(d, tpb)
                     blk.priority = DEFAULT_PRIORITY if prio is None else prio
-                stored.append(blk)
+                stored += 1
                 if events is not None:
                     if not run:
                         run_parent = node

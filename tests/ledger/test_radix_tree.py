@@ -54,7 +54,7 @@ def test_attach_detach_and_prune_to_root():
     assert not leaf.attached and t.num_nodes == 1
     assert list(t.root.children.values()) == [b0.node]
     t.detach(b0)
-    assert t.num_nodes == 0 and t.root.children == {} and t.root.partial_index == {}
+    assert t.num_nodes == 0 and t.root.children == {} and not t.root.partial_index
     assert t.detach(b0) is None  # detaching an uncached block is a no-op
 
 
@@ -142,7 +142,7 @@ def test_partial_index_follows_pruning():
     chain(t, [K(1, 2, 3, 4)], [b0])
     assert t.best_partial_child(t.root, K(1, 9), W, False)[1] == 1
     t.detach(b0)
-    assert t.root.partial_index == {}
+    assert t.root.partial_index == {}  # built by the lookup above, then kept in step
     assert t.best_partial_child(t.root, K(1, 9), W, False) == (None, 0)
 
 
@@ -163,6 +163,6 @@ def test_new_leaves_start_without_children():
     b = t.get_or_create_child(t.root, K(9, 9, 9, 9))
     c = t.get_or_create_child(a, K(5, 6, 7, 9))
     for leaf in (b, c):
-        assert leaf.children == {} and leaf.partial_index == {}
+        assert leaf.children == {} and not leaf.partial_index  # built lazily, on a partial lookup
     assert len(a.children) == 2 and len(t.root.children) == 2
     assert t.best_partial_child(b, K(5, 6), W, False) == (None, 0)
