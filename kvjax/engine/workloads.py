@@ -24,6 +24,7 @@ examples, document) and `decode_priority` (of generated blocks).
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import tomllib
 from collections.abc import Mapping
@@ -97,7 +98,7 @@ def _priority(src: str, key: str, v: Any) -> int | None:
 
 # ---------------------------------------------------------------------- base
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Workload:
+class Workload(abc.ABC):
     """Parameters shared by every kind; subclasses add theirs and implement `_items`."""
 
     kind: ClassVar[str] = ""
@@ -175,8 +176,9 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: eos_id={self.eos_id} is outside the vocabulary ({vocab_size})")
         return self._items(np.random.default_rng(self.seed), vocab_size)
 
+    @abc.abstractmethod
     def _items(self, rng: np.random.Generator, vocab_size: int) -> list[WorkItem]:
-        raise NotImplementedError
+        """The kind's request trace."""
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
