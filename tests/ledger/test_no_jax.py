@@ -1,0 +1,25 @@
+"""The ledger is pure Python + numpy: importing it (or the top-level package, whose device
+names load lazily) and running a full request cycle must not import JAX."""
+import subprocess
+import sys
+
+CODE = """
+import sys
+import kvjax, kvjax.ledger
+from kvjax import CacheConfig, KVCacheManager, Request, TransferPlan
+cfg = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=64,
+                  primary_blocks=8, secondary_blocks=2, event_buffer_max_size=16)
+m = KVCacheManager(cfg)
+assert m.add_sequence(Request("a", list(range(9)), max_new_tokens=4)) == 0
+m.add_token("a", 42)
+m.block_offsets(["a"])
+m.remove_sequence("a")
+assert isinstance(m.take_transfers(), TransferPlan)
+m.verify_integrity()
+assert "jax" not in sys.modules, sorted(k for k in sys.modules if k.startswith("jax"))
+"""
+
+
+def test_ledger_never_imports_jax():
+    result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
