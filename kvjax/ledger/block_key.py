@@ -124,14 +124,32 @@ def _mix64(c: int, seed: int) -> int:
     return seed ^ ((c + _GOLDEN + ((seed << 6) & _M64) + (seed >> 2)) & _M64)
 
 
+_TOKEN_MIX: dict[int, int] = {}  # token id -> its 32-bit mixed value + constant (seed-independent)
+_TOKEN_MIX_MAX = 1 << 20
+
+
+def _token_mix(t: int) -> int:
+    a = t & _M32
+    a = (((a >> 16) ^ a) * 0x45D9F3B) & _M32
+    a = (((a >> 16) ^ a) * 0x45D9F3B) & _M32
+    v = (((a >> 16) ^ a) + _GOLDEN) & _M32
+    if len(_TOKEN_MIX) < _TOKEN_MIX_MAX:
+        _TOKEN_MIX[t] = v
+    return v
+
+
 def block_hash(key: BlockKey, parent_hash: int) -> int:
     """TensorRT-LLM's `BlockKeyHasher::hash(key, parentHash)`: h_i = H(key_i, h_{i-1}), root 0."""
     seed = (len(key.tokens) ^ ((parent_hash * 0xBF58476D1CE4E5B9) & _M64)) & _M64
     if parent_hash == 0 and key.cache_salt_id is not None:
         seed = _mix64(key.cache_salt_id, seed)
     if key.extra_ids is None:
+        table = _TOKEN_MIX  # the token half of hash32Mix depends on the token alone: memoised
         for t in key.tokens:
-            seed = _mix32(t, seed)
+            v = table.get(t)
+            if v is None:
+                v = _token_mix(t)
+            seed ^= (v + ((seed << 6) & _M64) + (seed >> 2)) & _M64
     else:
         for t, e in zip(key.tokens, key.extra_ids):
             seed = _mix32(t, seed)
