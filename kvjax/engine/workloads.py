@@ -180,8 +180,35 @@ class Workload(abc.ABC):
     def _items(self, rng: np.random.Generator, vocab_size: int) -> list[WorkItem]:
         """The kind's request trace."""
 
+    def _prefix_items(self, rng, vocab_size, prefixes, prefix_tokens, count, suffix_tokens, id_format) -> list[WorkItem]:
+        """`count` one-shot requests, each one of `prefixes` shared prefixes (picked with this
+        workload's Zipf exponent; retained at its priority) followed by a fresh suffix."""
+        shared = [self._tokens(rng, self._draw(rng, prefix_tokens), vocab_size) for _ in range(prefixes)]
+        picks = _zipf(rng, prefixes, self.zipf, count)
+        items = []
+        for i, p in enumerate(picks):
+            prefix = shared[p]
+            suffix = self._tokens(rng, max(1, self._draw(rng, suffix_tokens)), vocab_size)
+            items.append(
+                WorkItem(
+                    id_format.format(i=i, p=p),
+                    prefix + suffix,
+                    self._draw(rng, self.max_new_tokens),
+                    arrival_step=i * self.arrival_interval,
+                    retention=self._retention(len(prefix)),
+                    **self._options(int(p)),
+                )
+            )
+        return items
+
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+def _check_zipf(workload: "Workload") -> None:
+    z = workload.zipf
+    if isinstance(z, bool) or not isinstance(z, (int, float)) or z < 0:
+        raise ValueError(f"workload {workload.name!r}: zipf must be a number >= 0, got {z!r}")
 
 
 def _zipf(rng: np.random.Generator, n: int, exponent: float, size: int) -> np.ndarray:
@@ -253,27 +280,12 @@ class SharedSystemPromptWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float)) or self.zipf < 0:
-            raise ValueError(f"workload {self.name!r}: zipf must be a number >= 0, got {self.zipf!r}")
+        _check_zipf(self)
 
     def _items(self, rng, vocab_size):
-        systems = [self._tokens(rng, self._draw(rng, self.system_prompt_tokens), vocab_size) for _ in range(self.system_prompts)]
-        picks = _zipf(rng, self.system_prompts, self.zipf, self.requests)
-        items = []
-        for i, s in enumerate(picks):
-            system = systems[s]
-            query = self._tokens(rng, max(1, self._draw(rng, self.user_tokens)), vocab_size)
-            items.append(
-                WorkItem(
-                    f"r{i}-sys{s}",
-                    system + query,
-                    self._draw(rng, self.max_new_tokens),
-                    arrival_step=i * self.arrival_interval,
-                    retention=self._retention(len(system)),
-                    **self._options(int(s)),
-                )
-            )
-        return items
+        return self._prefix_items(
+            rng, vocab_size, self.system_prompts, self.system_prompt_tokens, self.requests, self.user_tokens, "r{i}-sys{p}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -334,27 +346,12 @@ class LongDocQAWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.zipf, bool) or not isinstance(self.zipf, (int, float)) or self.zipf < 0:
-            raise ValueError(f"workload {self.name!r}: zipf must be a number >= 0, got {self.zipf!r}")
+        _check_zipf(self)
 
     def _items(self, rng, vocab_size):
-        docs = [self._tokens(rng, self._draw(rng, self.document_tokens), vocab_size) for _ in range(self.documents)]
-        picks = _zipf(rng, self.documents, self.zipf, self.questions)
-        items = []
-        for i, d in enumerate(picks):
-            doc = docs[d]
-            question = self._tokens(rng, max(1, self._draw(rng, self.question_tokens)), vocab_size)
-            items.append(
-                WorkItem(
-                    f"q{i}-doc{d}",
-                    doc + question,
-                    self._draw(rng, self.max_new_tokens),
-                    arrival_step=i * self.arrival_interval,
-                    retention=self._retention(len(doc)),
-                    **self._options(int(d)),
-                )
-            )
-        return items
+        return self._prefix_items(
+            rng, vocab_size, self.documents, self.document_tokens, self.questions, self.question_tokens, "q{i}-doc{p}"
+        )
 
 
 KINDS: dict[str, type[Workload]] = {
