@@ -106,10 +106,6 @@ class Block:
     def is_free(self) -> bool:
         return self.free_level != NOT_FREE
 
-    def is_leaf(self) -> bool:
-        node = self.node
-        return node is None or not node.children
-
     def swap_memory(self, other: Block) -> None:
         """Exchange memory slots and cache levels (offload / onboard)."""
         self.slot, other.slot = other.slot, self.slot
