@@ -313,8 +313,10 @@ def simulate(
     vocab_size: int,
     label: str | None = None,
     check_integrity: bool = True,
+    inspect=None,
 ) -> SimResult:
-    """Serve `items` on `replicas` simulated replicas behind a `Router` using `policy`."""
+    """Serve `items` on `replicas` simulated replicas behind a `Router` using `policy`.
+    `inspect(replicas, router)`, if given, is called once the run is over (tests look inside)."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     if not tick_s > 0:
@@ -399,6 +401,8 @@ def simulate(
             raise RuntimeError(f"replica {rep.rid} still holds requests at the end")
         if check_integrity:
             rep.ledger.verify_integrity()
+    if inspect is not None:
+        inspect(reps, router)
     makespan = last_t
     stats = [rep.ledger.stats() for rep in reps]
     return SimResult(
