@@ -3,7 +3,8 @@
 Payloads are msgpack. An `EventBatch` is `array_like` (encoded as the array
 `[ts, events, data_parallel_rank]`); each event is a tagged struct encoded as a map whose `type`
 key names the class (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`). `omit_defaults` drops
-optional fields left at their defaults. This is the layout of vLLM's current
+an event's optional fields left at their defaults (maps only: the batch array keeps its three
+positions, an unset rank being nil). This is the layout of vLLM's current
 `vllm/distributed/kv_events.py`, read by vLLM's own subscriber, llm-d's KV-cache manager and
 Dynamo's KV router. Older vLLM releases encoded the events as tagged arrays too; `decode_batch`
 reads both, so a router can follow replicas of either generation.
