@@ -10,11 +10,13 @@ stopping each replica at its first missing block as the replica's own admission 
 Events apply per replica in stream order: `BlockStored` / `BlockRemoved` set and clear a
 medium's bit, `AllBlocksCleared` (a fresh or reset cache) forgets the replica, as does
 `clear_replica` (a router that saw the replica restart, or lost events it could not replay).
-Memory is bounded by the blocks the replicas hold.
+Memory is bounded by the blocks the replicas hold. Every method holds one lock, so subscriber
+threads may apply events while request handlers match.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvjax.kv_events.wire import (
@@ -52,6 +54,7 @@ class PrefixIndex:
         self._where: dict[tuple[int, object], dict[Hashable, int]] = {}  # (group, hash) -> replica -> media mask
         self._held: dict[Hashable, set[tuple[int, object]]] = {}  # replica -> its (group, hash) keys
         self._full_groups: set[int] = set()  # groups announced as full attention
+        self._lock = threading.RLock()
         self.events_applied = 0
 
     # ------------------------------------------------------------------ feeding
@@ -63,10 +66,15 @@ class PrefixIndex:
 
     def apply(self, replica: Hashable, batch: KVEventBatch) -> None:
         """Apply one decoded batch of `replica`'s stream (batches must come in order)."""
-        for ev in batch.events:
-            self.apply_event(replica, ev)
+        with self._lock:
+            for ev in batch.events:
+                self.apply_event(replica, ev)
 
     def apply_event(self, replica: Hashable, ev) -> None:
+        with self._lock:
+            self._apply_event(replica, ev)
+
+    def _apply_event(self, replica: Hashable, ev) -> None:
         if isinstance(ev, BlockStored):
             group = ev.group_idx or 0
             if ev.kv_cache_spec_kind == KIND_FULL_ATTENTION:
@@ -105,16 +113,18 @@ class PrefixIndex:
 
     def clear_replica(self, replica: Hashable) -> None:
         """Forget every block of `replica` (it restarted, reset its cache, or left)."""
-        for key in self._held.pop(replica, ()):
-            where = self._where[key]
-            del where[replica]
-            if not where:
-                del self._where[key]
+        with self._lock:
+            for key in self._held.pop(replica, ()):
+                where = self._where[key]
+                del where[replica]
+                if not where:
+                    del self._where[key]
 
     # ------------------------------------------------------------------ queries
     @property
     def replicas(self) -> list[Hashable]:
-        return list(self._held)
+        with self._lock:
+            return list(self._held)
 
     def default_group(self) -> int:
         """The group a prefix match uses: the first full-attention group announced, else 0."""
@@ -122,20 +132,26 @@ class PrefixIndex:
 
     def blocks(self, replica: Hashable, medium: str | None = MEDIUM_GPU, group: int | None = None) -> set:
         """Hashes `replica` holds on `medium` (None: on any medium) in `group` (None: default)."""
-        g = self.default_group() if group is None else group
-        bit = None if medium is None else self._bit(medium)
-        out = set()
-        for key in self._held.get(replica, ()):
-            if key[0] == g and (bit is None or self._where[key][replica] & bit):
-                out.add(key[1])
-        return out
+        with self._lock:
+            g = self.default_group() if group is None else group
+            bit = None if medium is None else self._bit(medium)
+            out = set()
+            for key in self._held.get(replica, ()):
+                if key[0] == g and (bit is None or self._where[key][replica] & bit):
+                    out.add(key[1])
+            return out
 
     def num_blocks(self, replica: Hashable) -> int:
         """(group, hash) entries held by `replica` on any medium."""
-        return len(self._held.get(replica, ()))
+        with self._lock:
+            return len(self._held.get(replica, ()))
 
     def match(self, hashes: Sequence, replicas: Iterable[Hashable], group: int | None = None) -> dict[Hashable, PrefixMatch]:
         """Per replica, the longest leading run of `hashes` it holds (any medium)."""
+        with self._lock:
+            return self._match(hashes, replicas, group)
+
+    def _match(self, hashes: Sequence, replicas: Iterable[Hashable], group: int | None) -> dict[Hashable, PrefixMatch]:
         g = self.default_group() if group is None else group
         alive = {r: 0 for r in replicas}  # replica -> GPU blocks in its run so far
         done: dict[Hashable, PrefixMatch] = {}

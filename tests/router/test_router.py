@@ -98,3 +98,29 @@ def _stored(hashes):
     from kvjax.kv_events import KVEventBatch
 
     return KVEventBatch(0.0, [BlockStored(hashes, None, [0] * 4 * len(hashes), 4, None, "GPU")])
+
+
+def test_events_and_router_never_import_jax():
+    """A router front or an event consumer must not pay for JAX (the simulation does: it
+    drives the engine's scheduler)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from kvjax import CacheConfig, KVCacheManager, Request
+from kvjax.kv_events import LedgerEventAdapter, decode_batch, encode_batch
+from kvjax.router import KVAwarePolicy, Router
+cfg = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=64,
+                  primary_blocks=8, event_buffer_max_size=64)
+led, ad = KVCacheManager(cfg), LedgerEventAdapter(cfg)
+led.add_sequence(Request("a", list(range(1, 11))))
+led.store_context_blocks("a")
+led.flush_iteration_events()
+router = Router(["r"], KVAwarePolicy(), tokens_per_block=4)
+router.index.apply("r", decode_batch(encode_batch(ad.convert(led.get_latest_events()))))
+assert router.route(list(range(1, 11))).match.blocks == 2
+assert "jax" not in sys.modules, sorted(k for k in sys.modules if k.startswith("jax"))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
