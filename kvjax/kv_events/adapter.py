@@ -101,6 +101,14 @@ class LedgerEventAdapter:
     def convert(self, events: Iterable[KVCacheEvent], ts: float | None = None) -> KVEventBatch | None:
         """The wire batch for a list of ledger events (oldest first), or None if nothing
         on the wire changes."""
+        events = list(events)
+        for ev in events:  # check everything first: a bad event leaves the adapter as it was
+            if not isinstance(ev, KVCacheEvent):
+                raise TypeError(f"expected kvjax ledger events, got {type(ev).__name__}")
+            if not isinstance(ev.data, (StoredData, RemovedData, UpdatedData, CreatedData)):
+                raise TypeError(f"unknown ledger event data {type(ev.data).__name__}")
+            if ev.window_size not in self._group:
+                raise ValueError(f"event for window {ev.window_size}, which this cache does not have {tuple(self._group)}")
         out: list[WireEvent] = []
         cleared = False
         for ev in events:
@@ -119,13 +127,11 @@ class LedgerEventAdapter:
                 self._removed(ev.window_size, data.block_hashes, out)
             elif isinstance(data, UpdatedData):
                 self._updated(ev.window_size, data, out)
-            elif isinstance(data, CreatedData):
+            else:  # CreatedData
                 if not cleared:
                     out.append(AllBlocksCleared())
                     cleared = True
                 self.reset()
-            else:
-                raise TypeError(f"unknown ledger event data {type(data).__name__}")
         if not out:
             return None
         return KVEventBatch(time.time() if ts is None else ts, out, self.data_parallel_rank)
@@ -147,8 +153,6 @@ class LedgerEventAdapter:
         )
 
     def _stored(self, window: int, data: StoredData, out: list) -> None:
-        if window not in self._group:
-            raise ValueError(f"event for window {window}, which this cache does not have {tuple(self._group)}")
         parent = None if data.parent_hash is None else canonical_hash(data.parent_hash)
         run: list = []  # (hash, tokens, extra) of the current run: one tier, one LoRA id
         run_parent, run_level, run_lora = parent, None, None

@@ -181,7 +181,10 @@ class ZmqEventPublisher:
         wait = 0.005 if self._replay is not None else 0.1
         while True:
             if self._replay is not None:
-                self._serve_replays()
+                try:
+                    self._serve_replays()
+                except Exception:  # a replay failure must not stop live publishing
+                    log.exception("KV-event publisher failed to serve a replay request")
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:

@@ -65,24 +65,36 @@ class PrefixIndex:
         return bit
 
     def apply(self, replica: Hashable, batch: KVEventBatch) -> None:
-        """Apply one decoded batch of `replica`'s stream (batches must come in order)."""
+        """Apply one decoded batch of `replica`'s stream (batches must come in order). A batch
+        holding anything but events or valid hashes raises before any of it is applied."""
+        events = list(batch.events)
+        hashes = [self._checked(ev) for ev in events]
         with self._lock:
-            for ev in batch.events:
-                self.apply_event(replica, ev)
+            for ev, hs in zip(events, hashes):
+                self._apply_event(replica, ev, hs)
 
     def apply_event(self, replica: Hashable, ev) -> None:
+        hashes = self._checked(ev)
         with self._lock:
-            self._apply_event(replica, ev)
+            self._apply_event(replica, ev, hashes)
 
-    def _apply_event(self, replica: Hashable, ev) -> None:
+    @staticmethod
+    def _checked(ev) -> list:
+        if isinstance(ev, (BlockStored, BlockRemoved)):
+            return [canonical_hash(h) for h in ev.block_hashes]
+        if isinstance(ev, AllBlocksCleared):
+            return []
+        raise TypeError(f"not a KV event: {type(ev).__name__}")
+
+    def _apply_event(self, replica: Hashable, ev, hashes: list) -> None:
         if isinstance(ev, BlockStored):
             group = ev.group_idx or 0
             if ev.kv_cache_spec_kind == KIND_FULL_ATTENTION:
                 self._full_groups.add(group)
             bit = self._bit(ev.medium)
             held = self._held.setdefault(replica, set())
-            for h in ev.block_hashes:
-                key = (group, canonical_hash(h))
+            for h in hashes:
+                key = (group, h)
                 where = self._where.get(key)
                 if where is None:
                     where = self._where[key] = {}
@@ -92,8 +104,8 @@ class PrefixIndex:
             group = ev.group_idx or 0
             bit = self._bit(ev.medium)
             held = self._held.get(replica)
-            for h in ev.block_hashes:
-                key = (group, canonical_hash(h))
+            for h in hashes:
+                key = (group, h)
                 where = self._where.get(key)
                 if where is None or replica not in where:
                     continue  # never seen stored (e.g. a late join that replay could not fill)
@@ -105,10 +117,8 @@ class PrefixIndex:
                 if not where:
                     del self._where[key]
                 held.discard(key)
-        elif isinstance(ev, AllBlocksCleared):
-            self.clear_replica(replica)
         else:
-            raise TypeError(f"not a KV event: {type(ev).__name__}")
+            self.clear_replica(replica)
         self.events_applied += 1
 
     def clear_replica(self, replica: Hashable) -> None:

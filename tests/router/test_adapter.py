@@ -162,3 +162,15 @@ def test_wire_stream_rebuilds_the_ledger_exactly(seed, overrides):
     # the adapter remembers exactly the announced blocks: bounded by the pools
     assert ad.num_known_blocks == sum(len(v) for v in truth.values())
     assert ad.unknown_hashes == 0 and ad.ledger_gaps == 0
+
+
+def test_bad_events_leave_the_adapter_as_it_was():
+    cfg = small_config()
+    ad = LedgerEventAdapter(cfg)
+    good = KVCacheEvent(0, 96, StoredData(None, (StoredBlock(11, (1, 2, 3, 4), None, 0, 35),)))
+    with pytest.raises(ValueError, match="window 5"):
+        ad.convert([good, KVCacheEvent(1, 5, RemovedData((11,)))])
+    with pytest.raises(TypeError):
+        ad.convert([good, "event"])
+    assert ad.num_known_blocks == 0
+    assert [type(e).__name__ for e in ad.convert([good]).events] == ["BlockStored"]

@@ -74,3 +74,13 @@ def test_hash_types():
     assert idx.match([b"\x01" * 32, (1 << 64) - 1], ["a"])["a"].blocks == 2
     with pytest.raises(TypeError):
         idx.apply_event("a", "BlockStored")
+
+
+def test_a_bad_batch_changes_nothing():
+    idx = PrefixIndex()
+    apply(idx, "a", stored([1]))
+    with pytest.raises(TypeError):
+        apply(idx, "a", BlockRemoved([1], "GPU"), "not an event")
+    with pytest.raises(ValueError):
+        apply(idx, "a", stored([2]), stored([1 << 64]))
+    assert idx.blocks("a") == {1} and idx.num_blocks("a") == 1 and idx.events_applied == 1
