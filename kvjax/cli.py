@@ -4,6 +4,7 @@
                   then again without, and print both side by side (tokens must be identical)
   kvjax run       serve any workload file with any cache / engine settings
   kvjax capacity  how many blocks and tokens a model's KV cache gets from a memory budget
+  kvjax route-sim compare routing policies on a workload over N simulated replicas
 
 A bad flag or config file prints one line, `kvjax: error: ...`, and exits with status 2.
 """
@@ -88,7 +89,7 @@ def _fail(message: str) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvjax", description="kvjax: a paged KV-cache manager for LLM inference in JAX.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,route-sim}")
 
     def serving_flags(sp, workload_default: str | None):
         sp.add_argument("--workload", default=workload_default, required=workload_default is None,
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--beam-width", type=_positive_int, default=1)
     c.add_argument("--max-seq-len", type=_positive_int, help="default: the model's")
     c.add_argument("--dtype", help="KV cache dtype (default: the model's), e.g. float8_e4m3fn")
+    _route_sim_parser(sub)
     return p
 
 
@@ -328,13 +330,57 @@ def cmd_run(args) -> int:
     return 0 if identical else 1
 
 
+# ---------------------------------------------------------------------- route-sim
+def _route_sim_parser(sub) -> None:
+    s = sub.add_parser("route-sim", help="compare routing policies on a workload over simulated replicas")
+    s.add_argument("--replicas", type=_positive_int, default=4, help="replicas (default 4)")
+    s.add_argument("--workload", required=True, help="workload file or name in configs/workloads/ ([cache] and [engine] size one replica)")
+    s.add_argument("--policies", default="kv-aware,round-robin,least-loaded", help="comma-separated routing policies")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a [workload] field")
+    s.add_argument("--primary-blocks", type=_positive_int, help="primary blocks per replica")
+    s.add_argument("--secondary-blocks", type=_nonneg_int, help="secondary blocks per replica")
+    s.add_argument("--tick-s", type=float, default=0.02, help="seconds per workload arrival step (default 0.02)")
+    s.add_argument("--alpha", type=float, help="kv-aware: weight of load against cached overlap")
+    s.add_argument("--imbalance-cap", type=float, help="kv-aware: hard cap on load / mean load")
+    s.add_argument("--no-reference", action="store_true", help="skip the single-replica reference run")
+    s.add_argument("--out", default="results", help="directory for the JSON and PNG (default results/)")
+
+
+def cmd_route_sim(args) -> int:
+    from kvjax.router.policy import POLICIES
+    from kvjax.router.sim import format_table, run_route_sim, write_report
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise ValueError(f"--policies must name policies among {sorted(POLICIES)}, got {args.policies!r}")
+    if not args.tick_s > 0:
+        raise ValueError(f"--tick-s must be > 0, got {args.tick_s}")
+    overrides = {}
+    for item in args.set:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        overrides[key.strip()] = _parse_value(value.strip())
+    cache = {k: v for k, v in (("primary_blocks", args.primary_blocks), ("secondary_blocks", args.secondary_blocks))
+             if v is not None}
+    kv_aware = {k: v for k, v in (("alpha", args.alpha), ("imbalance_cap", args.imbalance_cap)) if v is not None}
+    run = run_route_sim(args.workload, replicas=args.replicas, policies=policies, tick_s=args.tick_s,
+                        overrides=overrides, cache_overrides=cache, kv_aware=kv_aware, reference=not args.no_reference)
+    print(f"workload {run.workload!r}: {args.replicas} replicas, {run.results[0].requests} requests")
+    print(format_table(run.results, run.reference))
+    js, png = write_report(run, args.out, f"route-sim-{run.workload}")
+    print(f"wrote {js} and {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a bad flag (already reported)
         return int(e.code or 0)
-    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity}
+    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity, "route-sim": cmd_route_sim}
     try:
         return commands[args.command](args)
     except ValueError as e:  # bad config file, flag value or workload: one line, no traceback

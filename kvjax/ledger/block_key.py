@@ -162,3 +162,39 @@ def block_hash(key: BlockKey, parent_hash: int) -> int:
             seed = _mix32(int.from_bytes(h[i : i + 4], "little"), seed)
         seed = _mix64(mm.start_offset, seed)
     return seed
+
+
+HASH_KINDS = ("trtllm",)  # the block hashes events carry: TensorRT-LLM's 64-bit chained hash
+
+
+def prompt_block_hashes(
+    tokens,
+    tokens_per_block: int,
+    *,
+    lora_task_id: int | None = None,
+    cache_salt: str | int | None = None,
+    hash_kind: str = "trtllm",
+    for_reuse: bool = True,
+) -> list[int]:
+    """Chained hashes of a plain prompt's full blocks, as the ledger's events publish them.
+
+    A router calls this to look a request up in an index fed by events: block `i` of the result
+    equals the `block_hash` a ledger emits for that block (same tokens, LoRA task and cache salt;
+    no extra ids or multimodal keys). With `for_reuse` (the default) only the blocks admission
+    can match are hashed: the last prompt token is always recomputed, so those are the full
+    blocks of the first `len(tokens) - 1` tokens.
+    """
+    if hash_kind not in HASH_KINDS:
+        raise ValueError(f"hash_kind must be one of {HASH_KINDS}, got {hash_kind!r}")
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    tokens = tuple(tokens)
+    usable = max(len(tokens) - 1, 0) if for_reuse else len(tokens)
+    salt = cache_salt_id(cache_salt)
+    out: list[int] = []
+    parent = 0
+    for start in range(0, usable // tokens_per_block * tokens_per_block, tokens_per_block):
+        key = BlockKey(tokens[start : start + tokens_per_block], None, lora_task_id, salt, ())
+        parent = block_hash(key, parent)
+        out.append(parent)
+    return out

@@ -1,0 +1,159 @@
+"""vLLM's KV-events wire format, declared as msgspec structs.
+
+Payloads are msgpack. An `EventBatch` is `array_like` (encoded as the array
+`[ts, events, data_parallel_rank]`); each event is a tagged struct encoded as a map whose `type`
+key names the class (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`). `omit_defaults` drops
+an event's optional fields left at their defaults (maps only: the batch array keeps its three
+positions, an unset rank being nil). This is the layout of vLLM's current
+`vllm/distributed/kv_events.py`, read by vLLM's own subscriber, llm-d's KV-cache manager and
+Dynamo's KV router. Older vLLM releases encoded the events as tagged arrays too; `decode_batch`
+reads both, so a router can follow replicas of either generation.
+
+Block hashes (`ExternalBlockHash`) are `int | bytes`: kvjax's 64-bit chained hashes go out as
+unsigned ints; a 32-byte digest goes out as bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MEDIUM_GPU = "GPU"  # the primary (device) tier
+MEDIUM_CPU = "CPU"  # the secondary (pinned host) tier
+
+KIND_FULL_ATTENTION = "full_attention"
+KIND_SLIDING_WINDOW = "sliding_window"
+
+_M64 = (1 << 64) - 1
+
+BlockHash = int | bytes
+
+
+class WireFormatError(ValueError):
+    """A payload that is not a KV-event batch in vLLM's wire format (either layout)."""
+
+
+def canonical_hash(h: Any) -> BlockHash:
+    """A block hash as the wire and the index key it: ints as unsigned 64-bit values (some
+    producers send the same bits as a signed i64), bytes unchanged."""
+    if isinstance(h, bool):
+        raise TypeError(f"a block hash is an int or bytes, got {h!r}")
+    if isinstance(h, int):
+        if not -(1 << 63) <= h <= _M64:
+            raise ValueError(f"an int block hash must fit 64 bits, got {h}")
+        return h & _M64
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    raise TypeError(f"a block hash is an int or bytes, got {type(h).__name__}")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged events (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Consecutive blocks of one chain: `block_hashes[0]`'s parent is `parent_block_hash`
+    (None at the root), each later block's parent is the block before it; `token_ids` holds
+    `block_size` tokens per block, in order."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """Every block of the publisher is gone (a fresh or reset cache)."""
+
+
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(EventBatch):
+    events: list[WireEvent]
+
+
+# ---------------------------------------------------------------------- the older layout
+# vLLM releases before the map layout declared the events `array_like` too:
+# ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...].
+class _ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _ArrayKVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def _from_array_event(e) -> WireEvent:
+    if isinstance(e, _ArrayBlockStored):
+        return BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium,
+                           e.lora_name, e.extra_keys, e.group_idx)
+    if isinstance(e, _ArrayBlockRemoved):
+        return BlockRemoved(e.block_hashes, e.medium, e.group_idx)
+    return AllBlocksCleared()
+
+
+# ---------------------------------------------------------------------- encode / decode
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_array_decoder = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The msgpack payload of one batch (what the PUB socket sends after topic and sequence)."""
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode a payload in either layout; raises `WireFormatError` for anything else."""
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as first:
+        try:
+            old = _array_decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raise WireFormatError(f"not a KV-event batch: {first}") from None
+        return KVEventBatch(old.ts, [_from_array_event(e) for e in old.events], old.data_parallel_rank)

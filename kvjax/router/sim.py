@@ -1,0 +1,589 @@
+"""Route simulation: a workload through N simulated replicas behind the real router logic.
+
+Each replica is a real `KVCacheManager` driven by the engine's `CapacityScheduler`, step by step
+as the engine drives it (admission with prefix reuse, chunked prefill, decode, pauses, eviction,
+offload), with the model forward replaced by a time model and sampled tokens by seeded
+pseudo-random ones. After every step the replica's ledger events go through the real wire path
+(`LedgerEventAdapter` -> msgpack payload -> `decode_batch`) into the router's `PrefixIndex`,
+in process (no sockets); the router hashes each arriving prompt with the ledger's own
+function and lets the policy choose. So the router only knows what the events told it.
+
+Time model (`TimeModel`): a step that prefills `p` tokens, decodes `d` requests and onboards
+`b` blocks from the host tier takes `step_s + p * prefill_token_s + d * decode_row_s +
+b * onboard_block_s` seconds. The ledger work of a step happens at its start; its tokens,
+finished requests and events appear at its end. Independent requests arrive at
+`arrival_step * tick_s`; a chat turn arrives `think_steps * tick_s` after its parent finished.
+
+Metrics: prefix hit rate = prompt tokens reused / prompt tokens admitted, over the cluster;
+TTFT from arrival at the router to the end of the step that produced the first token;
+load imbalance = max / mean over replicas of the time-averaged running requests (requests in
+the replica's batch), also reported for outstanding requests (queued + running).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.engine.request_state import Admission, LiveRequest, Phase
+from kvjax.engine.scheduler import CapacityScheduler, SchedulerConfig
+from kvjax.engine.workloads import WorkItem
+from kvjax.errors import OutOfBlocksError
+from kvjax.kv_events.adapter import LedgerEventAdapter
+from kvjax.kv_events.wire import decode_batch, encode_batch
+from kvjax.ledger.kv_cache_manager import KVCacheManager
+from kvjax.ledger.transfer_plan import TransferKind
+from kvjax.router.policy import RoutingPolicy
+from kvjax.router.router import Router
+
+EVENT_BUFFER = 1 << 16  # ledger events kept between two flushes (one step's worth, with room)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeModel:
+    """Seconds per engine step (defaults: roughly an 8B model on one H100-class GPU)."""
+
+    step_s: float = 0.008  # launch, sampling and scheduling overhead of any step
+    prefill_token_s: float = 6e-5  # per prefill token (~16k tokens/s)
+    decode_row_s: float = 2.5e-4  # per decoding request (reading its KV)
+    onboard_block_s: float = 2e-5  # per block copied from the host tier
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TimeModel.{f.name} must be a number >= 0, got {v!r}")
+
+    def step_seconds(self, prefill_tokens: int, decode_rows: int, onboard_blocks: int) -> float:
+        return (self.step_s + prefill_tokens * self.prefill_token_s + decode_rows * self.decode_row_s
+                + onboard_blocks * self.onboard_block_s)
+
+
+def generated_tokens(request_id: str, n: int, vocab_size: int, eos_id: int | None) -> list[int]:
+    """The `n` tokens a simulated replica 'samples' for a request (seeded by its id)."""
+    rng = np.random.default_rng(zlib.crc32(request_id.encode("utf-8")))
+    out = rng.integers(1, vocab_size, n)
+    if eos_id is not None:
+        out = np.where(out == eos_id, eos_id % (vocab_size - 1) + 1, out)
+    return [int(t) for t in out]
+
+
+@dataclasses.dataclass
+class _Step:
+    first_tokens: list[LiveRequest]
+    finished: list[LiveRequest]
+    duration: float
+
+
+class SimReplica:
+    """One replica: ledger, scheduler and queues, stepped like the engine without a model."""
+
+    def __init__(self, rid: int, cache_config: CacheConfig, scheduler: SchedulerConfig, time_model: TimeModel,
+                 vocab_size: int) -> None:
+        self.rid = rid
+        self.config = dataclasses.replace(cache_config, event_buffer_max_size=EVENT_BUFFER)
+        self.sched_config = scheduler
+        self.ledger = KVCacheManager(self.config)
+        self.scheduler = CapacityScheduler(scheduler, self.ledger)
+        self.adapter = LedgerEventAdapter(self.config, data_parallel_rank=rid)
+        self.time_model = time_model
+        self.vocab_size = vocab_size
+        self.waiting: collections.deque[LiveRequest] = collections.deque()
+        self.running: dict[str, LiveRequest] = {}
+        self.busy = False
+        self._order = 0
+        self._tokens: dict[str, list[int]] = {}
+        self.admitted_tokens = 0
+        self.reused_tokens = 0
+        self.running_area = 0.0  # integral of running requests over time
+        self.busy_s = 0.0
+        self.steps = 0
+        self.wire_batches = 0
+        self.wire_bytes = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one engine step
+    def step(self) -> _Step:
+        led = self.ledger
+        sched = self.scheduler.schedule(list(self.running.values()), self.waiting)
+        for r in sched.pause:
+            self._pause(r)
+        decode: list[LiveRequest] = []
+        for r in sched.generation:
+            try:
+                led.add_token(r.request_id, r.pending)
+            except OutOfBlocksError:
+                self._pause(r)
+                continue
+            r.pending = None
+            decode.append(r)
+        admitted = self._admit(sched.admit)
+        if not self.running:
+            if self.waiting and not sched.pause:
+                raise RuntimeError(f"replica {self.rid}: request {self.waiting[0].request_id!r} cannot be admitted "
+                                   "into an idle cache")
+            return _Step([], [], 0.0)
+        rows = len(self.running)
+        budget = self.sched_config.max_num_tokens - len(decode)
+        prefill: list[tuple[LiveRequest, int]] = []
+        for r in sorted(sched.context + admitted, key=lambda r: r.order):
+            if budget <= 0:
+                break
+            n = min(r.context_remaining, budget)
+            if n > 0:
+                prefill.append((r, n))
+                budget -= n
+        plan = led.take_transfers()
+        onboards = int((plan.kind == TransferKind.ONBOARD).sum()) if len(plan) else 0
+        first, finished = [], []
+        for r in decode:
+            led.store_new_block(r.request_id)
+            self._emit(r, first, finished)
+        for r, n in prefill:
+            r.context_pos += n
+            led.set_context_position(r.request_id, r.context_pos)
+            if r.context_pos < len(r.context):
+                continue
+            led.store_context_blocks(r.request_id)
+            r.phase = Phase.GENERATION
+            if r.remaining_new_tokens <= 0:
+                self._finish(r, finished)
+            else:
+                self._emit(r, first, finished)
+        led.refresh_blocks()
+        duration = self.time_model.step_seconds(sum(n for _, n in prefill), len(decode), onboards)
+        self.running_area += rows * duration
+        self.busy_s += duration
+        self.steps += 1
+        return _Step(first, finished, duration)
+
+    def _admit(self, chosen: list[LiveRequest]) -> list[LiveRequest]:
+        if not chosen:
+            return []
+        led = self.ledger
+        try:
+            prepopulated = led.add_sequences([r.ledger_request() for r in chosen])
+        except OutOfBlocksError:  # the scheduler's accounting was short: admit what fits, in order
+            prepopulated = []
+            for r in chosen:
+                try:
+                    prepopulated.append(led.add_sequence(r.ledger_request()))
+                except OutOfBlocksError:
+                    break
+            chosen = chosen[: len(prepopulated)]
+        ids = {id(r) for r in chosen}
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in ids)
+        for r, p in zip(chosen, prepopulated):
+            r.context = r.prompt + r.output
+            r.context_pos = p
+            r.phase = Phase.CONTEXT
+            r.order = self._order
+            self._order += 1
+            r.admissions.append(Admission(len(r.context), p, resumed=bool(r.admissions)))
+            led.set_context_position(r.request_id, p)
+            self.running[r.request_id] = r
+            self.admitted_tokens += len(r.context)
+            self.reused_tokens += p
+        return chosen
+
+    def _pause(self, r: LiveRequest) -> None:
+        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
+        del self.running[r.request_id]
+        r.phase = Phase.WAITING
+        r.pending = None
+        r.pauses += 1
+        paused = [x for x in self.waiting if x.admissions] + [r]
+        fresh = [x for x in self.waiting if not x.admissions]
+        self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
+
+    def _emit(self, r: LiveRequest, first: list, finished: list) -> None:
+        toks = self._tokens.get(r.request_id)
+        if toks is None:
+            toks = self._tokens[r.request_id] = generated_tokens(
+                r.request_id, r.item.max_new_tokens, self.vocab_size, r.item.eos_id)
+        token = toks[len(r.output)]
+        r.output.append(token)
+        if len(r.output) == 1:
+            first.append(r)
+        if r.finished_by(token):
+            self._finish(r, finished)
+        else:
+            r.pending = token
+
+    def _finish(self, r: LiveRequest, finished: list) -> None:
+        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
+        del self.running[r.request_id]
+        self._tokens.pop(r.request_id, None)
+        r.phase = Phase.FINISHED
+        r.pending = None
+        finished.append(r)
+
+    # ------------------------------------------------------------------ events on the wire
+    def publish(self) -> bytes | None:
+        """This step's ledger events as one wire payload (None if nothing changed)."""
+        self.ledger.flush_iteration_events()
+        batch = self.adapter.convert(self.ledger.get_latest_events())
+        if batch is None:
+            return None
+        payload = encode_batch(batch)
+        self.wire_batches += 1
+        self.wire_bytes += len(payload)
+        return payload
+
+
+# ---------------------------------------------------------------------- results
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, np.float64), q)) if len(values) else float("nan")
+
+
+def _imbalance(values: Sequence[float]) -> float:
+    mean = float(np.mean(values))
+    return float(np.max(values)) / mean if mean > 0 else 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    label: str
+    replicas: int
+    requests: int
+    prompt_tokens: int  # over all admissions
+    reused_tokens: int
+    ttft_s: tuple[float, ...]  # per request, in request-id order
+    makespan_s: float
+    routed: tuple[int, ...]  # requests per replica
+    mean_running: tuple[float, ...]  # time-averaged running requests per replica
+    mean_outstanding: tuple[float, ...]  # time-averaged queued + running requests per replica
+    predicted_tokens: int  # cached prefix the router's index promised at routing time
+    wire_batches: int
+    wire_bytes: int
+    evicted_blocks: int
+    offloaded_blocks: int
+    onboarded_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ttft_p50_s(self) -> float:
+        return _pct(self.ttft_s, 50)
+
+    @property
+    def ttft_p99_s(self) -> float:
+        return _pct(self.ttft_s, 99)
+
+    @property
+    def imbalance(self) -> float:
+        return _imbalance(self.mean_running)
+
+    @property
+    def imbalance_outstanding(self) -> float:
+        return _imbalance(self.mean_outstanding)
+
+    def summary(self) -> dict:
+        return {
+            "label": self.label, "replicas": self.replicas, "requests": self.requests,
+            "hit_rate": self.hit_rate, "ttft_p50_s": self.ttft_p50_s, "ttft_p99_s": self.ttft_p99_s,
+            "imbalance_running": self.imbalance, "imbalance_outstanding": self.imbalance_outstanding,
+            "makespan_s": self.makespan_s, "routed": list(self.routed), "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens, "predicted_tokens": self.predicted_tokens,
+            "wire_batches": self.wire_batches, "wire_bytes": self.wire_bytes, "evicted_blocks": self.evicted_blocks,
+            "offloaded_blocks": self.offloaded_blocks, "onboarded_blocks": self.onboarded_blocks,
+        }
+
+
+# ---------------------------------------------------------------------- the simulation
+def simulate(
+    items: Sequence[WorkItem],
+    *,
+    replicas: int,
+    policy: RoutingPolicy,
+    cache_config: CacheConfig,
+    scheduler: SchedulerConfig,
+    time_model: TimeModel = TimeModel(),
+    tick_s: float = 0.05,
+    vocab_size: int,
+    label: str | None = None,
+    check_integrity: bool = True,
+    inspect=None,
+) -> SimResult:
+    """Serve `items` on `replicas` simulated replicas behind a `Router` using `policy`.
+    `inspect(replicas, router)`, if given, is called once the run is over (tests look inside)."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+    if not tick_s > 0:
+        raise ValueError(f"tick_s must be > 0, got {tick_s!r}")
+    by_id = {it.request_id: it for it in items}
+    if len(by_id) != len(items):
+        raise ValueError("work item ids must be unique")
+    reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size) for i in range(replicas)]
+    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block)
+    children: dict[str, list[WorkItem]] = collections.defaultdict(list)
+    heap: list[tuple] = []
+    seq = 0
+    for it in items:
+        if it.parent is None:
+            heapq.heappush(heap, (it.arrival_step * tick_s, 1, seq, "arrive", (it, list(it.tokens))))
+            seq += 1
+        elif it.parent not in by_id:
+            raise ValueError(f"work item {it.request_id!r}: unknown parent {it.parent!r}")
+        else:
+            children[it.parent].append(it)
+
+    ttft: dict[str, float] = {}
+    arrival: dict[str, float] = {}
+    where: dict[str, int] = {}
+    outstanding_area = [0.0] * replicas
+    predicted = 0
+    last_t = 0.0
+
+    def start(rep: SimReplica, t: float) -> None:
+        nonlocal seq
+        st = rep.step()
+        for _ in range(8):  # a step that only paused requests: the next one admits them again
+            if st.duration or not rep.has_work():
+                break
+            st = rep.step()
+        if st.duration == 0.0:
+            return
+        rep.busy = True
+        heapq.heappush(heap, (t + st.duration, 0, seq, "step_end", (rep, st)))
+        seq += 1
+
+    while heap:
+        t, _, _, kind, payload = heapq.heappop(heap)
+        for i, rep in enumerate(reps):
+            outstanding_area[i] += router.loads[i] * (t - last_t)
+        last_t = t
+        if kind == "arrive":
+            item, prompt = payload
+            if len(prompt) + item.max_new_tokens > cache_config.max_seq_len:
+                raise ValueError(f"request {item.request_id!r}: {len(prompt)} prompt tokens + max_new_tokens="
+                                 f"{item.max_new_tokens} exceed max_seq_len={cache_config.max_seq_len}")
+            decision = router.route(prompt, lora_task_id=item.lora_task_id, cache_salt=item.cache_salt)
+            predicted += decision.match.blocks * cache_config.tokens_per_block
+            rep = reps[decision.replica]
+            arrival[item.request_id] = t
+            where[item.request_id] = rep.rid
+            rep.waiting.append(LiveRequest(item, prompt, 0, t, 0, order=-1))
+            if not rep.busy:
+                start(rep, t)
+            continue
+        rep, st = payload
+        rep.busy = False
+        wire = rep.publish()
+        if wire is not None:
+            router.index.apply(rep.rid, decode_batch(wire))
+        for r in st.first_tokens:
+            ttft[r.request_id] = t - arrival[r.request_id]
+        for r in st.finished:
+            router.finished(rep.rid)
+            ttft.setdefault(r.request_id, t - arrival[r.request_id])  # max_new_tokens == 0
+            for child in children.pop(r.request_id, ()):
+                prompt = r.prompt + r.output + list(child.tokens)
+                heapq.heappush(heap, (t + child.arrival_step * tick_s, 1, seq, "arrive", (child, prompt)))
+                seq += 1
+        if rep.has_work():
+            start(rep, t)
+
+    if len(ttft) != len(items):
+        raise RuntimeError(f"simulation ended with {len(items) - len(ttft)} requests unserved")
+    for rep in reps:
+        if rep.running or rep.waiting:
+            raise RuntimeError(f"replica {rep.rid} still holds requests at the end")
+        if check_integrity:
+            rep.ledger.verify_integrity()
+    if inspect is not None:
+        inspect(reps, router)
+    makespan = last_t
+    stats = [rep.ledger.stats() for rep in reps]
+    return SimResult(
+        label=label or policy.name,
+        replicas=replicas,
+        requests=len(items),
+        prompt_tokens=sum(rep.admitted_tokens for rep in reps),
+        reused_tokens=sum(rep.reused_tokens for rep in reps),
+        ttft_s=tuple(ttft[k] for k in sorted(ttft)),
+        makespan_s=makespan,
+        routed=tuple(sum(1 for v in where.values() if v == i) for i in range(replicas)),
+        mean_running=tuple(rep.running_area / makespan if makespan else 0.0 for rep in reps),
+        mean_outstanding=tuple(a / makespan if makespan else 0.0 for a in outstanding_area),
+        predicted_tokens=predicted,
+        wire_batches=sum(rep.wire_batches for rep in reps),
+        wire_bytes=sum(rep.wire_bytes for rep in reps),
+        evicted_blocks=sum(s.evicted_blocks for s in stats),
+        offloaded_blocks=sum(s.offloaded_blocks for s in stats),
+        onboarded_blocks=sum(s.onboarded_blocks for s in stats),
+    )
+
+
+def scaled(cache_config: CacheConfig, scheduler: SchedulerConfig, time_model: TimeModel,
+           factor: int) -> tuple[CacheConfig, SchedulerConfig, TimeModel]:
+    """One replica as large as `factor` of them: `factor` x the blocks, batch and token budget,
+    and `factor` x the compute (per-token and per-row costs divided by `factor`)."""
+
+    def times(v):
+        return {w: n * factor for w, n in v.items()} if isinstance(v, dict) else v * factor
+
+    cfg = dataclasses.replace(
+        cache_config,
+        primary_blocks=times(cache_config.primary_blocks),
+        secondary_blocks=times(cache_config.secondary_blocks),
+        max_num_tokens=None if cache_config.max_num_tokens is None else cache_config.max_num_tokens * factor,
+    )
+    sched = dataclasses.replace(scheduler, max_batch_size=scheduler.max_batch_size * factor,
+                                max_num_tokens=scheduler.max_num_tokens * factor)
+    tm = dataclasses.replace(time_model, prefill_token_s=time_model.prefill_token_s / factor,
+                             decode_row_s=time_model.decode_row_s / factor,
+                             onboard_block_s=time_model.onboard_block_s / factor)
+    return cfg, sched, tm
+
+
+# ---------------------------------------------------------------------- reporting
+def format_table(results: Sequence[SimResult], reference: SimResult | None = None) -> str:
+    header = ("policy", "replicas", "hit rate", "vs single", "TTFT p50 ms", "TTFT p99 ms", "imbalance",
+              "imb. queued", "makespan s", "routed per replica")
+    rows = []
+    for r in list(results) + ([reference] if reference is not None else []):
+        rel = f"{r.hit_rate / reference.hit_rate:.1%}" if reference is not None and reference.hit_rate else "-"
+        rows.append((r.label, str(r.replicas), f"{r.hit_rate:.1%}", rel, f"{r.ttft_p50_s * 1e3:.0f}",
+                     f"{r.ttft_p99_s * 1e3:.0f}", f"{r.imbalance:.2f}", f"{r.imbalance_outstanding:.2f}",
+                     f"{r.makespan_s:.1f}", " ".join(map(str, r.routed))))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return "\n".join(lines)
+
+
+def plot_results(path: str | Path, results: Sequence[SimResult], reference: SimResult | None = None,
+                 title: str = "") -> Path:
+    """PNG: hit rate (with the single-replica reference), TTFT p50 / p99 and load imbalance per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    labels = [r.label for r in results]
+    x = np.arange(len(results))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    ax = axes[0]
+    ax.bar(x, [r.hit_rate for r in results], color="tab:blue")
+    if reference is not None:
+        ax.axhline(reference.hit_rate, color="k", linestyle="--", label=f"{reference.label} ({reference.hit_rate:.1%})")
+        ax.axhline(0.9 * reference.hit_rate, color="tab:red", linestyle=":", label="90% of single replica")
+        ax.legend(fontsize=8)
+    ax.set_xticks(x, labels)
+    ax.set_ylim(0, 1)
+    ax.set_title("cluster prefix hit rate (tokens)")
+    ax = axes[1]
+    ax.bar(x - 0.2, [r.ttft_p50_s * 1e3 for r in results], 0.4, label="p50")
+    ax.bar(x + 0.2, [r.ttft_p99_s * 1e3 for r in results], 0.4, label="p99")
+    ax.set_xticks(x, labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms")
+    ax.set_title("time to first token")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    ax.bar(x - 0.2, [r.imbalance for r in results], 0.4, label="running")
+    ax.bar(x + 0.2, [r.imbalance_outstanding for r in results], 0.4, label="queued + running")
+    ax.axhline(1.3, color="tab:red", linestyle=":", label="target 1.3")
+    ax.set_xticks(x, labels)
+    ax.set_ylim(bottom=1.0)
+    ax.set_title("load imbalance (max / mean)")
+    ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------- driver (CLI and benchmark)
+@dataclasses.dataclass(frozen=True)
+class RouteSimRun:
+    workload: str
+    results: tuple[SimResult, ...]
+    reference: SimResult | None
+    settings: dict
+
+
+def run_route_sim(
+    workload: str | Path,
+    *,
+    replicas: int,
+    policies: Sequence[str] = ("kv-aware", "round-robin", "least-loaded"),
+    tick_s: float = 0.02,
+    overrides: dict | None = None,
+    cache_overrides: dict | None = None,
+    kv_aware: dict | None = None,
+    time_model: TimeModel = TimeModel(),
+    reference: bool = True,
+    progress=None,
+) -> RouteSimRun:
+    """Load a workload file, serve it once per policy on `replicas` replicas (each sized by the
+    file's [cache] / [engine] tables) and, with `reference`, once on a single replica holding
+    all of their cache."""
+    from kvjax.engine.config import EngineConfig, cache_config
+    from kvjax.engine.workloads import load_workload, workload_from_dict
+    from kvjax.model_spec import ModelSpec
+    from kvjax.router.policy import make_policy
+
+    wf = load_workload(workload)
+    wl = wf.workload
+    if overrides:
+        fields = {f.name: getattr(wl, f.name) for f in dataclasses.fields(wl)}
+        wl = workload_from_dict({"kind": wl.kind, **fields, **overrides}, wf.path)
+    spec = ModelSpec.load(wf.model or "tiny")
+    engine = EngineConfig.from_dict(wf.engine, wf.path)
+    cfg = cache_config(spec, {**wf.cache, **(cache_overrides or {})}, max_num_tokens=engine.scheduler.max_num_tokens,
+                       source=wf.path)
+    items = wl.build(spec.vocab_size)
+    results = []
+    for name in policies:
+        policy = make_policy(name, **(kv_aware or {})) if name == "kv-aware" else make_policy(name)
+        results.append(simulate(items, replicas=replicas, policy=policy, cache_config=cfg, scheduler=engine.scheduler,
+                                time_model=time_model, tick_s=tick_s, vocab_size=spec.vocab_size))
+        if progress is not None:
+            progress(results[-1])
+    ref = None
+    if reference:
+        c1, s1, t1 = scaled(cfg, engine.scheduler, time_model, replicas)
+        ref = simulate(items, replicas=1, policy=make_policy("round-robin"), cache_config=c1, scheduler=s1,
+                       time_model=t1, tick_s=tick_s, vocab_size=spec.vocab_size, label=f"single x{replicas}")
+        if progress is not None:
+            progress(ref)
+    settings = {
+        "workload": wl.describe(), "model": spec.name, "replicas": replicas, "tick_s": tick_s,
+        "cache_per_replica": {**wf.cache, **(cache_overrides or {})},
+        "engine_per_replica": {"policy": engine.scheduler.policy.value, "max_batch_size": engine.scheduler.max_batch_size,
+                               "max_num_tokens": engine.scheduler.max_num_tokens},
+        "time_model": dataclasses.asdict(time_model), "kv_aware": kv_aware or {},
+    }
+    return RouteSimRun(wl.name, tuple(results), ref, settings)
+
+
+def write_report(run: RouteSimRun, out: str | Path, stem: str) -> tuple[Path, Path]:
+    """JSON (settings + every result) and PNG of a route simulation."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = out / f"{stem}.json"
+    payload = {"settings": run.settings, "results": [r.summary() for r in run.results],
+               "reference": None if run.reference is None else run.reference.summary()}
+    js.write_text(json.dumps(payload, indent=2, default=str))
+    png = plot_results(out / f"{stem}.png", run.results, run.reference,
+                       title=f"{run.workload}: {run.settings['replicas']} replicas")
+    return js, png
