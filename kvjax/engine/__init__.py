@@ -6,12 +6,15 @@ or max-utilisation with pausing; FCFS or longest-cached-prefix-first queue order
 prefill of only the non-reused prompt tokens, bucketed jitted forwards (`batching.py`,
 `runner.py`) and seeded sampling (`sampling.py`). `Engine(model, EngineConfig(...)).run(items,
 cache_config)` replays a list of `WorkItem`s (see `workloads.py`) on a fresh core and returns
-per-run metrics (`metrics.py`).
+per-run metrics (`metrics.py`). `LLMEngine` (`llm_engine.py`) adds text: tokenised prompts,
+detokenised `RequestOutput`s (`outputs.py`), stop strings and EOS ids from the tokenizer.
 """
 from kvjax.engine.batching import Buckets, ForwardBatch, Row, build_batch
 from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config, device_config
 from kvjax.engine.core import CoreOutput, EngineBusyError, EngineCore, EngineInvariantError
 from kvjax.engine.engine import Engine, RunResult, identical_outputs, max_logit_difference, min_margin
+from kvjax.engine.llm_engine import LLMEngine
+from kvjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvjax.engine.metrics import RequestRecord, RunMetrics, StepRecord, format_table, plot_runs, write_json
 from kvjax.engine.request_state import LiveRequest, Phase
 from kvjax.engine.runner import ModelRunner
@@ -35,6 +38,7 @@ __all__ = [
     "CACHE_DEFAULTS",
     "CapacityScheduler",
     "ChatWorkload",
+    "CompletionOutput",
     "CoreOutput",
     "Engine",
     "EngineBusyError",
@@ -44,11 +48,14 @@ __all__ = [
     "FewShotWorkload",
     "ForwardBatch",
     "KINDS",
+    "LLMEngine",
     "LiveRequest",
     "LongDocQAWorkload",
     "ModelRunner",
     "Phase",
     "QueuePolicy",
+    "RequestMetrics",
+    "RequestOutput",
     "RequestRecord",
     "Row",
     "RunMetrics",

@@ -140,19 +140,26 @@ class EngineCore:
                 )
 
     def add_request(
-        self, item: WorkItem, prompt: Sequence[int] | None = None, *, seed: int, stop_token_ids: frozenset[int] = frozenset()
+        self,
+        item: WorkItem,
+        prompt: Sequence[int] | None = None,
+        *,
+        seed: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> LiveRequest:
         """Queue a request (it is admitted by a later `step`). `item` describes it (id,
         max_new_tokens, LoRA id, cache salt, retention, sampling, eos_id); `prompt` defaults
-        to `item.tokens`; `seed` is its sampling key stream; `stop_token_ids` end it like
-        `item.eos_id`. A request that can never fit is rejected here (`validate`)."""
+        to `item.tokens`; `seed` is its sampling key stream; `eos_token_ids` end it like
+        `item.eos_id`, `stop_token_ids` too but with the token as its `stop_reason`. A request
+        that can never fit is rejected here (`validate`)."""
         prompt = list(item.tokens if prompt is None else prompt)
         rid = item.request_id
         if rid in self._live:
             raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
         self.validate(item, prompt)
         r = LiveRequest(item, [int(t) for t in prompt], self.step_index, self.clock.now(), seed, order=-1,
-                        stop_ids=frozenset(stop_token_ids))
+                        stop_ids=frozenset(stop_token_ids), eos_ids=frozenset(eos_token_ids))
         self.waiting.append(r)
         self._live[rid] = r
         return r
@@ -365,7 +372,7 @@ class EngineCore:
             r.first_token_step = self.step_index
         reason = r.finish_reason_after(token)
         if reason is not None:
-            if reason == "stop" and token in r.stop_ids:
+            if reason == "stop" and token in r.stop_ids and token not in r.eos_ids and token != r.item.eos_id:
                 r.stop_reason = token
             self._finish(r, reason)
             return CoreOutput(r, (token,), True)
