@@ -22,6 +22,7 @@ character: text is released only once decoding it no longer ends in a replacemen
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -327,25 +328,22 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _builtin_merges(count: int) -> list[tuple[str, str]]:
-    """`count` letter merges in a fixed order: " a".." z", then "aa".."zz", then " aa".." zz",
-    then "aaa".. (each merge's parts exist before it)."""
+    """`count` letter merges in a fixed order: " a".." z", then for each length L = 2, 3, ...
+    every lower-case word of L letters, and the same word after a space (each merge's two
+    parts exist before it)."""
     space = _bytes_to_unicode()[ord(" ")]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    merges: list[tuple[str, str]] = []
 
-    def take(pairs):
-        for p in pairs:
-            if len(merges) == count:
-                return True
-            merges.append(p)
-        return len(merges) == count
+    def pairs():
+        yield from ((space, a) for a in letters)
+        length = 2
+        while True:
+            words = ["".join(w) for w in itertools.product(letters, repeat=length - 1)]
+            yield from ((w, a) for w in words for a in letters)
+            yield from ((space + w, a) for w in words for a in letters)
+            length += 1
 
-    pairs2 = [(a, b) for a in letters for b in letters]
-    if take((space, a) for a in letters) or take(pairs2) or take((space + a, b) for a, b in pairs2):
-        return merges
-    if take((a + b, c) for a, b in pairs2 for c in letters):
-        return merges
-    raise ValueError(f"the built-in tokenizer has at most {len(merges) + 256 + len(BUILTIN_SPECIALS)} tokens")
+    return list(itertools.islice(pairs(), count))
 
 
 @lru_cache(maxsize=8)
