@@ -48,6 +48,12 @@ class ServerMetrics:
         self.e2e = Histogram("kvjax_e2e_request_latency_seconds", "From arrival to the last token", labels,
                              buckets=E2E_BUCKETS, registry=r)
         self._last: dict[str, int] = {}
+        for metric in (self.running, self.waiting, self.hit_rate, self.block_hit_rate, self.reused, self.computed,
+                       self.generated, self.offloaded, self.onboarded, self.evicted, self.resets, self.ttft, self.itl, self.e2e):
+            metric.labels(model_name)  # every series exists (at 0) from the start
+        for tier in ("primary", "secondary"):
+            self.blocks_used.labels(model_name, tier)
+            self.blocks_free.labels(model_name, tier)
         for reason in ("stop", "length", "abort"):
             self.finished.labels(model_name, reason)
         for reason in ("queue_full", "invalid", "shutting_down"):

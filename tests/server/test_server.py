@@ -325,3 +325,10 @@ def test_shutdown_lets_short_requests_finish(stack):
     assert chunks[-1] == "[DONE]"
     assert [ch["choices"][0]["finish_reason"] for ch in chunks[:-1] if ch["choices"][0]["finish_reason"]] == ["length"]
     srv.engine_loop.engine.core.verify_idle()
+
+
+def test_compilations_stay_bounded(stack):
+    """Every request of this module ran on two executables: decode [4, 1] and prefill [1, 64],
+    one block-table width (bucketed shapes; the runner counts traces)."""
+    assert stack.runner.shapes == {(4, 1, 32), (1, 64, 32)}
+    assert stack.runner.num_traces == 2
