@@ -2,7 +2,9 @@
 
 The host ledger (`kvjax.ledger`, pure Python) decides which block holds which tokens; the
 device side (`kvjax.device`, JAX) keeps the KV pools and moves bytes as the ledger says.
-Importing `kvjax` does not import JAX: the device names below load on first use.
+`kvjax.LLM` (offline generation), `kvjax.LLMEngine` (the step-wise engine), `kvjax.Tokenizer`
+and `kvjax.SamplingParams` serve text; `kvjax serve` is the OpenAI-compatible server.
+Importing `kvjax` does not import JAX: the device and serving names below load on first use.
 """
 from kvjax.config import CacheConfig, PoolSpec
 from kvjax.errors import (
@@ -33,6 +35,14 @@ _LEDGER_NAMES = {
     "IterationStats",
 }
 _DEVICE_NAMES = {"KVPools", "allocate_pools", "apply_transfers", "write_kv", "gather_kv", "paged_attention"}
+_SERVING_NAMES = {
+    "LLM": "kvjax.llm",
+    "Tokenizer": "kvjax.tokenizer",
+    "SamplingParams": "kvjax.engine.sampling",
+    "LLMEngine": "kvjax.engine.llm_engine",
+    "RequestOutput": "kvjax.engine.outputs",
+    "CompletionOutput": "kvjax.engine.outputs",
+}
 
 
 def __getattr__(name: str):
@@ -44,6 +54,10 @@ def __getattr__(name: str):
         from kvjax import device
 
         return getattr(device, name)
+    if name in _SERVING_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_SERVING_NAMES[name]), name)
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 
@@ -70,4 +84,5 @@ __all__ = sorted(
     }
     | _LEDGER_NAMES
     | _DEVICE_NAMES
+    | set(_SERVING_NAMES)
 )

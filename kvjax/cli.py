@@ -4,6 +4,7 @@
                   then again without, and print both side by side (tokens must be identical)
   kvjax run       serve any workload file with any cache / engine settings
   kvjax capacity  how many blocks and tokens a model's KV cache gets from a memory budget
+  kvjax serve     an OpenAI-compatible HTTP server for a built-in model or a checkpoint
   kvjax route-sim compare routing policies on a workload over N simulated replicas
 
 A bad flag or config file prints one line, `kvjax: error: ...`, and exits with status 2.
@@ -89,7 +90,7 @@ def _fail(message: str) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvjax", description="kvjax: a paged KV-cache manager for LLM inference in JAX.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,route-sim}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,serve,route-sim}")
 
     def serving_flags(sp, workload_default: str | None):
         sp.add_argument("--workload", default=workload_default, required=workload_default is None,
@@ -132,6 +133,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-seq-len", type=_positive_int, help="default: the model's")
     c.add_argument("--dtype", help="KV cache dtype (default: the model's), e.g. float8_e4m3fn")
     _route_sim_parser(sub)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    sv.add_argument("model", help="built-in model name (configs/models/), a model TOML, or a checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    sv.add_argument("--port", type=_int_at_least(0), default=8000)
+    sv.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    sv.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, or the built-in byte tokenizer)")
+    sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
+    sv.add_argument("--dtype", help="model dtype (default: the model's)")
+    sv.add_argument("--primary-blocks", type=_positive_int)
+    sv.add_argument("--secondary-blocks", type=_nonneg_int)
+    sv.add_argument("--tokens-per-block", type=_positive_int)
+    sv.add_argument("--max-seq-len", type=_positive_int)
+    sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    sv.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
+    sv.add_argument("--queue-policy", choices=["fcfs", "lpm"], help="waiting-queue order (default fcfs)")
+    sv.add_argument("--max-wait-steps", type=_positive_int, help="lpm starvation guard (engine steps)")
+    sv.add_argument("--max-batch-size", type=_positive_int)
+    sv.add_argument("--max-num-tokens", type=_positive_int, help="token budget per step (prefill chunk size)")
+    sv.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other [cache] / [engine] option, e.g. --option min_chunk_bucket=32 (TOML value syntax)")
+    sv.add_argument("--max-pending", type=_positive_int, default=64,
+                    help="requests queued or running at once; more get HTTP 429 (default 64)")
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=256,
+                    help="max_tokens of chat requests that set none (default 256)")
+    sv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                    help="seconds in-flight requests get to finish at shutdown (default 10)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
@@ -371,6 +400,51 @@ def cmd_route_sim(args) -> int:
     print(format_table(run.results, run.reference))
     js, png = write_report(run, args.out, f"route-sim-{run.workload}")
     print(f"wrote {js} and {png}")
+def serve_options(args) -> dict[str, Any]:
+    """The engine and cache options of `kvjax serve`'s flags (checked by `LLMEngine.from_options`)."""
+    options: dict[str, Any] = {}
+    for item in args.option:
+        if "=" not in item:
+            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        options[key.strip()] = _parse_value(value.strip())
+    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "policy", "queue_policy",
+                 "max_wait_steps", "max_batch_size", "max_num_tokens"):
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
+    if args.no_prefix_caching:
+        options["enable_block_reuse"] = False
+    return options
+
+
+def cmd_serve(args) -> int:
+    from kvjax.engine.llm_engine import split_options
+
+    options = serve_options(args)
+    split_options(options, "kvjax serve")  # unknown keys fail before the model loads
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    import logging
+
+    from kvjax.engine.llm_engine import LLMEngine
+    from kvjax.llm import _resolve_tokenizer, load_model
+    from kvjax.server import ServerConfig, serve
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    server_log = logging.getLogger("kvjax.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(args.log_level.upper())
+
+    model, tokenizer = load_model(args.model, seed=args.seed, dtype=args.dtype)
+    tokenizer = _resolve_tokenizer(args.tokenizer) or tokenizer
+    engine = LLMEngine.from_options(model, tokenizer=tokenizer, **options)
+    name = args.served_model_name or args.model
+    config = ServerConfig(name, max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
+                          shutdown_timeout=args.shutdown_timeout)
+    print(f"kvjax serve: model {name!r} on http://{args.host}:{args.port} (max_seq_len {engine.max_seq_len}, "
+          f"{engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} primary blocks)", file=sys.stderr)
+    serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -380,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a bad flag (already reported)
         return int(e.code or 0)
-    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity, "route-sim": cmd_route_sim}
+    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity, "serve": cmd_serve, "route-sim": cmd_route_sim}
     try:
         return commands[args.command](args)
     except ValueError as e:  # bad config file, flag value or workload: one line, no traceback

@@ -6,8 +6,9 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
 [cache]  tokens_per_block, primary_blocks, secondary_blocks (per window), max_seq_len,
          enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse, onboard_blocks,
          secondary_offload_min_priority
-[engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, min_batch_bucket,
-         min_chunk_bucket, min_blocks_bucket, prefill_rows, max_steps
+[engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
+         "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
+         prefill_rows, max_steps
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from kvjax.config import CacheConfig
 from kvjax.engine.batching import Buckets
-from kvjax.engine.scheduler import SchedulerConfig, SchedulerPolicy
+from kvjax.engine.scheduler import QueuePolicy, SchedulerConfig, SchedulerPolicy
 
 CACHE_DEFAULTS: dict[str, Any] = {
     "tokens_per_block": 16,
@@ -30,6 +31,7 @@ CACHE_DEFAULTS: dict[str, Any] = {
     "onboard_blocks": True,
     "secondary_offload_min_priority": 30,
 }
+_STR_KEYS = {"policy", "queue_policy"}
 _BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
 
 
@@ -41,7 +43,7 @@ def _check_keys(table: str, values: Mapping[str, Any], known, source: str) -> No
         if k in _BOOL_KEYS:
             if not isinstance(v, bool):
                 raise ValueError(f"{source}: [{table}] {k} must be true or false, got {v!r}")
-        elif k != "policy" and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        elif k not in _STR_KEYS and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"{source}: [{table}] {k} must be an int, got {v!r}")
 
 
@@ -53,11 +55,12 @@ class EngineConfig:
     buckets: Buckets = Buckets()
     max_steps: int = 1_000_000
 
+    KEYS = ("policy", "max_batch_size", "max_num_tokens", "defer_shared_prefix", "queue_policy", "max_wait_steps",
+            "min_batch_bucket", "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps")
+
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> "EngineConfig":
-        known = {"policy", "max_batch_size", "max_num_tokens", "defer_shared_prefix", "min_batch_bucket",
-                 "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps"}
-        _check_keys("engine", values, known, source)
+        _check_keys("engine", values, cls.KEYS, source)
         v = dict(values)
         try:
             sched = SchedulerConfig(
@@ -65,6 +68,8 @@ class EngineConfig:
                 max_batch_size=v.get("max_batch_size", SchedulerConfig.max_batch_size),
                 max_num_tokens=v.get("max_num_tokens", SchedulerConfig.max_num_tokens),
                 defer_shared_prefix=v.get("defer_shared_prefix", True),
+                queue_policy=QueuePolicy.parse(v.get("queue_policy", QueuePolicy.FCFS)),
+                max_wait_steps=v.get("max_wait_steps", SchedulerConfig.max_wait_steps),
             )
             buckets = Buckets(
                 min_batch=v.get("min_batch_bucket", Buckets.min_batch),

@@ -7,6 +7,10 @@ tokens generated so far, so the ledger's prefix reuse recovers what it had compu
 
 The token sampled at the end of a step is *pending*: it enters the ledger (`add_token`) at
 the start of the next step that schedules the request, which is when its KV gets written.
+
+A request ends with a finish reason: "stop" (an end-of-sequence token: the work item's
+`eos_id` or one of `eos_ids`; a stop token of `stop_ids`; or a stop string found by `LLMEngine`), "length" (`max_new_tokens` reached)
+or "abort" (taken out by `abort_request` or a shutdown).
 """
 from __future__ import annotations
 
@@ -57,6 +61,10 @@ class LiveRequest:
     finish_step: int | None = None
     chosen_logits: list[float] = dataclasses.field(default_factory=list)
     margins: list[float] = dataclasses.field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # token ids that end the request (stop_reason: the id)
+    eos_ids: frozenset[int] = frozenset()  # end-of-sequence ids besides item.eos_id (stop_reason: None)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id (from stop_ids) or stop string
 
     @property
     def request_id(self) -> str:
@@ -84,5 +92,14 @@ class LiveRequest:
 
     def finished_by(self, token: int) -> bool:
         """Does sampling `token` (already appended to `output`) end the request?"""
+        return self.finish_reason_after(token) is not None
+
+    def finish_reason_after(self, token: int) -> str | None:
+        """"stop" if `token` (already appended to `output`) is a stop token, else "length" if
+        the request has all its tokens, else None."""
         eos = self.item.eos_id
-        return len(self.output) >= self.item.max_new_tokens or (eos is not None and token == eos)
+        if (eos is not None and token == eos) or token in self.eos_ids or token in self.stop_ids:
+            return "stop"
+        if len(self.output) >= self.item.max_new_tokens:
+            return "length"
+        return None

@@ -2,8 +2,9 @@
 
 The pools are donated (the forward writes K/V in place); only the sampled tokens and two
 float32 diagnostics per row (the chosen token's logit and the top-2 margin) come back to the
-host. Every trace increments `num_traces`, so tests can assert that a warmed-up engine never
-recompiles (the Python body runs only when jit traces a new shape).
+host. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit. Every
+trace increments `num_traces`, so tests can assert that a warmed-up engine never recompiles
+(the Python body runs only when jit traces a new shape).
 """
 from __future__ import annotations
 
@@ -26,20 +27,30 @@ class ModelRunner:
         graphdef, state = nnx.split(model)
         self._state = state
 
-        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, seed, index):
+        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, top_k, seed, index):
             self.num_traces += 1
             model = nnx.merge(graphdef, state)
             logits, pools = model.paged_forward(tokens, positions, pools, tables, seq_lens, slots, impl=impl)
             last = logits[:, -1, :]  # [B, V]: rows are right-aligned, the last token is at T - 1
-            tok, chosen, margin = sample(last, temperature, top_p, seed, index)
+            tok, chosen, margin = sample(last, temperature, top_p, seed, index, top_k)
             return tok, chosen, margin, pools
 
         self._step = jax.jit(step, donate_argnums=(3,))
 
-    def run(self, pools, batch: ForwardBatch, temperature: np.ndarray, top_p: np.ndarray, seed: np.ndarray, index: np.ndarray):
+    def run(
+        self,
+        pools,
+        batch: ForwardBatch,
+        temperature: np.ndarray,
+        top_p: np.ndarray,
+        seed: np.ndarray,
+        index: np.ndarray,
+        top_k: np.ndarray | None = None,
+    ):
         """Forward `batch` and sample each real row's next token.
 
-        temperature, top_p: float32 [rows]; seed, index: int32 [rows] (padded here to the batch).
+        temperature, top_p: float32 [rows]; seed, index, top_k: int32 [rows] (padded here to the
+        batch; top_k <= 0 or None: no top-k).
         Returns (tokens int32 [rows], chosen logits float32 [rows], margins float32 [rows], pools).
         """
         b = batch.tokens.shape[0]
@@ -61,6 +72,7 @@ class ModelRunner:
             batch.slots,
             pad(temperature, np.float32, 0.0),
             pad(top_p, np.float32, 1.0),
+            pad(np.zeros(n, np.int32) if top_k is None else top_k, np.int32, 0),
             pad(seed, np.int32, 0),
             pad(index, np.int32, 0),
         )

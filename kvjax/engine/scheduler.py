@@ -14,7 +14,7 @@ MAX_UTILIZATION  Admit on what the next step needs (`needed_blocks_one_step`), w
     A paused request leaves the ledger with its blocks stored for reuse and is re-admitted
     first, recomputing only what was evicted meanwhile.
 
-Both count blocks per attention window and admit in arrival order (first come first served;
+Both count blocks per attention window and admit in queue order (below;
 the first waiting request that does not fit stops admission). Free blocks include cached
 blocks nobody references (they are evictable); reusable blocks are subtracted only when
 already referenced by a live request, as the ledger's queries do (TensorRT-LLM PR #11731).
@@ -22,6 +22,14 @@ already referenced by a live request, as the ledger's queries do (TensorRT-LLM P
 Token budget: a step processes at most `max_num_tokens` tokens: one per generating request,
 then prefill chunks; a waiting request is admitted only while the budget has room for part of
 its prefill (its cached prefix, `analyze_prefix_reuse().total_matched_tokens`, costs nothing).
+
+Waiting-queue order (`queue_policy`): paused requests always come first (oldest first); then
+FCFS keeps arrival order, while LPM (SGLang's "longest prefix match") puts the requests with
+the most cached prompt tokens first (`analyze_prefix_reuse().total_matched_tokens`, one tree
+walk each; ties keep arrival order), so a prefix is reused while it is still cached. LPM's
+starvation guard: a request that has waited `max_wait_steps` engine steps or more moves ahead
+of every request that has not (in arrival order), so a request with nothing cached is served
+after a bounded wait however many cache hits keep arriving.
 
 Prefix-aware deferral (`defer_shared_prefix`): a waiting request whose prompt shares more
 full blocks with a request still in prefill than the cache holds now waits for that prefill
@@ -34,6 +42,23 @@ import enum
 from collections.abc import Sequence
 
 from kvjax.engine.request_state import LiveRequest, Phase
+
+
+class QueuePolicy(str, enum.Enum):
+    """Order of the waiting queue: first come first served, or longest cached prefix first."""
+
+    FCFS = "fcfs"
+    LPM = "lpm"
+
+    @classmethod
+    def parse(cls, value: "str | QueuePolicy") -> "QueuePolicy":
+        if isinstance(value, cls):
+            return value
+        text = str(value).strip().lower()
+        for p in cls:
+            if p.value == text:
+                return p
+        raise ValueError(f"queue policy must be one of {[p.value for p in cls]}, got {value!r}")
 
 
 class SchedulerPolicy(str, enum.Enum):
@@ -58,10 +83,13 @@ class SchedulerConfig:
     max_num_tokens: int = 256  # tokens processed per step (decode tokens + prefill chunks)
     defer_shared_prefix: bool = True
     two_steps_lookahead: bool = False
+    queue_policy: QueuePolicy = QueuePolicy.FCFS
+    max_wait_steps: int = 64  # LPM starvation guard: steps after which a request goes first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", SchedulerPolicy.parse(self.policy))
-        for name in ("max_batch_size", "max_num_tokens"):
+        object.__setattr__(self, "queue_policy", QueuePolicy.parse(self.queue_policy))
+        for name in ("max_batch_size", "max_num_tokens", "max_wait_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -96,15 +124,40 @@ class CapacityScheduler:
         self.tpb = ledger.tokens_per_block
 
     # ------------------------------------------------------------------ entry point
-    def schedule(self, running: Sequence[LiveRequest], waiting: Sequence[LiveRequest]) -> Schedule:
+    def schedule(self, running: Sequence[LiveRequest], waiting: Sequence[LiveRequest], step: int | None = None) -> Schedule:
+        """One step's decision. `step` (the engine's step index) ages waiting requests for the
+        LPM starvation guard; None: no request counts as starved."""
         running = sorted(running, key=lambda r: r.order)
         if self.config.policy is SchedulerPolicy.GUARANTEED_NO_EVICT:
             out, fits = self._guaranteed_no_evict(running)
         else:
             out, fits = self._max_utilization(running)
         if not out.pause:
-            self._admit(out, running, waiting, fits)
+            summaries: dict[int, object] = {}
+            ordered = self.order_waiting(waiting, step, summaries)
+            self._admit(out, running, ordered, fits, summaries)
         return out
+
+    def order_waiting(self, waiting: Sequence[LiveRequest], step: int | None = None, summaries: dict | None = None) -> list[LiveRequest]:
+        """The waiting queue in admission order (see the module docstring). `summaries`, if
+        given, receives each walked request's prefix summary (keyed by `id(request)`)."""
+        waiting = list(waiting)
+        if self.config.queue_policy is QueuePolicy.FCFS or len(waiting) < 2:
+            return waiting
+        paused = [r for r in waiting if r.admissions]
+        fresh = [r for r in waiting if not r.admissions]
+        limit = self.config.max_wait_steps
+        starved = [r for r in fresh if step is not None and step - r.arrival_step >= limit]
+        rest = [r for r in fresh if not (step is not None and step - r.arrival_step >= limit)]
+        led = self.ledger
+        cached = {}
+        for r in rest:
+            summary = led.analyze_prefix_reuse(r.ledger_request())
+            cached[id(r)] = summary.total_matched_tokens
+            if summaries is not None:
+                summaries[id(r)] = summary
+        rest.sort(key=lambda r: -cached[id(r)])  # stable: ties keep arrival order
+        return paused + starved + rest
 
     # ------------------------------------------------------------------ policies
     def _guaranteed_no_evict(self, running: list[LiveRequest]):
@@ -160,7 +213,7 @@ class CapacityScheduler:
         return out, try_fit
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits) -> None:
+    def _admit(self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits, summaries: dict | None = None) -> None:
         cfg = self.config
         led = self.ledger
         slots = cfg.max_batch_size - len(running)
@@ -171,7 +224,7 @@ class CapacityScheduler:
             if slots <= 0 or tokens_left <= 0:
                 break
             request = r.ledger_request()
-            summary = led.analyze_prefix_reuse(request)
+            summary = (summaries or {}).get(id(r)) or led.analyze_prefix_reuse(request)
             prompt = request.prompt
             key = (r.item.lora_task_id, r.item.cache_salt)
             if cfg.defer_shared_prefix and self._should_defer(prompt, key, summary.reusable_blocks_all, in_prefill):

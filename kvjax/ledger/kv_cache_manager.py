@@ -693,6 +693,14 @@ class KVCacheManager:
         if self._bm.events is not None:
             self._bm.events.flush()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no live request references (Removed events; the blocks stay
+        free, first in line for allocation). Blocks of live requests stay cached. Returns the
+        number of blocks dropped. See `kvjax.ledger.reset`."""
+        from kvjax.ledger.reset import reset_prefix_cache
+
+        return reset_prefix_cache(self._bm)
+
     def take_transfers(self) -> TransferPlan:
         """The ordered data movements decided since the last call (apply before the forward)."""
         return self._bm.recorder.take()

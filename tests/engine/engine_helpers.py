@@ -18,7 +18,8 @@ SECONDARY = 32
 
 
 def engine_config(policy=SchedulerPolicy.GUARANTEED_NO_EVICT, **kw) -> EngineConfig:
-    return EngineConfig(SchedulerConfig(policy=policy, max_batch_size=4, max_num_tokens=64, **kw), BUCKETS)
+    kw = {"max_batch_size": 4, "max_num_tokens": 64, **kw}
+    return EngineConfig(SchedulerConfig(policy=policy, **kw), BUCKETS)
 
 
 def cache(model, *, primary=ROOMY, secondary=SECONDARY, reuse=True, **kw):

@@ -1,0 +1,440 @@
+"""`EngineCore`: the step-wise serving loop over one ledger and one set of device pools.
+
+Requests arrive at any time (`add_request`), each `step()` runs one iteration and returns the
+tokens it produced, `abort_request` takes a request out (its blocks are stored for reuse), and
+the ledger lives as long as the core, so later requests reuse what earlier ones cached.
+
+One step (SPEC §2):
+  1. the `CapacityScheduler` picks running requests, admissions, pauses from the ledger's
+     accounting (waiting requests in the queue policy's order: FCFS or LPM);
+  2. ledger commits: `remove_sequence` for paused requests (blocks stored for reuse),
+     `add_token` of each generating request's pending token, `add_sequences` for admissions
+     (prefix match, claims, allocation; the returned prepopulated length is what prefill
+     skips), then prefill chunks are cut from the token budget;
+  3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE any forward;
+  4. a decode forward `[B, 1]` and a prefill forward `[B, T]`, both bucketed, jitted, pools
+     donated, sampling inside the jit;
+  5. `set_context_position` after each chunk, `store_context_blocks` when a prompt is done,
+     `store_new_block` after decode tokens; finished requests (a stop token or
+     `max_new_tokens`) leave with `remove_sequence`.
+
+The core checks as it goes that every admission's prefill computed + reused tokens equals its
+prompt and that the reused count is what the ledger reported; `verify_idle()` checks that an
+idle core's ledger holds no request and agrees with the core's counters. Its memory is bounded
+by the pools and the live requests: nothing grows with the number of requests served, except
+the per-step records kept when `record_steps` is on (for `Engine.run`'s metrics).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from kvjax.capacity import max_block_requirements
+from kvjax.config import CacheConfig
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
+from kvjax.engine.batching import Row, build_batch
+from kvjax.engine.config import device_config
+from kvjax.engine.metrics import StepRecord
+from kvjax.engine.request_state import Admission, LiveRequest, Phase
+from kvjax.engine.serving_clock import ServingClock
+from kvjax.engine.workloads import WorkItem
+
+
+class EngineInvariantError(AssertionError):
+    """The engine's own bookkeeping disagrees with the ledger (a bug, never a user error)."""
+
+
+class EngineBusyError(RuntimeError):
+    """The operation needs an engine with no running request (e.g. resetting the prefix cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreOutput:
+    """What one step (or an abort) did to one request: the tokens it produced and whether it
+    finished (then `request.finish_reason` says why)."""
+
+    request: LiveRequest
+    new_token_ids: tuple[int, ...]
+    finished: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclasses.dataclass
+class CoreCounters:
+    """Cumulative totals since the core started (the server's Prometheus counters read them)."""
+
+    admitted_prompt_tokens: int = 0  # prompt tokens of every admission (resumes included)
+    reused_prompt_tokens: int = 0  # of which the cache supplied (prepopulated)
+    computed_prompt_tokens: int = 0  # prefill tokens run through the model
+    generated_tokens: int = 0
+    prefix_queries: int = 0  # admissions that looked up the cache
+    reused_blocks: int = 0  # per-admission ledger stats, summed (checked against the ledger)
+    missed_blocks: int = 0
+    finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+
+
+class EngineCore:
+    """A running engine: one ledger and pools for `cache_config`, the model and jitted runner of
+    `engine` (`kvjax.engine.Engine`). Not thread-safe: one thread drives it (the server runs it
+    on its engine thread)."""
+
+    def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None) -> None:
+        from kvjax.device import allocate_pools
+        from kvjax.ledger import KVCacheManager
+
+        from kvjax.engine.scheduler import CapacityScheduler
+
+        engine.model.check_cache(cache_config)
+        self.engine = engine
+        self.cfg = engine.config
+        self.cache_config = cache_config
+        self.ledger = KVCacheManager(cache_config)
+        self.pools = allocate_pools(device_config(cache_config))
+        self.scheduler = CapacityScheduler(self.cfg.scheduler, self.ledger)
+        self.vocab = engine.model.spec.vocab_size
+        self.clock = ServingClock() if clock is None else clock
+        self.waiting: collections.deque[LiveRequest] = collections.deque()
+        self.running: dict[str, LiveRequest] = {}
+        self._live: dict[Hashable, LiveRequest] = {}  # waiting + running, by id
+        self.step_index = 0  # the next step's number (Engine.run may jump it forward when idle)
+        self._order = 0
+        self.counters = CoreCounters()
+        self.accounting_misses = 0
+        self.deferred = 0
+        self.steps: list[StepRecord] | None = [] if record_steps else None
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
+        """Raise `InvalidRequestError` (a ValueError) unless the request can ever be served by
+        this cache: prompt + max_new_tokens within max_seq_len, token ids in the vocabulary,
+        enough primary blocks in every window. Reads only the configuration (never the
+        ledger), so other threads may call it."""
+        cfg = self.cache_config
+        rid = item.request_id
+        if not prompt:
+            raise InvalidRequestError(f"request {rid!r} has an empty prompt")
+        total = len(prompt) + item.max_new_tokens
+        if total > cfg.max_seq_len:
+            raise InvalidRequestError(
+                f"request {rid!r}: {len(prompt)} prompt tokens + max_new_tokens={item.max_new_tokens} "
+                f"exceed max_seq_len={cfg.max_seq_len}"
+            )
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+            raise InvalidRequestError(f"request {rid!r}: token ids must be ints")
+        if max(prompt) >= self.vocab or min(prompt) < 0:
+            raise InvalidRequestError(f"request {rid!r}: token ids must be in [0, {self.vocab})")
+        tpb = cfg.tokens_per_block
+        for w in cfg.windows:
+            # SWA windows hold the whole prompt until decoding starts releasing front blocks
+            need = max(-(-len(prompt) // tpb), max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb))
+            have = cfg.primary_blocks_for(w)
+            if need > have:
+                raise InvalidRequestError(
+                    f"request {rid!r} needs {need} blocks in window {w} but the cache has {have} primary blocks"
+                )
+
+    def add_request(
+        self,
+        item: WorkItem,
+        prompt: Sequence[int] | None = None,
+        *,
+        seed: int,
+        stop_token_ids: frozenset[int] = frozenset(),
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> LiveRequest:
+        """Queue a request (it is admitted by a later `step`). `item` describes it (id,
+        max_new_tokens, LoRA id, cache salt, retention, sampling, eos_id); `prompt` defaults
+        to `item.tokens`; `seed` is its sampling key stream; `eos_token_ids` end it like
+        `item.eos_id`, `stop_token_ids` too but with the token as its `stop_reason`. A request
+        that can never fit is rejected here (`validate`)."""
+        prompt = list(item.tokens if prompt is None else prompt)
+        rid = item.request_id
+        if rid in self._live:
+            raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
+        self.validate(item, prompt)
+        r = LiveRequest(item, [int(t) for t in prompt], self.step_index, self.clock.now(), seed, order=-1,
+                        stop_ids=frozenset(stop_token_ids), eos_ids=frozenset(eos_token_ids))
+        self.waiting.append(r)
+        self._live[rid] = r
+        return r
+
+    def abort_request(self, request_id: Hashable, *, reason: str = "abort", stop_reason: int | str | None = None) -> CoreOutput | None:
+        """Take a queued or running request out: its blocks are stored for reuse and released.
+        Returns its final output (finish reason `reason`), or None if no such request is
+        queued or running (already finished, or never added): aborting is idempotent."""
+        r = self._live.get(request_id)
+        if r is None:
+            return None
+        if request_id in self.running:
+            self.ledger.remove_sequence(request_id, store_for_reuse=True)
+            del self.running[request_id]
+        else:
+            self.waiting = collections.deque(x for x in self.waiting if x is not r)
+        self._retire(r, reason, stop_reason)
+        return CoreOutput(r, (), True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (the ledger's `reset_prefix_cache`). Refused with
+        `EngineBusyError` while requests run: their blocks hold KV of the old weights.
+        Returns the number of blocks dropped."""
+        if self.running:
+            raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
+        return self.ledger.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[CoreOutput]:
+        """Run one iteration; returns one output per request that produced a token or finished."""
+        outputs: list[CoreOutput] = []
+        try:
+            self._step(outputs)
+        finally:
+            self.step_index += 1
+        return outputs
+
+    def _step(self, outputs: list[CoreOutput]) -> None:
+        now = self.clock.now()
+        sched = self.scheduler.schedule(list(self.running.values()), self.waiting, step=self.step_index)
+        self.deferred += sched.deferred
+        led = self.ledger
+
+        # 1. pauses (MAX_UTILIZATION): blocks stored for reuse, request re-queued first
+        for r in sched.pause:
+            self._pause(r)
+        # 2. the pending token of every scheduled generating request enters the ledger
+        decode: list[LiveRequest] = []
+        for r in sched.generation:
+            try:
+                led.add_token(r.request_id, r.pending)
+            except OutOfBlocksError:  # the scheduler's accounting let this through: recover
+                self.accounting_misses += 1
+                self._pause(r)
+                continue
+            r.pending = None
+            decode.append(r)
+        # 3. admissions (one batch: two-phase matching in the ledger)
+        admitted = self._admit(sched.admit, now)
+        if not self.running:
+            if self.waiting and not sched.pause:
+                head = self.waiting[0]
+                raise EngineInvariantError(
+                    f"request {head.request_id!r} cannot be admitted into an idle cache "
+                    f"(free blocks per window: {[led.num_free_blocks(w) for w in led.windows]})"
+                )
+            return
+        # 4. prefill chunks from the token budget, oldest admission first
+        budget = self.cfg.scheduler.max_num_tokens - len(decode)
+        prefill: list[tuple[LiveRequest, int]] = []
+        for r in sorted(sched.context + admitted, key=lambda r: r.order):
+            if budget <= 0:
+                break
+            n = min(r.context_remaining, budget)
+            if n > 0:
+                prefill.append((r, n))
+                budget -= n
+        # 5. data movements decided by this step's ledger calls, before any forward
+        self._apply_transfers()
+        # 6. forwards + sampling
+        if decode:
+            rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
+            toks, chosen, margins = self._forward(rows, decode, chunk_bucket=1)
+            for r, t, c, m in zip(decode, toks, chosen, margins):
+                led.store_new_block(r.request_id)
+                outputs.append(self._emit(r, int(t), float(c), float(m)))
+        sampled = []
+        group = self.cfg.buckets.prefill_rows
+        for g in range(0, len(prefill), group):
+            part = prefill[g : g + group]
+            rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
+            sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part])))
+        for (r, n), t, c, m in sampled:
+            r.context_pos += n
+            self.counters.computed_prompt_tokens += n
+            adm = r.admissions[-1]
+            r.admissions[-1] = adm = dataclasses.replace(adm, computed=adm.computed + n)
+            led.set_context_position(r.request_id, r.context_pos)
+            if r.context_pos < len(r.context):
+                continue
+            if adm.computed + adm.reused != adm.prompt_len:
+                raise EngineInvariantError(
+                    f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}"
+                )
+            led.store_context_blocks(r.request_id)
+            r.phase = Phase.GENERATION
+            if r.remaining_new_tokens <= 0:  # nothing to generate (max_new_tokens == 0)
+                self._finish(r, "length")
+                outputs.append(CoreOutput(r, (), True))
+            else:
+                outputs.append(self._emit(r, int(t), float(c), float(m)))
+        led.refresh_blocks()
+        if self.steps is not None:
+            self._record_step(len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause))
+
+    def _apply_transfers(self) -> None:
+        """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
+        Called once per step, after every ledger call of the step and before any forward."""
+        plan = self.ledger.take_transfers()
+        if len(plan):
+            from kvjax.device import apply_transfers
+
+            with self.clock.measuring():
+                self.pools = apply_transfers(self.pools, plan)
+
+    # ------------------------------------------------------------------ pieces
+    def _admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
+        if not chosen:
+            return []
+        led = self.ledger
+        try:
+            prepopulated = led.add_sequences([r.ledger_request() for r in chosen])
+        except OutOfBlocksError:  # accounting short (e.g. sliding windows): admit what fits, in order
+            self.accounting_misses += 1
+            prepopulated = []
+            for r in chosen:
+                try:
+                    prepopulated.append(led.add_sequence(r.ledger_request()))
+                except OutOfBlocksError:
+                    break
+            chosen = chosen[: len(prepopulated)]
+        ids = {id(r) for r in chosen}
+        self.waiting = collections.deque(r for r in self.waiting if id(r) not in ids)
+        c = self.counters
+        for r, p in zip(chosen, prepopulated):
+            stats = led.request_stats(r.request_id)
+            if stats.prepopulated_tokens != p:
+                raise EngineInvariantError(f"{r.request_id}: add_sequence returned {p}, request_stats says {stats.prepopulated_tokens}")
+            c.reused_blocks += stats.reused_blocks
+            c.missed_blocks += stats.missed_blocks
+            c.prefix_queries += 1
+            r.context = r.prompt + r.output
+            r.context_pos = p
+            r.phase = Phase.CONTEXT
+            r.order = self._order
+            self._order += 1
+            if r.admit_time is None:
+                r.admit_time = now
+            r.admissions.append(Admission(len(r.context), p, resumed=bool(r.admissions)))
+            led.set_context_position(r.request_id, p)
+            self.running[r.request_id] = r
+            c.admitted_prompt_tokens += len(r.context)
+            c.reused_prompt_tokens += p
+        return chosen
+
+    def _pause(self, r: LiveRequest) -> None:
+        """Take a generating request out of the ledger (its blocks stay cached) and queue it first."""
+        if r.phase is not Phase.GENERATION:
+            raise EngineInvariantError(f"only generating requests are paused, {r.request_id} is {r.phase}")
+        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
+        del self.running[r.request_id]
+        r.phase = Phase.WAITING
+        r.pending = None  # it is output[-1]; the resumed prompt includes it
+        r.pauses += 1
+        # paused requests resume before new ones, oldest first
+        paused = [x for x in self.waiting if x.admissions] + [r]
+        fresh = [x for x in self.waiting if not x.admissions]
+        self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
+
+    def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None):
+        batch = build_batch(self.ledger, rows, self.cfg.buckets, chunk_bucket=chunk_bucket)
+        temperature = np.array([r.item.sampling.temperature for r in reqs], np.float32)
+        top_p = np.array([r.item.sampling.top_p for r in reqs], np.float32)
+        top_k = np.array([r.item.sampling.top_k for r in reqs], np.int32)
+        seed = np.array([r.seed for r in reqs], np.int32)
+        index = np.array([len(r.output) for r in reqs], np.int32)
+        with self.clock.measuring():
+            toks, chosen, margins, self.pools = self.engine.runner.run(self.pools, batch, temperature, top_p, seed, index, top_k)
+        return toks, chosen, margins
+
+    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float) -> CoreOutput:
+        """Record a sampled token; finish the request or keep the token pending."""
+        r.output.append(token)
+        r.chosen_logits.append(chosen)
+        r.margins.append(margin)
+        self.counters.generated_tokens += 1
+        if r.first_token_time is None:
+            r.first_token_time = self.clock.now()
+            r.first_token_step = self.step_index
+        reason = r.finish_reason_after(token)
+        if reason is not None:
+            if reason == "stop" and token in r.stop_ids and token not in r.eos_ids and token != r.item.eos_id:
+                r.stop_reason = token
+            self._finish(r, reason)
+            return CoreOutput(r, (token,), True)
+        r.pending = token
+        return CoreOutput(r, (token,), False)
+
+    def _finish(self, r: LiveRequest, reason: str) -> None:
+        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
+        del self.running[r.request_id]
+        self._retire(r, reason, r.stop_reason)
+
+    def _retire(self, r: LiveRequest, reason: str, stop_reason: int | str | None) -> None:
+        del self._live[r.request_id]
+        r.phase = Phase.FINISHED
+        r.pending = None
+        r.finish_reason = reason
+        r.stop_reason = stop_reason
+        r.finish_time = self.clock.now()
+        r.finish_step = self.step_index
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    # ------------------------------------------------------------------ metrics and checks
+    def _record_step(self, decode_rows: int, prefill_tokens: int, admitted: int, paused: int) -> None:
+        it = self.ledger.iteration_stats()
+        st = self.ledger.stats()
+        c = self.counters
+        self.steps.append(
+            StepRecord(
+                step=self.step_index,
+                time_s=self.clock.now(),
+                decode_rows=decode_rows,
+                prefill_tokens=prefill_tokens,
+                admitted=admitted,
+                paused=paused,
+                blocks_in_use=it.primary_used_blocks,
+                secondary_in_use=it.secondary_used_blocks,
+                offloaded=it.offloaded_blocks,
+                onboarded=it.onboarded_blocks,
+                copied=it.copied_blocks,
+                evicted=it.evicted_blocks,
+                partial_reused=it.partial_reused_blocks,
+                token_hit_rate=c.reused_prompt_tokens / c.admitted_prompt_tokens if c.admitted_prompt_tokens else 0.0,
+                block_hit_rate=st.cache_hit_rate,
+            )
+        )
+
+    def verify_idle(self) -> None:
+        """With no request queued or running: the ledger holds no request and no referenced
+        block, its reuse counters equal the sums of the per-admission stats, and its integrity
+        holds. Raises `EngineInvariantError` (or the ledger's `IntegrityError`)."""
+        led = self.ledger
+        if self._live:
+            raise EngineInvariantError(f"requests still queued or running: {sorted(map(str, self._live))}")
+        c = self.counters
+        stats = led.stats()
+        if c.reused_blocks != stats.reused_blocks:
+            raise EngineInvariantError(f"per-request reused blocks {c.reused_blocks} != ledger {stats.reused_blocks}")
+        if c.missed_blocks != stats.missed_blocks:
+            raise EngineInvariantError(f"per-request missed blocks {c.missed_blocks} != ledger {stats.missed_blocks}")
+        if len(led):
+            raise EngineInvariantError(f"requests still in the ledger: {led.request_ids}")
+        for w in led.windows:
+            if led.num_allocated_blocks(w):
+                raise EngineInvariantError(f"window {w}: {led.num_allocated_blocks(w)} blocks still referenced")
+        led.verify_integrity()

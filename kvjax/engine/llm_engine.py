@@ -1,0 +1,189 @@
+"""`LLMEngine`: the step-wise engine with text in and out (vLLM's `LLMEngine` interface).
+
+    engine = LLMEngine.from_options("tiny", primary_blocks=128)
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # RequestOutput of every request that moved
+            print(out.request_id, out.outputs[0].text, out.finished)
+
+It wraps an `EngineCore` (scheduling, ledger, device) and a `Tokenizer`: prompts may be text
+(encoded with the tokenizer's special tokens, e.g. a BOS) or token ids; outputs carry the
+detokenised text. End-of-sequence ids come from the tokenizer (its EOS and
+generation_config.json's) unless `ignore_eos`; stop strings are matched on the text, and a
+request that hits one is taken out of the core at once (its blocks stored for reuse).
+
+Options (`from_options`, also `kvjax.LLM` and `kvjax serve`): the `[cache]` keys of a workload
+file (`tokens_per_block`, `primary_blocks`, `secondary_blocks`, `max_seq_len`,
+`enable_block_reuse`, ...) and its `[engine]` keys (`policy`, `max_batch_size`,
+`max_num_tokens`, `queue_policy`, `max_wait_steps`, buckets, ...), see `kvjax.engine.config`.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from kvjax.config import CacheConfig
+from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config
+from kvjax.engine.core import CoreOutput, EngineCore
+from kvjax.engine.engine import Engine
+from kvjax.engine.outputs import CompletionOutput, OutputText, RequestMetrics, RequestOutput
+from kvjax.engine.sampling import SamplingParams, key_seed
+from kvjax.engine.workloads import WorkItem
+
+
+def split_options(options: Mapping[str, Any], source: str = "options") -> tuple[dict, dict]:
+    """Split keyword options into `[cache]` and `[engine]` values; unknown keys raise ValueError."""
+    cache, engine = {}, {}
+    for k, v in options.items():
+        if k in CACHE_DEFAULTS:
+            cache[k] = v
+        elif k in EngineConfig.KEYS:
+            engine[k] = v
+        else:
+            known = sorted(set(CACHE_DEFAULTS) | set(EngineConfig.KEYS))
+            raise ValueError(f"{source}: unknown option {k!r} (known: {', '.join(known)})")
+    return cache, engine
+
+
+class LLMEngine:
+    """Add requests at any time, step, abort; see the module docstring. One thread drives it."""
+
+    def __init__(self, engine: Engine, cache_config: CacheConfig, *, tokenizer=None, seed: int = 0, clock=None) -> None:
+        if tokenizer is not None and tokenizer.vocab_size > engine.model.spec.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {engine.model.spec.vocab_size}"
+            )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.core: EngineCore = engine.core(cache_config, clock=clock)
+        self._texts: dict[Hashable, OutputText] = {}  # live requests only
+        self._prompts: dict[Hashable, str | None] = {}
+
+    @classmethod
+    def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None, **options) -> "LLMEngine":
+        """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.llm.load_model`
+        takes: a built-in model name or a checkpoint directory) with `options` (see above)."""
+        if isinstance(model, str) or hasattr(model, "__fspath__"):
+            from kvjax.llm import load_model
+
+            model, loaded_tokenizer = load_model(model)
+            tokenizer = tokenizer or loaded_tokenizer
+        cache_values, engine_values = split_options(options)
+        config = EngineConfig.from_dict(engine_values, "options")
+        cc = cache_config(model.spec, cache_values, max_num_tokens=config.scheduler.max_num_tokens, source="options")
+        return cls(Engine(model, config, runner=runner), cc, tokenizer=tokenizer, seed=seed, clock=clock)
+
+    # ------------------------------------------------------------------ limits
+    @property
+    def max_seq_len(self) -> int:
+        return self.core.cache_config.max_seq_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset() if self.tokenizer is None else self.tokenizer.eos_token_ids
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: text is encoded with special tokens; ids are checked to be ints."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _work_item(self, request_id, prompt_ids, params: SamplingParams, lora_task_id, cache_salt, retention) -> WorkItem:
+        return WorkItem(str(request_id), tuple(prompt_ids), params.max_tokens, lora_task_id=lora_task_id,
+                        cache_salt=cache_salt, retention=retention, sampling=params)
+
+    def check_request(self, request_id, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError unless the request can ever be served (length, vocabulary, blocks,
+        stop token ids, stop strings need a tokenizer). Reads configuration only, so a server's
+        HTTP threads may call it."""
+        vocab = self.engine.model.spec.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[0]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.core.validate(self._work_item(request_id, prompt_ids, params, None, None, None), list(prompt_ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        lora_task_id: int | None = None,
+        cache_salt: str | None = None,
+        retention=None,
+    ) -> None:
+        """Queue a request (admitted by a later `step`). `prompt` is text or token ids; pass
+        `prompt_token_ids` too when the text is already tokenised (the text is then only
+        reported back). Rejected at once (ValueError, nothing queued) if it can never fit."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.tokenize(prompt) if prompt_token_ids is None else self.tokenize(list(prompt_token_ids))
+        self.check_request(request_id, ids, params)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        item = self._work_item(request_id, ids, params, lora_task_id, cache_salt, retention)
+        self.core.add_request(item, ids, seed=key_seed(params, self.seed, item.request_id),
+                              stop_token_ids=frozenset(params.stop_token_ids), eos_token_ids=eos)
+        detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
+        self._texts[item.request_id] = OutputText(detok, params.stop)
+        self._prompts[item.request_id] = prompt if isinstance(prompt, str) else None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Take a request out (blocks stored for reuse and freed). Returns its final output
+        (finish reason "abort"), or None if it is not queued or running."""
+        out = self.core.abort_request(str(request_id))
+        return None if out is None else self._output(out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.core.num_running + self.core.num_waiting
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached blocks (refused with `EngineBusyError` while requests run)."""
+        return self.core.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; a `RequestOutput` for every request that produced tokens or
+        finished in it."""
+        results = []
+        for out in self.core.step():
+            r = out.request
+            text = self._texts[r.request_id]
+            stop_token = out.finished and r.finish_reason == "stop" and bool(out.new_token_ids)
+            hit = text.add(out.new_token_ids, ends_with_stop_token=stop_token, finished=out.finished)
+            if hit is not None:
+                if out.finished:  # stopped by length in the same step: the stop string says why
+                    r.finish_reason, r.stop_reason = "stop", hit
+                else:
+                    out = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+            results.append(self._output(out))
+        return results
+
+    def _output(self, out: CoreOutput) -> RequestOutput:
+        r = out.request
+        rid = r.request_id
+        text = self._texts[rid]
+        if out.finished:
+            if not text.done:
+                text.add((), ends_with_stop_token=False, finished=True)
+            del self._texts[rid]
+            prompt = self._prompts.pop(rid)
+        else:
+            prompt = self._prompts[rid]
+        completion = CompletionOutput(0, text.visible(), list(r.output), r.finish_reason if out.finished else None,
+                                      r.stop_reason if out.finished else None)
+        metrics = RequestMetrics(r.arrival_time, r.admit_time, r.first_token_time, r.finish_time if out.finished else None)
+        cached = r.admissions[0].reused if r.admissions else 0
+        return RequestOutput(rid, prompt, r.prompt, [completion], out.finished, cached, metrics)  # prompt ids: read-only

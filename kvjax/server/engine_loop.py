@@ -1,0 +1,289 @@
+"""`EngineLoop`: the server's engine thread, the only code that touches the engine and ledger.
+
+HTTP handlers talk to it through a command queue (`submit`, `abort`, `reset_prefix_cache`) and
+read each request's `OutputStream`, which the engine thread fills with the request's latest
+cumulative `RequestOutput` (one slot per request, so a slow client holds one output, not a
+backlog). The thread steps the engine while requests are unfinished and blocks on the command
+queue when idle.
+
+Admission control: at most `max_pending` requests are in the server at once (queued or
+running); `submit` beyond that raises `QueueFull` (HTTP 429), so memory is bounded by that
+number and the pools. `drain` stops accepting (`ShuttingDown`, HTTP 503), lets in-flight
+requests finish for up to a timeout and aborts the rest (their streams end normally, with
+finish reason "abort"); `shutdown` drains, stops the thread and checks that the ledger is
+empty and consistent.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from kvjax.engine.llm_engine import LLMEngine
+from kvjax.engine.outputs import RequestOutput
+from kvjax.engine.sampling import SamplingParams
+
+log = logging.getLogger("kvjax.server")
+
+
+class QueueFull(Exception):
+    """The server holds `max_pending` requests already."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down (or its engine stopped) and takes no new request."""
+
+
+class OutputStream:
+    """One request's outputs, handed from the engine thread to an asyncio handler."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.arrival = time.perf_counter()
+        self.last_token_time: float | None = None  # engine thread only
+        self.tokens_seen = 0  # engine thread only
+        self._event = asyncio.Event()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self.finished = False
+
+    # engine thread -> event loop
+    def _deliver(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        def put():
+            if error is not None:
+                self._error = error
+            else:
+                self._latest = output
+            self._event.set()
+
+        try:
+            self.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the handler's loop is closed: nobody is listening
+            pass
+
+    # event loop side
+    async def next(self) -> RequestOutput:
+        """The latest output (waits for a new one); raises the engine's error for this request."""
+        await self._event.wait()
+        self._event.clear()
+        if self._error is not None:
+            raise self._error
+        out = self._latest
+        if out.finished:
+            self.finished = True
+        return out
+
+    async def outputs(self):
+        while not self.finished:
+            yield await self.next()
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, max_pending: int, metrics=None) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_pending = max_pending
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._pending = 0  # requests submitted and not finished (guarded by _lock)
+        self._accepting = True
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    @property
+    def accepting(self) -> bool:
+        with self._lock:
+            return self._accepting and self.error is None
+
+    def submit(self, request_id: str, prompt: str | None, prompt_ids: Sequence[int], params: SamplingParams,
+               loop: asyncio.AbstractEventLoop) -> OutputStream:
+        """Hand a checked request to the engine thread; its outputs arrive on the returned stream."""
+        with self._lock:
+            if not self._accepting or self.error is not None:
+                raise ShuttingDown("the server is shutting down")
+            if self._pending >= self.max_pending:
+                raise QueueFull(f"the server is at its limit of {self.max_pending} requests; retry later")
+            self._pending += 1
+        stream = OutputStream(request_id, loop)
+        self._commands.put(("add", stream, prompt, list(prompt_ids), params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; a finished one is left alone)."""
+        self._commands.put(("abort", request_id))
+
+    def reset_prefix_cache(self) -> concurrent.futures.Future:
+        """Reset the prefix cache between two steps; the future fails with `EngineBusyError`
+        while requests run."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reset", fut))
+        return fut
+
+    def _wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.pending and self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Stop taking requests; give in-flight ones `timeout` seconds to finish, then abort
+        the rest (each stream gets a final output with finish reason "abort")."""
+        with self._lock:
+            self._accepting = False
+        if not self._wait_idle(timeout):
+            self._commands.put(("abort_all", None))
+            self._wait_idle(10.0)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`drain`, stop the thread, check the ledger (errors are logged, never raised)."""
+        if self._thread.is_alive():
+            self.drain(timeout)
+        self._commands.put(("stop", None))
+        if self._thread.ident is not None:
+            self._thread.join(timeout=30.0)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop")
+            return
+        try:
+            self.engine.core.verify_idle()
+            log.info("engine stopped: ledger empty, integrity holds")
+        except Exception as e:  # a bug: report it, shutdown goes on
+            log.error("ledger check at shutdown failed: %s", e)
+            self.error = self.error or e
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                idle = not eng.has_unfinished_requests()
+                if not self._drain(block=idle):
+                    break
+                if eng.has_unfinished_requests():
+                    outputs = eng.step()
+                    now = time.perf_counter()
+                    for out in outputs:
+                        self._deliver(out, now)
+                if self.metrics is not None:
+                    self.metrics.publish(eng.core)
+        except BaseException as e:  # an engine bug: fail every request, take no new ones
+            log.exception("engine thread failed")
+            self.error = e
+            with self._lock:
+                self._accepting = False
+            for stream in list(self._streams.values()):
+                stream._deliver(None, RuntimeError(f"engine failed: {e}"))
+            self._streams.clear()
+            with self._lock:
+                self._pending = 0
+        finally:
+            try:
+                self._abort_all()
+            except Exception:  # the engine is broken; its streams were failed above
+                log.exception("aborting requests at engine stop failed")
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when `block`). False once told to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            kind, *args = cmd
+            if kind == "add":
+                self._add(*args)
+            elif kind == "abort":
+                out = self.engine.abort_request(args[0])
+                if out is not None:
+                    self._deliver(out, time.perf_counter())
+            elif kind == "reset":
+                fut = args[0]
+                try:
+                    fut.set_result(self.engine.reset_prefix_cache())
+                    if self.metrics is not None:
+                        self.metrics.resets.labels(self.metrics.model_name).inc()
+                except Exception as e:
+                    fut.set_exception(e)
+            elif kind == "abort_all":
+                self._abort_live()
+            elif kind == "stop":
+                self._abort_all()
+                return False
+
+    def _add(self, stream: OutputStream, prompt, prompt_ids, params) -> None:
+        try:
+            self.engine.add_request(stream.request_id, prompt if prompt is not None else prompt_ids, params,
+                                    prompt_token_ids=prompt_ids)
+        except Exception as e:  # checked by the handler already; a race or a bug ends up here
+            self._release()
+            stream._deliver(None, e)
+            return
+        self._streams[stream.request_id] = stream
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        n = len(out.outputs[0].token_ids)
+        if self.metrics is not None and n:
+            first = stream.last_token_time is None
+            since = now - (stream.arrival if first else stream.last_token_time)
+            new = n - stream.tokens_seen
+            if new > 0:
+                self.metrics.request_tokens(first, since, new)
+                stream.last_token_time = now
+        stream.tokens_seen = n
+        stream._deliver(out, None)
+        if out.finished:
+            del self._streams[out.request_id]
+            self._release()
+            if self.metrics is not None:
+                self.metrics.request_finished(out.outputs[0].finish_reason or "abort", now - stream.arrival)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _abort_live(self) -> None:
+        for rid in list(self._streams):
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                self._deliver(out, time.perf_counter())
+
+    def _abort_all(self) -> None:
+        """Abort every live request and refuse the requests still queued as commands."""
+        self._abort_live()
+        while True:
+            try:
+                kind, *args = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._release()
+                args[0]._deliver(None, ShuttingDown("the server is shutting down"))
+            elif kind == "reset":
+                args[0].set_exception(ShuttingDown("the server is shutting down"))

@@ -1,0 +1,254 @@
+"""The OpenAI request bodies the server accepts, checked field by field, and its error body.
+
+Every check runs before anything is submitted to the engine, so a bad request changes nothing.
+A wrong type, a value out of range, an unknown field, or a feature kvjax does not serve
+(n > 1, logprobs, echo, suffix, penalties, logit_bias, tools, images) is a 400 with
+`{"error": {"message", "type": "invalid_request_error", "param", "code"}}`; `param` names the
+offending field. Missing optional fields take OpenAI's defaults (`temperature` 1.0: pass 0 for
+greedy decoding). Extensions, as vLLM names them: `top_k`, `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `return_token_ids` (the choice then carries `token_ids`, and
+`prompt_token_ids` in non-streaming responses), and for chat `add_generation_prompt` and
+`chat_template_kwargs` (extra template variables).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvjax.engine.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------- field checks
+_MISSING = object()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+class _Fields:
+    """Typed access to a JSON object's fields; every error names the field."""
+
+    def __init__(self, body: Any, allowed: set[str]) -> None:
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object", code="invalid_type")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise bad(f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter")
+        self.body = body
+
+    def get(self, name: str, check, expected: str, default=None):
+        v = self.body.get(name, _MISSING)
+        if v is _MISSING or v is None:
+            return default
+        if not check(v):
+            raise bad(f"{name} must be {expected}, got {v!r}", param=name, code="invalid_type")
+        return v
+
+    def int_(self, name, lo=None, hi=None, default=None):
+        v = self.get(name, _is_int, "an integer", default)
+        if v is not None and ((lo is not None and v < lo) or (hi is not None and v > hi)):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise bad(f"{name} must be {rng}, got {v!r}", param=name)
+        return v
+
+    def number(self, name, lo, hi, default=None, lo_open=False):
+        v = self.get(name, _is_number, "a number", default)
+        if v is not None and (v < lo or v > hi or (lo_open and v == lo)):
+            left = "(" if lo_open else "["
+            raise bad(f"{name} must be in {left}{lo}, {hi}], got {v!r}", param=name)
+        return v
+
+    def bool_(self, name, default=None):
+        return self.get(name, lambda v: isinstance(v, bool), "true or false", default)
+
+    def str_(self, name, default=None):
+        return self.get(name, lambda v: isinstance(v, str), "a string", default)
+
+    def unsupported(self, name, ok) -> None:
+        """A field kvjax does not serve: accepted only when `ok(value)` (its neutral value)."""
+        v = self.body.get(name, None)
+        if v is not None and not ok(v):
+            raise bad(f"{name}={v!r} is not supported by this server", param=name, code="unsupported_parameter")
+
+
+# ---------------------------------------------------------------------- requests
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
+    "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "skip_special_tokens",
+    "return_token_ids",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
+                         "add_generation_prompt", "chat_template_kwargs", "parallel_tool_calls"}
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A checked request: the prompt (text or token ids, or chat messages), sampling values
+    (`max_tokens` None: the endpoint's default), streaming options."""
+
+    model: str | None
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    sampling: dict
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    add_generation_prompt: bool = True
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+    return_token_ids: bool = False
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+        except ValueError as e:  # every field was checked already; keep the message if not
+            raise bad(str(e)) from None
+
+
+def _common(f: _Fields) -> dict:
+    f.unsupported("n", lambda v: v == 1)
+    f.unsupported("presence_penalty", lambda v: v == 0)
+    f.unsupported("frequency_penalty", lambda v: v == 0)
+    f.unsupported("logit_bias", lambda v: v == {})
+    f.str_("user")
+    stop = f.body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
+            raise bad("stop must be a non-empty string or a list of at most 16 of them", param="stop", code="invalid_type")
+    ids = f.body.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids)):
+        raise bad("stop_token_ids must be a list of token ids >= 0", param="stop_token_ids", code="invalid_type")
+    seed = f.int_("seed")
+    top_k = f.int_("top_k", lo=-1, default=0)
+    return dict(
+        temperature=f.number("temperature", 0.0, 2.0, default=1.0),
+        top_p=f.number("top_p", 0.0, 1.0, default=1.0, lo_open=True),
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+        stop_token_ids=tuple(ids or ()),
+        ignore_eos=f.bool_("ignore_eos", default=False),
+        skip_special_tokens=f.bool_("skip_special_tokens", default=True),
+    )
+
+
+def _stream_options(f: _Fields, stream: bool) -> bool:
+    opts = f.body.get("stream_options")
+    if opts is None:
+        return False
+    if not stream:
+        raise bad("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(opts.get("include_usage", False), bool):
+        raise bad("stream_options must be {\"include_usage\": true|false}", param="stream_options", code="invalid_type")
+    return bool(opts.get("include_usage", False))
+
+
+def parse_completion(body: Any) -> Parsed:
+    f = _Fields(body, COMPLETION_FIELDS)
+    model = f.str_("model")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad("prompt is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt must not be empty", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if min(prompt) < 0:
+            raise bad("prompt token ids must be >= 0", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("only one prompt per request is supported", param="prompt", code="unsupported_parameter")
+    else:
+        raise bad("prompt must be a string or a list of token ids", param="prompt", code="invalid_type")
+    f.unsupported("echo", lambda v: v is False)
+    f.unsupported("suffix", lambda v: False)
+    f.unsupported("best_of", lambda v: v == 1)
+    f.unsupported("logprobs", lambda v: False)
+    sampling = _common(f)
+    stream = f.bool_("stream", default=False)
+    return Parsed(model, prompt, None, sampling, f.int_("max_tokens", lo=1), stream, _stream_options(f, stream),
+                  return_token_ids=f.bool_("return_token_ids", default=False))
+
+
+def _message_content(m: Mapping, i: int) -> str:
+    content = m.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content",
+                          code="unsupported_parameter")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content",
+              code="invalid_type")
+
+
+def parse_chat(body: Any) -> Parsed:
+    f = _Fields(body, CHAT_FIELDS)
+    model = f.str_("model")
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("messages is required", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list", param="messages", code="invalid_type")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string role", param=f"messages[{i}]", code="invalid_type")
+        if m.get("tool_calls"):
+            raise bad("tool calls are not supported", param=f"messages[{i}].tool_calls", code="unsupported_parameter")
+        entry = {"role": m["role"], "content": _message_content(m, i)}
+        if isinstance(m.get("name"), str):
+            entry["name"] = m["name"]
+        clean.append(entry)
+    f.unsupported("logprobs", lambda v: v is False)
+    f.unsupported("top_logprobs", lambda v: False)
+    f.unsupported("tools", lambda v: v == [])
+    f.unsupported("tool_choice", lambda v: v == "none")
+    f.unsupported("parallel_tool_calls", lambda v: isinstance(v, bool))
+    f.unsupported("response_format", lambda v: v == {"type": "text"})
+    sampling = _common(f)
+    stream = f.bool_("stream", default=False)
+    max_tokens = f.int_("max_tokens", lo=1)
+    mct = f.int_("max_completion_tokens", lo=1)
+    if max_tokens is not None and mct is not None and max_tokens != mct:
+        raise bad("max_tokens and max_completion_tokens differ", param="max_completion_tokens")
+    kwargs = f.get("chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    return Parsed(model, None, clean, sampling, max_tokens if max_tokens is not None else mct, stream,
+                  _stream_options(f, stream), f.bool_("add_generation_prompt", default=True), dict(kwargs),
+                  f.bool_("return_token_ids", default=False))
