@@ -400,6 +400,10 @@ def cmd_route_sim(args) -> int:
     print(format_table(run.results, run.reference))
     js, png = write_report(run, args.out, f"route-sim-{run.workload}")
     print(f"wrote {js} and {png}")
+    return 0
+
+
+# ---------------------------------------------------------------------- serve
 def serve_options(args) -> dict[str, Any]:
     """The engine and cache options of `kvjax serve`'s flags (checked by `LLMEngine.from_options`)."""
     options: dict[str, Any] = {}
