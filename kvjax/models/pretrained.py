@@ -148,8 +148,9 @@ def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = 
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
-    activations and the KV cache (`model.spec.dtype`). With `mesh`, heads and MLP columns are
-    sharded over all of its axes; query heads, KV heads and the MLP width must divide by its size.
+    activations and the KV cache (`model.spec.dtype`). With `mesh` (Auto axis types; allocate
+    the pools on the same mesh), heads and MLP columns are sharded over all of its axes; query
+    heads, KV heads and the MLP width must divide by its size.
     Raises `UnsupportedConfigError` for a config kvjax would compute wrong, `CheckpointError`
     for missing, truncated or mismatched weight files.
     """
@@ -211,6 +212,13 @@ def _shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], Named
     if mesh is None:
         return lambda name, ndim: None
     axes = tuple(mesh.axis_names)
+    auto = getattr(jax.sharding.AxisType, "Auto", None)
+    if auto is not None and any(t != auto for t in getattr(mesh, "axis_types", ())):
+        raise ValueError(
+            f"from_pretrained needs a mesh with Auto axes (XLA places the collectives), got axis_types={mesh.axis_types}; "
+            f"build it with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * {len(axes)}) and allocate the "
+            "KV pools on the same mesh"
+        )
     size = int(np.prod([mesh.shape[a] for a in axes]))
     for what, count in (("num_attention_heads", spec.num_attention_heads), ("intermediate_size", spec.intermediate_size),
                         *(("num_kv_heads", k) for k in sorted(set(spec.kv_heads_per_layer)))):
