@@ -32,6 +32,13 @@ DTYPE_SIZES = {
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
+#: buffers some checkpoints carry that kvjax recomputes
+RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
+#: multimodal Gemma 3: the parts that text serving does not load
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+#: where the text model's tensors live: text-only checkpoints, multimodal Gemma 3 as published, as transformers 5 saves it
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory or safetensors file kvjax cannot read (names the file and the problem)."""
@@ -192,6 +199,18 @@ class CheckpointTensors:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def served_parameters(self, tied: bool) -> int:
+        """Elements of the tensors a text model loads (no vision tower, recomputed buffers, or a
+        stored copy of a tied output head)."""
+        total = 0
+        for name, info in self.tensors.items():
+            if name.startswith(VISION_PREFIXES) or name.endswith(RECOMPUTED_SUFFIXES):
+                continue
+            if tied and name in ("lm_head.weight", "language_model.lm_head.weight"):
+                continue
+            total += info.size
+        return total
 
     def close(self) -> None:
         """Drop the file mappings (arrays already converted stay valid)."""

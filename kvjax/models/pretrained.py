@@ -26,17 +26,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.checkpoint_files import CheckpointError, CheckpointTensors
+from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import Transformer
 
-# buffers some checkpoints carry that kvjax recomputes
-_RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
-# multimodal Gemma 3: parts text serving does not use
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-_TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +105,11 @@ def _targets(spec: ModelSpec, prefix: str, head: str) -> dict[str, _Target]:
 
 def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
     """(text-model prefix, lm_head name) of this checkpoint's naming."""
-    for prefix in _TEXT_PREFIXES:
+    for prefix in TEXT_PREFIXES:
         if f"{prefix}embed_tokens.weight" in tensors:
             head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
             return prefix, head
-    raise CheckpointError(f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in _TEXT_PREFIXES)})")
+    raise CheckpointError(f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})")
 
 
 def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
@@ -199,7 +194,7 @@ def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str,
         if info.dtype not in ("F32", "F16", "BF16"):
             return f"tensor {name!r} is {info.dtype}; kvjax loads float32, float16 and bfloat16 weights"
     for name in tensors:
-        if name in targets or name.endswith(_RECOMPUTED_SUFFIXES) or name.startswith(_VISION_PREFIXES):
+        if name in targets or name.endswith(RECOMPUTED_SUFFIXES) or name.startswith(VISION_PREFIXES):
             continue
         if spec.tie_embeddings and name == head:  # tied: transformers ignores a stored copy too
             continue

@@ -121,3 +121,13 @@ def test_two_files_without_an_index_are_ambiguous(tmp_path):
     write_safetensors(d / "extra.safetensors", {n: tensors[n] for n in names[3:]})
     with pytest.raises(CheckpointError, match="no model.safetensors.index.json"):
         CheckpointTensors(d)
+
+
+@pytest.mark.parametrize("family", sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file()))
+def test_spec_parameter_count_equals_the_checkpoints(family):
+    """`ModelSpec.num_parameters` (what `kvjax capacity` subtracts without a checkpoint) counts
+    exactly the tensors a checkpoint of that architecture holds."""
+    from kvjax.model_spec import ModelSpec
+
+    spec = ModelSpec.load(FIXTURES / family)
+    assert CheckpointTensors(FIXTURES / family).served_parameters(spec.tie_embeddings) == spec.num_parameters
