@@ -174,7 +174,6 @@ class CheckpointTensors:
                 if info is None or info.file.name != file:
                     where = "missing from every shard" if info is None else f"in {info.file.name}"
                     raise CheckpointError(f"{index}: lists tensor {name!r} in {file} but it is {where}")
-        self._maps: dict[Path, np.memmap] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -189,12 +188,17 @@ class CheckpointTensors:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing") from None
 
     def array(self, name: str) -> np.ndarray:
-        """The tensor as stored (dtype and shape), backed by the file: no copy until converted."""
+        """The tensor as stored (dtype and shape), backed by the file: no copy until converted.
+
+        Each call maps just this tensor's bytes, and the mapping goes when the array does, so a
+        loader that converts tensor by tensor keeps one tensor's file pages resident, not the file's.
+        """
         info = self.info(name)
-        mm = self._maps.get(info.file)
-        if mm is None:
-            mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
-        return mm[info.start:info.end].view(numpy_dtype(info.dtype)).reshape(info.shape)
+        dtype = numpy_dtype(info.dtype)
+        if info.nbytes == 0:
+            return np.empty(info.shape, dtype)
+        raw = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.start, shape=(info.nbytes,))
+        return raw.view(dtype).reshape(info.shape)
 
     @property
     def nbytes(self) -> int:
@@ -211,7 +215,3 @@ class CheckpointTensors:
                 continue
             total += info.size
         return total
-
-    def close(self) -> None:
-        """Drop the file mappings (arrays already converted stay valid)."""
-        self._maps.clear()

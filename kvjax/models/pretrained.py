@@ -177,8 +177,7 @@ def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = 
             _set(var, jax.device_put(host))
         else:
             _set(var, jax.make_array_from_callback(host.shape, sharding, lambda index, a=host: a[index]))
-        del host, stored
-    tensors.close()
+        del host, stored  # this tensor's file mapping and host copy go before the next one
     return model
 
 
