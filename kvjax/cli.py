@@ -147,8 +147,10 @@ def _weights_of(spec, model_arg: str) -> tuple[int, str]:
     from kvjax import capacity as C
     from kvjax.config import DTYPE_BYTES
 
-    path = Path(model_arg)
-    if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))):
+    from kvjax.model_spec import checkpoint_dir
+
+    path = checkpoint_dir(model_arg)
+    if path is not None and (any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))):
         from kvjax.checkpoint_files import CheckpointTensors
 
         tensors = CheckpointTensors(path)
@@ -231,10 +233,10 @@ class _Setup:
 def _serving_model(model_arg: str):
     """(spec, checkpoint dir or None). A built-in spec of a published model has no weights: refuse
     it rather than serve random parameters of its size."""
-    from kvjax.model_spec import ModelSpec, available_models
+    from kvjax.model_spec import ModelSpec, available_models, checkpoint_dir
 
     spec = ModelSpec.load(model_arg)
-    if Path(model_arg).is_dir():
+    if checkpoint_dir(model_arg) is not None:
         return spec, str(Path(model_arg))
     if not spec.random_weights:
         demos = ", ".join(n for n in available_models() if ModelSpec.load(n).random_weights)

@@ -199,7 +199,7 @@ class ModelSpec:
         checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
         text = str(name_or_path)
         path = Path(text)
-        if path.is_dir():
+        if checkpoint_dir(text) is not None:
             from kvjax.hf_config import spec_from_checkpoint
 
             return spec_from_checkpoint(path)
@@ -287,6 +287,18 @@ class ModelSpec:
         from kvjax.capacity import cache_size_per_token
 
         return cache_size_per_token(self, **kwargs)
+
+
+def checkpoint_dir(name_or_path: str | Path) -> Path | None:
+    """The checkpoint directory `name_or_path` names, or None for a model name / TOML file.
+
+    A directory counts when it holds a `config.json` or is written as a path (`./x`, `a/b`), so
+    a stray folder named like a built-in model does not shadow it."""
+    text = str(name_or_path)
+    path = Path(text)
+    if path.is_dir() and ((path / "config.json").is_file() or path.parent != Path(".") or text.startswith(".")):
+        return path
+    return None
 
 
 def available_models() -> list[str]:
