@@ -39,6 +39,11 @@ __all__ = [
     "max_attention_window",
     "max_batch_size",
     "cache_config_from_memory",
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "DEFAULT_ACTIVATION_TOKENS",
+    "weight_bytes",
+    "activation_reserve_bytes",
+    "kv_cache_budget",
 ]
 
 
@@ -312,3 +317,69 @@ def cache_config_from_memory(
     else:
         ((primary, secondary),) = blocks.values()
     return dataclasses.replace(geometry, primary_blocks=primary, secondary_blocks=secondary)
+
+
+# --------------------------------------------------------------------------- weights and activations
+# What the KV cache gets of a device: like vLLM's gpu_memory_utilization, a fraction of the
+# device's memory is the engine's, and the weights and the forward pass's activations come out
+# of it first.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_ACTIVATION_TOKENS = 8192  # tokens per forward step the activation reserve is sized for
+
+
+def weight_bytes(model_spec: "ModelSpec", dtype: str | None = None) -> int:
+    """Bytes of the model's parameters in `dtype` (default: the spec's), from its parameter count."""
+    from kvjax.config import DTYPE_BYTES
+
+    dtype = model_spec.dtype if dtype is None else dtype
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_BYTES))})")
+    return int(model_spec.num_parameters * DTYPE_BYTES[dtype])
+
+
+def activation_reserve_bytes(model_spec: "ModelSpec", max_num_tokens: int = DEFAULT_ACTIVATION_TOKENS,
+                             dtype: str | None = None) -> int:
+    """An estimate of the peak activation memory of one forward step of `max_num_tokens` tokens.
+
+    One layer's transients at a time (layers run in sequence): the residual and its norm
+    (2 D), queries and attention output (2 N H), keys and values (2 K H), the gated MLP's gate,
+    up and product (3 F), all in the model dtype; plus float32 logits over the vocabulary for
+    every token. It leaves out attention scores (a fused / paged kernel never materialises
+    them) and allocator fragmentation: pass a measured value where it matters.
+    """
+    from kvjax.config import DTYPE_BYTES
+
+    _int("max_num_tokens", max_num_tokens, 1)
+    s = model_spec
+    b = DTYPE_BYTES[s.dtype if dtype is None else dtype]
+    kv = max(s.kv_heads_per_layer)
+    per_token = (2 * s.hidden_size + 2 * s.num_attention_heads * s.head_dim + 2 * kv * s.head_dim
+                 + 3 * s.intermediate_size) * b + 4 * s.vocab_size
+    return int(max_num_tokens * per_token)
+
+
+def kv_cache_budget(device_bytes: int | float, utilization: float, weights: int | float, activations: int | float) -> int:
+    """Bytes left for the KV cache: `device_bytes * utilization - weights - activations`.
+
+    Raises ValueError when nothing is left, saying whether the weights alone already exceed the
+    usable memory (the model does not fit on this device at all).
+    """
+    _bytes("device_bytes", device_bytes)
+    _bytes("weights", weights)
+    _bytes("activations", activations)
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    usable = int(device_bytes * utilization)
+    gib = 2**30
+    if weights >= usable:
+        raise ValueError(
+            f"the weights alone ({weights / gib:.2f} GiB) do not fit in {utilization:g} x {device_bytes / gib:.2f} GiB "
+            f"= {usable / gib:.2f} GiB of device memory: this model needs more memory (or tensor parallelism over more devices)"
+        )
+    left = usable - int(weights) - int(activations)
+    if left <= 0:
+        raise ValueError(
+            f"nothing is left for the KV cache: {usable / gib:.2f} GiB usable - weights {weights / gib:.2f} GiB "
+            f"- activation reserve {activations / gib:.2f} GiB = {left / gib:.2f} GiB"
+        )
+    return left

@@ -2,8 +2,10 @@
 
   kvjax demo      serve the default chat workload on the built-in model with prefix reuse,
                   then again without, and print both side by side (tokens must be identical)
-  kvjax run       serve any workload file with any cache / engine settings
-  kvjax capacity  how many blocks and tokens a model's KV cache gets from a memory budget
+  kvjax run       serve any workload file with any cache / engine settings, on a built-in
+                  random-weight model or a Hugging Face checkpoint directory (--model PATH)
+  kvjax capacity  how many blocks and tokens a model's KV cache gets on a device, after its
+                  weights and an activation reserve
   kvjax serve     an OpenAI-compatible HTTP server for a built-in model or a checkpoint
   kvjax route-sim compare routing policies on a workload over N simulated replicas
 
@@ -95,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     def serving_flags(sp, workload_default: str | None):
         sp.add_argument("--workload", default=workload_default, required=workload_default is None,
                         help="workload file or name in configs/workloads/" + (f" (default {workload_default})" if workload_default else ""))
-        sp.add_argument("--model", help="model name in configs/models/ or a model TOML (default: the workload's, else tiny)")
+        sp.add_argument("--model", help="a Hugging Face checkpoint directory, or a random-weight model name / TOML "
+                                        "(configs/models/; default: the workload's, else tiny)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a [workload] field, e.g. --set users=2 (TOML value syntax)")
         sp.add_argument("--primary-blocks", type=_positive_int)
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-batch-size", type=_positive_int)
         sp.add_argument("--max-num-tokens", type=_positive_int, help="token budget per step (prefill chunk size)")
         sp.add_argument("--no-partial-reuse", action="store_true")
-        sp.add_argument("--seed", type=int, default=0, help="model weights seed")
+        sp.add_argument("--seed", type=int, default=0, help="weights seed of a random-weight model (a checkpoint has its own weights)")
         sp.add_argument("--out", default="results", help="directory for the JSON and PNG (default results/)")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -122,10 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--compare", action="store_true", help="also run without reuse and compare (like demo)")
 
     c = sub.add_parser("capacity", help="blocks and tokens a memory budget holds for a model")
-    c.add_argument("--model", required=True, help="model name or TOML (configs/models/NAME.toml)")
-    c.add_argument("--gpu-memory", required=True, type=_size_arg, help="device memory free for the KV cache, e.g. 141GiB")
+    c.add_argument("--model", required=True, help="model name or TOML (configs/models/NAME.toml), or a checkpoint directory")
+    c.add_argument("--gpu-memory", required=True, type=_size_arg, help="memory of the device, e.g. 141GiB")
     c.add_argument("--host-memory", type=_size_arg, default=0, help="host memory for the secondary tier, e.g. 512GiB")
-    c.add_argument("--fraction", type=_fraction, default=0.9, help="fraction of --gpu-memory given to the cache (default 0.9)")
+    c.add_argument("--gpu-memory-utilization", "--fraction", dest="fraction", type=_fraction, default=0.9,
+                   help="fraction of --gpu-memory for weights, activations and KV cache, as vLLM's (default 0.9)")
+    c.add_argument("--activation-reserve", type=_size_arg,
+                   help="device memory kept for activations (default: an estimate for --max-num-tokens)")
+    c.add_argument("--max-num-tokens", type=_positive_int, default=8192,
+                   help="tokens per forward step the activation estimate is sized for (default 8192)")
     c.add_argument("--input-len", type=_nonneg_int, default=2048)
     c.add_argument("--output-len", type=_nonneg_int, default=512)
     c.add_argument("--tokens-per-block", type=_positive_int, default=32)
@@ -165,12 +173,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------- capacity
+def _weights_of(spec, model_arg: str) -> tuple[int, str]:
+    """(weight bytes, where the figure comes from): a checkpoint's tensors, else the spec's parameter count."""
+    from kvjax import capacity as C
+    from kvjax.config import DTYPE_BYTES
+
+    from kvjax.model_spec import checkpoint_dir
+
+    path = checkpoint_dir(model_arg)
+    if path is not None and (any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json"))):
+        from kvjax.checkpoint_files import CheckpointTensors
+
+        tensors = CheckpointTensors(path)
+        params = tensors.served_parameters(spec.tie_embeddings)
+        return int(params * DTYPE_BYTES[spec.dtype]), f"{_count(params)} parameters in the checkpoint, {spec.dtype}"
+    return C.weight_bytes(spec), f"{_count(spec.num_parameters)} parameters from the spec, {spec.dtype}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 10**9 else f"{n / 1e6:.2f}M" if n >= 10**6 else f"{n:,}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def cmd_capacity(args) -> int:
     from kvjax import capacity as C
     from kvjax.model_spec import ModelSpec
 
     spec = ModelSpec.load(args.model)
-    primary = int(args.gpu_memory * args.fraction)
+    weights, weights_from = _weights_of(spec, args.model)
+    reserve = args.activation_reserve
+    reserve_from = "given"
+    if reserve is None:
+        reserve = C.activation_reserve_bytes(spec, args.max_num_tokens)
+        reserve_from = f"estimate for {args.max_num_tokens} tokens per step"
+    primary = C.kv_cache_budget(args.gpu_memory, args.fraction, weights, reserve)
     config = C.cache_config_from_memory(
         spec, primary, args.host_memory, tokens_per_block=args.tokens_per_block, max_seq_len=args.max_seq_len,
         dtype=args.dtype, max_beam_width=args.beam_width,
@@ -181,7 +220,10 @@ def cmd_capacity(args) -> int:
     gib = 2**30
     print(f"model            {spec.name}  ({config.num_layers} layers, kv heads {config.num_kv_heads}, head dim {config.head_dim}, {config.dtype})")
     print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V)")
-    print(f"primary budget   {args.fraction:g} x {args.gpu_memory / gib:.2f} GiB = {primary} bytes ({primary / gib:.2f} GiB)")
+    print(f"weights          {_gib(weights)} ({weights_from})")
+    print(f"activations      {_gib(reserve)} ({reserve_from})")
+    print(f"primary budget   {args.fraction:g} x {_gib(args.gpu_memory)} - weights - activations = {primary} bytes "
+          f"({_gib(primary)})")
     print(f"secondary budget {args.host_memory} bytes ({args.host_memory / gib:.2f} GiB)")
     print(f"tokens/block     {tpb}")
     header = ("window", "layers", "bytes/token", "share", "primary blocks", "primary tokens", "secondary blocks", "secondary tokens")
@@ -216,6 +258,7 @@ class _Setup:
     cache: dict
     engine: Any
     name: str
+    checkpoint: str | None = None  # a Hugging Face checkpoint directory, else a random-weight model
 
 
 def _parse_value(text: str) -> Any:
@@ -229,7 +272,7 @@ def _setup(args, *, demo: bool) -> _Setup:
     """Load and validate everything a serving command needs, before JAX is imported."""
     from kvjax.engine.config import EngineConfig
     from kvjax.engine.workloads import load_workload, workload_from_dict
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_spec import servable_model
 
     wf = load_workload(args.workload)
     fields = {f.name: getattr(wf.workload, f.name) for f in dataclasses.fields(wf.workload)}
@@ -244,7 +287,8 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec = ModelSpec.load(args.model or wf.model or "tiny")
+    spec, checkpoint = servable_model(args.model or wf.model or "tiny")
+    checkpoint = None if checkpoint is None else str(checkpoint)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
                       ("tokens_per_block", "tokens_per_block"), ("max_seq_len", "max_seq_len")):
@@ -261,17 +305,17 @@ def _setup(args, *, demo: bool) -> _Setup:
     from kvjax.engine.config import cache_config
 
     cache_config(spec, cache, max_num_tokens=engine_config.scheduler.max_num_tokens, source=wf.path)
-    return _Setup(spec, workload, cache, engine_config, workload.name)
+    return _Setup(spec, workload, cache, engine_config, workload.name, checkpoint)
 
 
 @functools.lru_cache(maxsize=4)
-def _model_and_runner(spec, seed: int):
+def _model_and_runner(spec, seed: int, checkpoint: str | None = None):
     """The model and its jitted runner, kept for later commands of the same process (tests,
     notebooks calling `main` repeatedly) so their executables are compiled once."""
     from kvjax.engine.runner import ModelRunner
-    from kvjax.models import Transformer
+    from kvjax.models import Transformer, from_pretrained
 
-    model = Transformer.from_spec(spec, seed=seed)
+    model = from_pretrained(checkpoint) if checkpoint else Transformer.from_spec(spec, seed=seed)
     return model, ModelRunner(model)
 
 
@@ -280,7 +324,7 @@ def _serve(setup: _Setup, args, runs: list[tuple[str, bool]]):
     from kvjax.engine.config import cache_config
     from kvjax.engine.engine import Engine
 
-    model, runner = _model_and_runner(setup.spec, args.seed)
+    model, runner = _model_and_runner(setup.spec, args.seed, setup.checkpoint)
     engine = Engine(model, setup.engine, runner=runner)
     items = setup.workload.build(setup.spec.vocab_size)
     results = []

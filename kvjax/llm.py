@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from kvjax.engine.core import EngineBusyError
@@ -35,17 +34,15 @@ def load_model(model: Any, *, seed: int = 0, dtype: Any = None, mesh: Any = None
         if not hasattr(model, "spec"):
             raise TypeError(f"model must be a name, a path or a kvjax model with .spec, got {type(model).__name__}")
         return model, None
-    path = Path(model)
-    if path.is_dir():
-        try:
-            from kvjax.models import from_pretrained
-        except ImportError:
-            raise ValueError(f"{path}: loading checkpoint directories needs kvjax.models.from_pretrained") from None
+    from kvjax.model_spec import servable_model
+
+    spec, path = servable_model(model)
+    if path is not None:
+        from kvjax.models import from_pretrained
+
         return from_pretrained(path, dtype=dtype, mesh=mesh), Tokenizer.from_pretrained(path)
-    from kvjax.model_spec import ModelSpec
     from kvjax.models import Transformer
 
-    spec = ModelSpec.load(str(model))
     return Transformer.from_spec(spec, seed=seed, dtype=dtype), Tokenizer.builtin(spec.vocab_size)
 
 

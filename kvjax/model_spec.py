@@ -1,11 +1,15 @@
-"""`ModelSpec`: the shape of a decoder-only model, loaded from `configs/models/NAME.toml`.
+"""`ModelSpec`: the shape of a decoder-only model, from `configs/models/NAME.toml` or a checkpoint.
 
 It holds the real KV geometry of a model (layers, query / KV heads, head dim, attention windows,
-dtype) plus what the built-in Flax model needs to build itself (widths, vocab, RoPE base, norm
-epsilon, embedding tying). Pure Python: the CLI sizes caches of real models without JAX.
+dtype) plus everything the Flax model needs to compute like the published architecture (widths,
+vocab, RoPE bases and scaling, norm style, biases, q/k norms, activation, embedding scale and
+tying). Architectures are feature flags here, not forks of the model: Llama 3.x, Mistral,
+Qwen2/2.5, Qwen3 and Gemma 3 are combinations of these fields (see `kvjax.hf_config`, which
+reads a Hugging Face `config.json` into a spec). Pure Python: the CLI sizes caches without JAX.
 
-TOML keys are the dataclass fields below; unknown keys, missing required keys and wrong types
-raise `ValueError` with a one-line message naming the file and the field.
+TOML keys are the dataclass fields below (`rope_scaling` is an inline table); unknown keys,
+missing required keys and wrong types raise `ValueError` with a one-line message naming the
+file and the field.
 """
 from __future__ import annotations
 
@@ -16,8 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from kvjax.config import DTYPE_BYTES, CacheConfig
+from kvjax.package_data import configs_dir
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+MODELS_DIR = configs_dir() / "models"
+
+EMBEDDING_SCALES = ("none", "sqrt_hidden_size")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+ROPE_SCALING_KINDS = ("linear", "llama3")
 
 _REQUIRED = (
     "name",
@@ -33,13 +42,81 @@ _REQUIRED = (
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Rescaled RoPE frequencies for long context (applies to the global layers only).
+
+    `linear`: every inverse frequency divided by `factor`. `llama3` (Llama 3.1+): wavelengths
+    longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+    shorter than `... / high_freq_factor` kept, and the band between interpolated smoothly.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        src = "rope_scaling"
+        if self.kind not in ROPE_SCALING_KINDS:
+            _fail(src, "kind", f"expected one of {list(ROPE_SCALING_KINDS)}, got {self.kind!r}")
+        _positive_float(src, "factor", self.factor)
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for field in llama3:
+            value = getattr(self, field)
+            if self.kind == "llama3":
+                if field == "original_max_position_embeddings":
+                    _positive_int(src, field, value)
+                else:
+                    _positive_float(src, field, value)
+            elif value is not None:
+                _fail(src, field, f"only llama3 scaling takes it, got {value!r} with kind {self.kind!r}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})")
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> "RopeScaling":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: field 'rope_scaling': expected a table, got {data!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{source}: field 'rope_scaling': unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        values = {k: float(v) if k in ("factor", "low_freq_factor", "high_freq_factor") and isinstance(v, int)
+                  and not isinstance(v, bool) else v for k, v in data.items()}
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ValueError(f"{source}: field 'rope_scaling': {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """Geometry of a decoder-only transformer (a TOML file in `configs/models/`).
 
     `attention_windows` is a per-layer cycle like `CacheConfig.attention_windows` (layer `i`
     uses `attention_windows[i % len]`); `None` means every layer attends to the whole sequence.
     Gemma-3: `[1024, 1024, 1024, 1024, 1024, 131072]` (five local layers, then one global).
-    `rope_local_theta`, when set, is the RoPE base of the sliding-window layers (Gemma-3).
+    `rope_local_theta`, when set, is the RoPE base of the sliding-window layers (Gemma-3);
+    `rope_scaling` rescales the other layers' frequencies.
+
+    Architecture features (defaults are Llama's):
+    - `embedding_scale`: "none", or "sqrt_hidden_size" (Gemma, and kvjax's demo models):
+      embeddings times sqrt(hidden_size), the factor rounded to the model dtype first.
+    - `norm_weight_offset`: 0.0 for `x_hat * w` (Llama: normalise in float32, cast, then scale),
+      1.0 for `x_hat * (1 + w)` (Gemma: scale in float32, then cast).
+    - `sandwich_norms`: also normalise the attention and MLP outputs before each residual add (Gemma 3).
+    - `qkv_bias`, `out_bias`: biases on the q/k/v projections (Qwen2) and on the output projection.
+    - `qk_norm`: RMSNorm over head_dim on every query and key head before RoPE (Qwen3, Gemma 3).
+    - `query_pre_attn_scalar`: attention scale is `query_pre_attn_scalar ** -0.5` (Gemma 3)
+      instead of `head_dim ** -0.5`.
+    - `mlp_activation`: gated MLP `down(act(gate(x)) * up(x))` with act "silu" (SwiGLU),
+      "gelu_tanh" (GeGLU, tanh approximation) or "gelu" (exact).
+    - `random_weights`: a kvjax demo/test model whose weights are drawn from a seed by design
+      (`kvjax run` builds it); every other built-in spec describes a published model and needs
+      its checkpoint.
     """
 
     name: str
@@ -57,6 +134,16 @@ class ModelSpec:
     rope_local_theta: float | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
+    embedding_scale: str = "none"
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    query_pre_attn_scalar: float | None = None
+    mlp_activation: str = "silu"
+    random_weights: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -79,10 +166,12 @@ class ModelSpec:
         for key in ("num_kv_heads", "attention_windows"):
             if isinstance(values.get(key), list):
                 values[key] = tuple(values[key])
-        for key in ("rope_theta", "rope_local_theta", "norm_eps"):
+        for key in ("rope_theta", "rope_local_theta", "norm_eps", "norm_weight_offset", "query_pre_attn_scalar"):
             v = values.get(key)
             if isinstance(v, int) and not isinstance(v, bool):
                 values[key] = float(v)
+        if values.get("rope_scaling") is not None:
+            values["rope_scaling"] = RopeScaling.from_dict(values["rope_scaling"], source)
         spec = object.__new__(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else None
@@ -106,9 +195,14 @@ class ModelSpec:
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> "ModelSpec":
-        """A model by name (`configs/models/NAME.toml`) or by path to a TOML file."""
+        """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
+        checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
         text = str(name_or_path)
         path = Path(text)
+        if checkpoint_dir(text) is not None:
+            from kvjax.hf_config import spec_from_checkpoint
+
+            return spec_from_checkpoint(path)
         if text.endswith(".toml") or path.parent != Path(".") or path.is_file():
             return cls.from_toml(path)
         candidate = MODELS_DIR / f"{text}.toml"
@@ -134,6 +228,27 @@ class ModelSpec:
     @property
     def dtype_bytes(self) -> float:
         return DTYPE_BYTES[self.dtype]
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether `layer` rotates with `rope_local_theta` (unscaled) instead of `rope_theta` + `rope_scaling`."""
+        return self.rope_local_theta is not None and self.is_sliding(layer)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the model this spec builds (embedding counted once when tied)."""
+        d, h, n, f, v = self.hidden_size, self.head_dim, self.num_attention_heads, self.intermediate_size, self.vocab_size
+        total = v * d * (1 if self.tie_embeddings else 2) + d  # embeddings, head, final norm
+        for k in self.kv_heads_per_layer:
+            total += d * (n + 2 * k) * h + n * h * d + 3 * d * f  # projections, gated MLP
+            total += d * (4 if self.sandwich_norms else 2)  # norms
+            total += 2 * h if self.qk_norm else 0
+            total += (n + 2 * k) * h if self.qkv_bias else 0
+            total += d if self.out_bias else 0
+        return total
 
     def cache_config(
         self,
@@ -172,6 +287,34 @@ class ModelSpec:
         from kvjax.capacity import cache_size_per_token
 
         return cache_size_per_token(self, **kwargs)
+
+
+def checkpoint_dir(name_or_path: str | Path) -> Path | None:
+    """The checkpoint directory `name_or_path` names, or None for a model name / TOML file.
+
+    A directory counts when it holds a `config.json` or is written as a path (`./x`, `a/b`), so
+    a stray folder named like a built-in model does not shadow it."""
+    text = str(name_or_path)
+    path = Path(text)
+    if path.is_dir() and ((path / "config.json").is_file() or path.parent != Path(".") or text.startswith(".")):
+        return path
+    return None
+
+
+def servable_model(name_or_path: str | Path) -> tuple[ModelSpec, Path | None]:
+    """(spec, checkpoint directory or None) of a model someone asked to serve.
+
+    A built-in spec of a published model (`random_weights = false`) has no weights: refuse it
+    rather than build random parameters of its size."""
+    spec = ModelSpec.load(name_or_path)
+    path = checkpoint_dir(name_or_path)
+    if path is None and not spec.random_weights:
+        demos = ", ".join(n for n in available_models() if ModelSpec.load(n).random_weights)
+        raise ValueError(
+            f"model {spec.name!r} describes a published model but kvjax has no weights for it: pass its Hugging Face "
+            f"checkpoint directory instead; random-weight demo models: {demos}"
+        )
+    return spec, path
 
 
 def available_models() -> list[str]:
@@ -225,8 +368,21 @@ def _validate(spec: ModelSpec, source: str) -> None:
     if spec.rope_local_theta is not None:
         _positive_float(source, "rope_local_theta", spec.rope_local_theta)
     _positive_float(source, "norm_eps", spec.norm_eps)
-    if not isinstance(spec.tie_embeddings, bool):
-        _fail(source, "tie_embeddings", f"expected true or false, got {spec.tie_embeddings!r}")
+    for field in ("tie_embeddings", "sandwich_norms", "qkv_bias", "out_bias", "qk_norm", "random_weights"):
+        if not isinstance(getattr(spec, field), bool):
+            _fail(source, field, f"expected true or false, got {getattr(spec, field)!r}")
+    if spec.rope_scaling is not None and not isinstance(spec.rope_scaling, RopeScaling):
+        if not isinstance(spec.rope_scaling, dict):
+            _fail(source, "rope_scaling", f"expected a table or RopeScaling, got {spec.rope_scaling!r}")
+        object.__setattr__(spec, "rope_scaling", RopeScaling.from_dict(spec.rope_scaling, source))
+    if spec.embedding_scale not in EMBEDDING_SCALES:
+        _fail(source, "embedding_scale", f"expected one of {list(EMBEDDING_SCALES)}, got {spec.embedding_scale!r}")
+    if spec.mlp_activation not in MLP_ACTIVATIONS:
+        _fail(source, "mlp_activation", f"expected one of {list(MLP_ACTIVATIONS)}, got {spec.mlp_activation!r}")
+    if isinstance(spec.norm_weight_offset, bool) or spec.norm_weight_offset not in (0.0, 1.0):
+        _fail(source, "norm_weight_offset", f"expected 0.0 (x * w) or 1.0 (x * (1 + w)), got {spec.norm_weight_offset!r}")
+    if spec.query_pre_attn_scalar is not None:
+        _positive_float(source, "query_pre_attn_scalar", spec.query_pre_attn_scalar)
     if not isinstance(spec.source, str):
         _fail(source, "source", f"expected a string, got {spec.source!r}")
     if spec.head_dim % 2:

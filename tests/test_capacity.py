@@ -198,3 +198,19 @@ def test_capacity_does_not_import_jax():
 
     code = "import sys, kvjax.capacity, kvjax.model_spec; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_weights_activations_and_the_kv_budget():
+    from kvjax.capacity import activation_reserve_bytes, kv_cache_budget, weight_bytes
+
+    spec = ModelSpec.load("llama-3.1-70b")
+    assert spec.num_parameters == 70_553_706_496 and weight_bytes(spec) == 2 * 70_553_706_496
+    assert weight_bytes(spec, "float8_e4m3fn") == 70_553_706_496
+    assert activation_reserve_bytes(spec, 1) == (2 * 8192 + 2 * 8192 + 2 * 1024 + 3 * 28672) * 2 + 4 * 128256
+    assert kv_cache_budget(100, 0.5, 20, 10) == 20
+    with pytest.raises(ValueError, match="the weights alone"):
+        kv_cache_budget(80 * 2**30, 0.9, weight_bytes(spec), 0)
+    with pytest.raises(ValueError, match="nothing is left"):
+        kv_cache_budget(100, 0.5, 40, 10)
+    with pytest.raises(ValueError, match="utilization"):
+        kv_cache_budget(100, 1.5, 0, 0)

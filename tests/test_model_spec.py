@@ -1,5 +1,6 @@
 """ModelSpec: every shipped TOML loads, real geometries give hand-computed KV bytes, bad files fail in one line."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,17 @@ def test_direct_construction_is_validated():
     with pytest.raises(ValueError, match="field 'vocab_size'"):
         ModelSpec(name="x", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=2, hidden_size=2,
                   intermediate_size=2, vocab_size=0, max_seq_len=8)
+
+
+def test_load_a_checkpoint_directory_and_names_are_not_shadowed(tmp_path, monkeypatch):
+    root = Path(__file__).resolve().parent
+    spec = ModelSpec.load(root / "fixtures" / "hf" / "qwen3")
+    assert spec.name == "qwen3" and spec.qk_norm and spec.source.endswith("config.json")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()  # a folder without config.json named like a built-in model
+    assert ModelSpec.load("tiny").random_weights
+
+
+def test_demo_models_are_random_weight_and_published_ones_are_not():
+    assert {n for n in available_models() if ModelSpec.load(n).random_weights} == {"tiny", "tiny-swa", "micro", "micro-swa"}
+    assert ModelSpec.load("tiny").embedding_scale == "sqrt_hidden_size"  # the demo's numbers depend on it

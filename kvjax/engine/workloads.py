@@ -35,9 +35,10 @@ import numpy as np
 
 from kvjax.config import MAX_PRIORITY, MIN_PRIORITY
 from kvjax.engine.sampling import SamplingParams
+from kvjax.package_data import configs_dir
 from kvjax.request import RetentionConfig, TokenRangeRetention
 
-WORKLOADS_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "workloads"
+WORKLOADS_DIR = configs_dir() / "workloads"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,16 @@
-"""A small Flax NNX decoder that uses the paged KV cache (and a dense oracle for tests).
+"""A Flax NNX decoder that uses the paged KV cache (and a dense oracle for tests).
 
-`Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`;
+`Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`
+(random weights); `from_pretrained(path)` loads a Hugging Face checkpoint (Llama 3.x, Mistral,
+Qwen2/2.5, Qwen3, Gemma 3 text) with its weights;
 `dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
 `write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables
 (pools donated); `dense_greedy` is the token-level oracle for serving tests.
 """
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
 from kvjax.models.generate import dense_greedy
-from kvjax.models.layers import MLP, RMSNorm, apply_rope
+from kvjax.models.layers import MLP, RMSNorm, apply_rope, rope_frequencies
+from kvjax.models.pretrained import from_pretrained
 from kvjax.models.transformer import Block, Transformer, jit_dense_forward, jit_paged_forward
 
 __all__ = [
@@ -18,8 +21,10 @@ __all__ = [
     "Transformer",
     "apply_rope",
     "dense_greedy",
+    "from_pretrained",
     "grouped_attention",
     "jit_dense_forward",
     "jit_paged_forward",
+    "rope_frequencies",
     "visibility_mask",
 ]

@@ -1,4 +1,4 @@
-"""The building blocks of the decoder: RMSNorm, rotary position embeddings, SwiGLU MLP.
+"""The building blocks of the decoder: RMSNorm, rotary position embeddings, gated MLP.
 
 Einsum letters (shared by every file of `kvjax.models`):
   B batch, T query tokens, S key tokens, D model width, N query heads, K kv heads,
@@ -6,7 +6,12 @@ Einsum letters (shared by every file of `kvjax.models`):
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,19 @@ def einsum(spec: str, *operands: jax.Array) -> jax.Array:
 
 
 _INIT_CHUNK = 1 << 16
+_SHAPES_ONLY = contextvars.ContextVar("kvjax_shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Within it, `normal_init` emits one abstract op instead of its chunked sampler: for
+    `nnx.eval_shape` of a model whose weights come from elsewhere (a checkpoint), where values
+    never exist and tracing thousands of chunks of a billion-parameter model would take minutes."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
 
 
 @jax.jit
@@ -39,6 +57,8 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.
     """
     size = math.prod(shape)
     scale = np.float32(1.0 / math.sqrt(fan_in))
+    if _SHAPES_ONLY.get():
+        return jnp.zeros(shape, dtype)
     chunks = [_normal_chunk(key, np.uint32(i)) for i in range(-(-size // _INIT_CHUNK))]  # n x [CHUNK]
     try:
         host = [np.asarray(c) for c in chunks]
@@ -49,28 +69,62 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.
 
 
 class RMSNorm(nnx.Module):
-    """`x / rms(x) * scale`, computed in float32."""
+    """Root-mean-square norm, statistics in float32, in the two published cast orders.
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype):
+    `offset=0.0` (Llama, Mistral, Qwen): `w * cast(x / rms(x))` (normalise in float32, cast to the
+    input dtype, then scale). `offset=1.0` (Gemma): `cast(x / rms(x) * (1 + w))` (scale in float32).
+    The two agree exactly in float32.
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: float = 0.0):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))  # [D]
+        self.offset = offset
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))  # [D]: the identity either way
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)  # [..., D]
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)  # [..., 1]
-        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))  # [1.., D]
-        return (x32 * inv_rms * scale).astype(x.dtype)
+        shape = (1,) * (x.ndim - 1) + (-1,)
+        if self.offset:
+            scale = (self.scale[...].astype(jnp.float32) + self.offset).reshape(shape)  # [1.., D]
+            return (x32 * inv_rms * scale).astype(x.dtype)
+        normed = (x32 * inv_rms).astype(x.dtype)  # [..., D]
+        return normed * self.scale[...].astype(x.dtype).reshape(shape)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> np.ndarray:
+    """float32 [H/2] inverse frequencies `1 / theta ** (2i / H)`, as transformers computes them,
+    optionally rescaled (`kvjax.model_spec.RopeScaling`: linear or llama3)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)  # [H/2]
+    inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)  # [H/2]
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if scaling.kind != "llama3":
+        raise ValueError(f"unknown RoPE scaling {scaling.kind!r}")
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between blended
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [H/2]
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)  # [H/2]
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled  # [H/2]
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)  # [H/2]
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float | np.ndarray) -> jax.Array:
     """Rotary position embedding ("rotate half" convention of Llama / HF) at absolute `positions`.
 
-    x: [B, T, heads, H]; positions: int [B, T] (negative positions of padding are harmless).
+    x: [B, T, heads, H]; positions: int [B, T] (negative positions of padding are harmless);
+    `theta`: the RoPE base, or the inverse frequencies [H/2] (`rope_frequencies`).
     """
     head_dim = x.shape[-1]
     half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(0, half, dtype=jnp.float32) * 2.0 / head_dim)  # [H/2]
-    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, H/2]
+    inv_freq = rope_frequencies(head_dim, theta) if np.ndim(theta) == 0 else np.asarray(theta, np.float32)  # [H/2]
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]
     x32 = x.astype(jnp.float32)
@@ -79,10 +133,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: `down(silu(gate(x)) * up(x))`."""
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+}
 
-    def __init__(self, dim: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """Gated feed-forward `down(act(gate(x)) * up(x))`: SwiGLU with silu, GeGLU with gelu."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, activation: str = "silu"):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown MLP activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
+        self.activation = activation
         self.gate = nnx.Param(normal_init(rngs.params(), (dim, hidden), dim, dtype))  # [D, F]
         self.up = nnx.Param(normal_init(rngs.params(), (dim, hidden), dim, dtype))  # [D, F]
         self.down = nnx.Param(normal_init(rngs.params(), (hidden, dim), hidden, dtype))  # [F, D]
@@ -90,5 +154,5 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = einsum("btd,df->btf", x, self.gate[...])  # [B, T, F]
         up = einsum("btd,df->btf", x, self.up[...])  # [B, T, F]
-        hidden = jax.nn.silu(gate) * up  # [B, T, F]
+        hidden = ACTIVATIONS[self.activation](gate) * up  # [B, T, F]
         return einsum("btf,fd->btd", hidden, self.down[...])  # [B, T, D]

@@ -23,42 +23,76 @@ from flax import nnx
 
 from kvjax.config import CacheConfig
 from kvjax.model_spec import ModelSpec
-from kvjax.models.attention import Attention
+from kvjax.models.attention import Attention, grouped_attention, visibility_mask
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
 
 _ModuleList = getattr(nnx, "List", list)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    With `spec.sandwich_norms` (Gemma 3) the attention and MLP outputs are normalised too before
+    each residual add: `x + post_attn_norm(attn(attn_norm(x)))`, `x + post_mlp_norm(mlp(mlp_norm(x)))`.
+    """
 
     def __init__(self, spec: ModelSpec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.window = spec.layer_windows[layer]
-        theta = spec.rope_local_theta if spec.is_sliding(layer) and spec.rope_local_theta else spec.rope_theta
+        local = spec.uses_local_rope(layer)
         d = spec.hidden_size
-        self.attn_norm = RMSNorm(d, eps=spec.norm_eps, dtype=dtype)
+        norm = functools.partial(RMSNorm, eps=spec.norm_eps, dtype=dtype, offset=spec.norm_weight_offset)
+        self.attn_norm = norm(d)
         self.attn = Attention(
             d,
             spec.num_attention_heads,
             spec.kv_heads_per_layer[layer],
             spec.head_dim,
-            rope_theta=theta,
+            rope_theta=spec.rope_local_theta if local else spec.rope_theta,
+            rope_scaling=None if local else spec.rope_scaling,
+            scale=spec.attention_scale,
+            qkv_bias=spec.qkv_bias,
+            out_bias=spec.out_bias,
+            qk_norm=spec.qk_norm,
+            norm_eps=spec.norm_eps,
+            norm_offset=spec.norm_weight_offset,
             dtype=dtype,
             rngs=rngs,
         )
-        self.mlp_norm = RMSNorm(d, eps=spec.norm_eps, dtype=dtype)
-        self.mlp = MLP(d, spec.intermediate_size, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = norm(d) if spec.sandwich_norms else None
+        self.mlp_norm = norm(d)
+        self.mlp = MLP(d, spec.intermediate_size, dtype=dtype, rngs=rngs, activation=spec.mlp_activation)
+        self.post_mlp_norm = norm(d) if spec.sandwich_norms else None
+
+    def add_attention(self, x: jax.Array, attended: jax.Array) -> jax.Array:
+        """The residual add after attention. x: [B, T, D], attended: [B, T, N, H] -> [B, T, D]."""
+        out = self.attn.out(attended)  # [B, T, D]
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        return x + out
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """`x + mlp(norm(x))` (with the post-MLP norm when sandwiched). x: [B, T, D] -> [B, T, D]."""
+        out = self.mlp(self.mlp_norm(x))  # [B, T, D]
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + out
 
     def dense(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn.dense(self.attn_norm(x), positions, self.window)  # [B, S, D]
-        return x + self.mlp(self.mlp_norm(x))  # [B, S, D]
+        attn = self.attn
+        q, k, v = attn.qkv(self.attn_norm(x), positions)  # [B, S, N, H], [B, S, K, H] x2
+        mask = visibility_mask(positions, positions, self.window)  # [B, S, S]
+        x = self.add_attention(x, grouped_attention(q, k, v, mask, attn.scale))  # [B, S, D]
+        return self.feed_forward(x)  # [B, S, D]
 
 
 class Transformer(nnx.Module):
-    """Decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU), randomly initialised from a seed.
+    """Decoder-only transformer (RMSNorm, RoPE, GQA, gated MLP) shaped and styled by a `ModelSpec`.
 
-    Input embeddings are scaled by `sqrt(D)` (Gemma's convention) so the residual stream starts
-    at unit scale; the output head is the embedding matrix when `spec.tie_embeddings`.
+    `from_spec` draws random weights from a seed (the demo models); `kvjax.models.from_pretrained`
+    fills the same structure from a Hugging Face checkpoint. Input embeddings are scaled by
+    `sqrt(D)` when `spec.embedding_scale` says so (Gemma, the demo models; the factor is rounded
+    to the model dtype first, as transformers does); the output head is the embedding matrix
+    when `spec.tie_embeddings`.
     """
 
     def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs, dtype: Any = None):
@@ -67,12 +101,12 @@ class Transformer(nnx.Module):
         d, vocab = spec.hidden_size, spec.vocab_size
         self.embed = nnx.Param(normal_init(rngs.params(), (vocab, d), d, self.dtype))  # [V, D]
         self.blocks = _ModuleList([Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)])
-        self.final_norm = RMSNorm(d, eps=spec.norm_eps, dtype=self.dtype)
+        self.final_norm = RMSNorm(d, eps=spec.norm_eps, dtype=self.dtype, offset=spec.norm_weight_offset)
         self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
 
     @classmethod
     def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> "Transformer":
-        """Build from a spec (or a model name / TOML path); same seed, same weights."""
+        """Build from a spec (or a model name / TOML path) with random weights; same seed, same weights."""
         if not isinstance(spec, ModelSpec):
             spec = ModelSpec.load(spec)
         return cls(spec, rngs=nnx.Rngs(params=seed), dtype=dtype)
@@ -80,7 +114,9 @@ class Transformer(nnx.Module):
     # ------------------------------------------------------------------ shared pieces
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
-        return x * jnp.asarray(self.spec.hidden_size**0.5, self.dtype)  # [B, T, D]
+        if self.spec.embedding_scale == "sqrt_hidden_size":
+            x = x * jnp.asarray(self.spec.hidden_size**0.5, self.dtype)  # [B, T, D]
+        return x
 
     def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)  # [B, T, D]
@@ -156,8 +192,8 @@ class Transformer(nnx.Module):
             pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots, impl=impl)
             attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale, impl=impl)
             # attended: [B, T, N, H]
-            x = x + attn.out(attended)  # [B, T, D]
-            x = x + block.mlp(block.mlp_norm(x))  # [B, T, D]
+            x = block.add_attention(x, attended)  # [B, T, D]
+            x = block.feed_forward(x)  # [B, T, D]
         return self._logits(x), pools  # [B, T, V]
 
 

@@ -1,0 +1,463 @@
+"""Read a Hugging Face `config.json` into a `ModelSpec`, refusing whatever kvjax would compute wrong.
+
+Supported `model_type`s: `llama` (Llama 2/3.x), `mistral`, `qwen2` (Qwen2/2.5), `qwen3`,
+`gemma3_text` (Gemma 3 text, e.g. gemma-3-1b) and `gemma3` (the multimodal Gemma 3
+checkpoints; only their `text_config` is read, the vision tower is left unused).
+
+Both spellings of a config are read: as published on the hub (`rope_theta`, `rope_scaling`,
+`rope_local_base_freq`, `sliding_window_pattern`, `torch_dtype`) and as recent transformers
+write it (`rope_parameters`, `layer_types`, `dtype`). A field that is absent takes the
+transformers default of its model type, as transformers itself would.
+
+Every field of a config is one of:
+- numeric: read into the spec, with its supported values (`NUMERIC_FIELDS` documents them);
+  an unsupported value raises `UnsupportedConfigError` naming the field;
+- known not to change the numbers (`NOT_NUMERIC`, each with the reason);
+- anything else raises `UnsupportedConfigError`: kvjax cannot tell whether it matters.
+
+Pure Python (no JAX): `kvjax capacity --model PATH` reads checkpoints without it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kvjax.model_spec import ModelSpec, RopeScaling
+
+
+class UnsupportedConfigError(ValueError):
+    """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
+
+
+#: Fields that never change a forward pass's numbers, and why.
+NOT_NUMERIC: dict[str, str] = {
+    "architectures": "class names; model_type decides the architecture",
+    "model_type": "read to pick the architecture",
+    "transformers_version": "provenance",
+    "_name_or_path": "provenance",
+    "bos_token_id": "tokenizer / generation setting",
+    "eos_token_id": "generation setting (kvjax.Tokenizer reads generation_config.json)",
+    "pad_token_id": "padding id; kvjax never attends to padding",
+    "use_cache": "transformers' generate() switch",
+    "cache_implementation": "transformers' cache class choice",
+    "initializer_range": "training-time initialisation",
+    "attention_dropout": "training only (inference never drops)",
+    "output_attentions": "what transformers returns, not what it computes",
+    "output_hidden_states": "what transformers returns",
+    "return_dict": "what transformers returns",
+    "torchscript": "export switch",
+    "tokenizer_class": "tokenizer setting",
+    "pretraining_tp": "splits the same matmuls into slices during pretraining; same maths",
+    "max_window_layers": "read with use_sliding_window (Qwen); only matters when sliding is on",
+    "_attn_implementation_autoset": "transformers' kernel choice",
+    "attn_implementation": "transformers' kernel choice (eager/sdpa/flash compute the same maths)",
+}
+
+#: Numeric fields, per model type, with the values kvjax supports (for docs and errors).
+NUMERIC_FIELDS: dict[str, str] = {
+    "vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, "
+    "num_key_value_heads, head_dim, max_position_embeddings, rms_norm_eps": "any positive value",
+    "torch_dtype / dtype": "float32, bfloat16, float16",
+    "tie_word_embeddings": "true or false",
+    "hidden_act (llama, mistral, qwen2, qwen3) / hidden_activation (gemma3)": "silu, gelu_pytorch_tanh, gelu_new, gelu",
+    "rope_theta, rope_scaling / rope_parameters": "rope_type default, linear, llama3; partial_rotary_factor 1.0",
+    "rope_local_base_freq (gemma3)": "any positive value (the sliding layers' own RoPE base, unscaled)",
+    "attention_bias (llama, qwen3, gemma3)": "true or false (biases on q, k, v and o)",
+    "mlp_bias (llama)": "false",
+    "sliding_window (mistral, gemma3; qwen2/3 with use_sliding_window)": "a positive int or null",
+    "use_sliding_window, layer_types, sliding_window_pattern": "sliding_attention / full_attention layers",
+    "query_pre_attn_scalar (gemma3)": "any positive value",
+    "attn_logit_softcapping, final_logit_softcapping (gemma3)": "null (Gemma 3 has none)",
+    "use_bidirectional_attention (gemma3)": "false",
+    "use_mrope (qwen2)": "false",
+}
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# transformers' defaults per model type, for fields a config leaves out
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_theta=10000.0, hidden_act="silu"),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                    tie_word_embeddings=False, rope_theta=10000.0, hidden_act="silu", sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=10000.0, hidden_act="silu", sliding_window=4096,
+                  max_window_layers=28),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0, hidden_act="silu",
+                  sliding_window=4096, max_window_layers=28),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        hidden_activation="gelu_pytorch_tanh", sliding_window=4096, sliding_window_pattern=6,
+                        query_pre_attn_scalar=256),
+}
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+
+# top-level fields of the multimodal gemma3 config that text-only serving never reads
+_GEMMA3_MULTIMODAL = {
+    "vision_config": "vision tower (images are not served)",
+    "mm_tokens_per_image": "image tokens (images are not served)",
+    "boi_token_index": "image marker token",
+    "eoi_token_index": "image marker token",
+    "image_token_index": "image placeholder token",
+    "image_token_id": "image placeholder token",
+    "boi_token_id": "image marker token",
+    "eoi_token_id": "image marker token",
+    "text_config": "read as the model's config",
+}
+
+
+class _Fields:
+    """A config being read: remembers which fields were used, refuses the rest at `finish`."""
+
+    def __init__(self, data: dict, source: str, model_type: str):
+        self.data = data
+        self.source = source
+        self.model_type = model_type
+        self.defaults = _DEFAULTS[model_type]
+        self.used: set[str] = set()
+
+    def error(self, field: str, message: str) -> UnsupportedConfigError:
+        return UnsupportedConfigError(f"{self.source}: config field {field!r}: {message}")
+
+    def has(self, field: str) -> bool:
+        return field in self.data
+
+    def get(self, field: str, default: Any = ..., *, none_ok: bool = False) -> Any:
+        self.used.add(field)
+        if field in self.data and (self.data[field] is not None or none_ok):
+            return self.data[field]
+        if default is not ...:
+            return default
+        if field in self.defaults:
+            return self.defaults[field]
+        if field in self.data:
+            return None
+        raise self.error(field, "missing (and transformers has no default for it)")
+
+    def int(self, field: str, default: Any = ...) -> int:
+        v = self.get(field, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise self.error(field, f"expected a positive int, got {v!r}")
+        return v
+
+    def number(self, field: str, default: Any = ...) -> float:
+        v = self.get(field, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise self.error(field, f"expected a positive number, got {v!r}")
+        return float(v)
+
+    def flag(self, field: str, default: bool) -> bool:
+        v = self.get(field, default)
+        if not isinstance(v, bool):
+            raise self.error(field, f"expected true or false, got {v!r}")
+        return v
+
+    def require(self, field: str, allowed: tuple, default: Any) -> Any:
+        """A numeric field kvjax supports only at these values."""
+        v = self.get(field, default, none_ok=True)
+        if v not in allowed:
+            raise self.error(field, f"value {v!r} is not supported (supported: {', '.join(map(repr, allowed))})")
+        return v
+
+    def finish(self, extra_ignored: dict[str, str] | None = None) -> None:
+        ignored = {**NOT_NUMERIC, **(extra_ignored or {})}
+        for field in sorted(self.data):
+            if field not in self.used and field not in ignored:
+                raise self.error(
+                    field,
+                    f"not supported for model_type {self.model_type!r} (kvjax cannot tell whether it changes the "
+                    "model's numbers, so it refuses the checkpoint rather than ignore it)",
+                )
+
+
+# ---------------------------------------------------------------------- pieces
+def _dtype(f: _Fields, fallback: str | None) -> str:
+    values = {k: f.get(k, None) for k in ("dtype", "torch_dtype")}
+    given = {k: v for k, v in values.items() if v is not None}
+    for k, v in given.items():
+        if v not in _DTYPES:
+            raise f.error(k, f"value {v!r} is not supported (supported: {', '.join(_DTYPES)})")
+    if len(set(given.values())) > 1:
+        raise f.error("dtype", f"dtype {given['dtype']!r} and torch_dtype {given['torch_dtype']!r} disagree")
+    if given:
+        return _DTYPES[next(iter(given.values()))]
+    return fallback or "float32"
+
+
+def _rope_dict(f: _Fields, field: str, params: Any, default_theta: float) -> tuple[float, RopeScaling | None]:
+    """One RoPE parameter dict (`rope_parameters` or legacy `rope_scaling` + `rope_theta`)."""
+    if params is None:
+        return default_theta, None
+    if not isinstance(params, dict):
+        raise f.error(field, f"expected a table, got {params!r}")
+    known = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings", "partial_rotary_factor"}
+    unknown = sorted(set(params) - known)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise f.error(field, f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    if unknown:
+        raise f.error(field, f"key {unknown[0]!r} is not supported")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise f.error(field, f"partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (supported: 1.0)")
+    theta = params.get("rope_theta", default_theta)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise f.error(field, f"rope_theta must be a positive number, got {theta!r}")
+    if kind == "default":
+        extra = sorted(set(params) & {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if extra:
+            raise f.error(field, f"key {extra[0]!r} does nothing with rope_type 'default'; refusing an ambiguous config")
+        return float(theta), None
+    try:
+        if kind == "linear":
+            extra = sorted(set(params) & {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+            if extra:
+                raise f.error(field, f"key {extra[0]!r} is not used by rope_type 'linear'; refusing an ambiguous config")
+            return float(theta), RopeScaling(kind="linear", factor=float(params["factor"]))
+        return float(theta), RopeScaling(
+            kind="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=params["original_max_position_embeddings"],
+        )
+    except KeyError as e:
+        raise f.error(field, f"rope_type {kind!r} needs {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, UnsupportedConfigError):
+            raise
+        raise f.error(field, str(e)) from None
+
+
+def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of a single-RoPE model, from either spelling."""
+    default_theta = f.number("rope_theta")
+    legacy = f.get("rope_scaling", None)
+    new = f.get("rope_parameters", None)
+    if new is not None:
+        if legacy is not None:
+            raise f.error("rope_scaling", "given together with rope_parameters; refusing an ambiguous config")
+        theta, scaling = _rope_dict(f, "rope_parameters", new, default_theta)
+        if f.has("rope_theta") and f.data["rope_theta"] is not None and "rope_theta" in new and float(f.data["rope_theta"]) != theta:
+            raise f.error("rope_theta", f"{f.data['rope_theta']} disagrees with rope_parameters' {theta}")
+        return theta, scaling
+    return _rope_dict(f, "rope_scaling", legacy, default_theta) if legacy is not None else (default_theta, None)
+
+
+def _activation(f: _Fields, field: str) -> str:
+    act = f.get(field)
+    if act not in _ACTIVATIONS:
+        raise f.error(field, f"value {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
+    return _ACTIVATIONS[act]
+
+
+def _layer_types(f: _Fields, layers: int, fallback: list[str]) -> list[str]:
+    types = f.get("layer_types", None)
+    if types is None:
+        return fallback
+    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_TYPES for t in types):
+        raise f.error("layer_types", f"expected {layers} entries of {', '.join(_LAYER_TYPES)}, got {types!r}")
+    return list(types)
+
+
+def _windows(types: list[str], window: int | None, max_seq_len: int) -> tuple[int, ...] | None:
+    """Per-layer windows as the shortest cycle that reproduces them (None: all global)."""
+    per_layer = [window if t == "sliding_attention" and window is not None else max_seq_len for t in types]
+    if all(w >= max_seq_len for w in per_layer):
+        return None
+    for period in range(1, len(per_layer) + 1):
+        if all(per_layer[i] == per_layer[i % period] for i in range(len(per_layer))):
+            return tuple(per_layer[:period])
+    raise AssertionError("unreachable: the full list is a cycle")
+
+
+def _geometry(f: _Fields, name: str, source: str) -> dict[str, Any]:
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv = f.get("num_key_value_heads", f.defaults.get("num_key_value_heads", heads))
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1:
+        raise f.error("num_key_value_heads", f"expected a positive int, got {kv!r}")
+    head_dim = f.get("head_dim", f.defaults.get("head_dim", hidden // heads))
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise f.error("head_dim", f"expected a positive int, got {head_dim!r}")
+    return dict(
+        name=name,
+        source=source,
+        num_layers=f.int("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        vocab_size=f.int("vocab_size"),
+        max_seq_len=f.int("max_position_embeddings"),
+        norm_eps=f.number("rms_norm_eps"),
+        tie_embeddings=f.flag("tie_word_embeddings", f.defaults["tie_word_embeddings"]),
+    )
+
+
+def _sliding(f: _Fields) -> int | None:
+    """`sliding_window`: absent takes the model type's default, null means no window."""
+    w = f.get("sliding_window", none_ok=True)
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise f.error("sliding_window", f"expected a positive int or null, got {w!r}")
+    return w
+
+
+# ---------------------------------------------------------------------- families
+def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
+    kind = f.model_type
+    values = _geometry(f, name, source)
+    theta, scaling = _rope(f)
+    layers = values["num_layers"]
+    if kind == "llama":
+        bias = f.flag("attention_bias", False)
+        f.require("mlp_bias", (False,), False)
+        windows = None
+    elif kind == "mistral":
+        bias = False
+        window = _sliding(f)
+        windows = _windows(["sliding_attention"] * layers, window, values["max_seq_len"])
+    else:  # qwen2 / qwen3
+        use = f.flag("use_sliding_window", False)
+        window = _sliding(f) if use else None
+        if not use:
+            f.used.add("sliding_window")  # transformers drops it when use_sliding_window is false
+        start = f.int("max_window_layers") if use else layers
+        types = _layer_types(f, layers, ["sliding_attention" if i >= start else "full_attention" for i in range(layers)])
+        windows = _windows(types, window, values["max_seq_len"])
+        if kind == "qwen2":
+            f.require("use_mrope", (False,), False)
+            bias = None
+        else:
+            bias = f.flag("attention_bias", False)
+    return ModelSpec(
+        **values,
+        attention_windows=windows,
+        dtype=_dtype(f, dtype),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=True if kind == "qwen2" else bias,
+        out_bias=False if kind == "qwen2" else bias,
+        qk_norm=kind == "qwen3",
+        mlp_activation=_activation(f, "hidden_act"),
+    )
+
+
+def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
+    values = _geometry(f, name, source)
+    layers = values["num_layers"]
+    # hub configs say sliding_window_pattern; transformers 5 writes _sliding_window_pattern next to layer_types
+    patterns = {k: f.int(k) for k in ("sliding_window_pattern", "_sliding_window_pattern") if f.has(k)}
+    pattern = next(iter(patterns.values()), f.defaults["sliding_window_pattern"])
+    from_pattern = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    types = _layer_types(f, layers, from_pattern)
+    if len(set(patterns.values())) > 1 or (patterns and f.has("layer_types") and types != from_pattern):
+        raise f.error("layer_types", f"disagrees with sliding_window_pattern {patterns}; refusing an ambiguous config")
+    window = _sliding(f)
+    if window is not None and window >= values["max_seq_len"] and "sliding_attention" in types:
+        raise f.error("sliding_window", f"{window} >= max_position_embeddings {values['max_seq_len']}: the local layers "
+                                        "would be indistinguishable from global ones (and need their own RoPE base)")
+    # RoPE: global layers (rope_theta + rope_scaling), local layers (rope_local_base_freq, unscaled)
+    params = f.get("rope_parameters", None)
+    if params is not None:
+        if f.get("rope_scaling", None) is not None:
+            raise f.error("rope_scaling", "given together with rope_parameters; refusing an ambiguous config")
+        if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
+            raise f.error("rope_parameters", f"expected a table keyed by {', '.join(_LAYER_TYPES)}, got {params!r}")
+        theta, scaling = _rope_dict(f, "rope_parameters", params.get("full_attention"), f.number("rope_theta"))
+        local_theta, local_scaling = _rope_dict(f, "rope_parameters", params.get("sliding_attention"), f.number("rope_local_base_freq"))
+        if local_scaling is not None:
+            raise f.error("rope_parameters", "scaled RoPE on the sliding_attention layers is not supported")
+    else:
+        theta, scaling = _rope_dict(f, "rope_scaling", f.get("rope_scaling", None), f.number("rope_theta"))
+        local_theta = f.number("rope_local_base_freq")
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        f.require(field, (None,), None)
+    f.require("use_bidirectional_attention", (False, None), False)
+    bias = f.flag("attention_bias", False)
+    return ModelSpec(
+        **values,
+        attention_windows=_windows(types, window, values["max_seq_len"]),
+        dtype=_dtype(f, dtype),
+        rope_theta=theta,
+        rope_local_theta=local_theta,
+        rope_scaling=scaling,
+        embedding_scale="sqrt_hidden_size",
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=True,
+        query_pre_attn_scalar=f.number("query_pre_attn_scalar"),
+        mlp_activation=_activation(f, "hidden_activation"),
+    )
+
+
+# ---------------------------------------------------------------------- entry points
+def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str = "<config.json>") -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face `config.json` (already parsed); see the module docstring."""
+    if not isinstance(config, dict):
+        raise UnsupportedConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type == "gemma3":  # multimodal wrapper: serve its text model
+        outer = _Fields(config, source, "gemma3_text")
+        outer.used.update({"model_type", "text_config"})
+        dtype = _dtype(outer, None) if any(config.get(k) for k in ("dtype", "torch_dtype")) else None
+        outer.get("tie_word_embeddings", None)  # the text config's own value decides
+        outer.finish(_GEMMA3_MULTIMODAL)
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedConfigError(f"{source}: config field 'text_config': expected a table, got {text!r}")
+        text = dict(text)
+        if "tie_word_embeddings" not in text and isinstance(config.get("tie_word_embeddings"), bool):
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        if text.get("model_type", "gemma3_text") != "gemma3_text":
+            raise UnsupportedConfigError(f"{source}: text_config model_type {text.get('model_type')!r} is not gemma3_text")
+        f = _Fields(text, f"{source} text_config", "gemma3_text")
+        spec = _gemma3(f, name, source, dtype)
+        f.finish()
+        return spec
+    if model_type not in _DEFAULTS:
+        raise UnsupportedConfigError(
+            f"{source}: config field 'model_type': {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    f = _Fields(config, source, model_type)
+    spec = _gemma3(f, name, source, None) if model_type == "gemma3_text" else _llama_like(f, name, source, None)
+    f.finish()
+    return spec
+
+
+def read_config(path: str | Path) -> dict:
+    """Parsed `config.json` of a checkpoint directory (or the file itself), with clear errors."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read the checkpoint's config ({e.strerror or e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from None
+
+
+def spec_from_checkpoint(path: str | Path) -> ModelSpec:
+    """The `ModelSpec` of a checkpoint directory (reads only `config.json`)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    directory = file.parent
+    return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file))

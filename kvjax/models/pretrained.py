@@ -1,0 +1,232 @@
+"""`from_pretrained`: a Hugging Face checkpoint directory into a `Transformer`, weights straight from disk.
+
+The model is built abstractly (`nnx.eval_shape`: shapes only, no random draws), then every
+parameter is filled from its memory-mapped safetensors tensor: converted to the serving dtype
+and laid out as kvjax stores it (`[D, N, H]` projections, `[D, F]` MLP matrices), one tensor
+at a time, so host memory holds the model once plus one tensor in flight. With a `mesh`, each
+array is placed shard by shard: query / KV heads and MLP columns split over all mesh axes
+(tensor parallelism, the same kv-head split as `allocate_pools(config, sharding=mesh)`), the
+rest replicated.
+
+Tensor names follow transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...); the
+multimodal Gemma 3 checkpoints keep their text model under `language_model.model.` (as
+published) or `model.language_model.` (as transformers 5 saves). Missing, unexpected or
+misshapen tensors raise `CheckpointError` naming them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
+from kvjax.hf_config import spec_from_checkpoint
+from kvjax.model_spec import ModelSpec
+from kvjax.models.layers import shapes_only
+from kvjax.models.transformer import Transformer
+
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: the parameter (by attribute path), its layout change,
+    and the checkpoint shape it must have."""
+
+    path: tuple[Any, ...]
+    hf_shape: tuple[int, ...]
+    convert: Callable[[np.ndarray], np.ndarray]
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _transpose(a: np.ndarray) -> np.ndarray:  # [out, in] -> [in, out]
+    return a.T
+
+
+def _heads_in(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """q/k/v_proj.weight [heads * H, D] -> [D, heads, H]."""
+    return lambda a: a.reshape(heads, head_dim, -1).transpose(2, 0, 1)
+
+
+def _heads_out(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """o_proj.weight [D, N * H] -> [N, H, D]."""
+    return lambda a: a.reshape(-1, heads, head_dim).transpose(1, 2, 0)
+
+
+def _bias(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """q/k/v_proj.bias [heads * H] -> [heads, H]."""
+    return lambda a: a.reshape(heads, head_dim)
+
+
+def _targets(spec: ModelSpec, prefix: str, head: str) -> dict[str, _Target]:
+    """Checkpoint tensor name -> target, for every parameter the model has."""
+    d, n, h, f, v = spec.hidden_size, spec.num_attention_heads, spec.head_dim, spec.intermediate_size, spec.vocab_size
+    out = {
+        f"{prefix}embed_tokens.weight": _Target(("embed",), (v, d), _same),
+        f"{prefix}norm.weight": _Target(("final_norm", "scale"), (d,), _same),
+    }
+    if not spec.tie_embeddings:
+        out[head] = _Target(("lm_head",), (v, d), _transpose)
+    for i, k in enumerate(spec.kv_heads_per_layer):
+        lp = f"{prefix}layers.{i}."
+        blk = ("blocks", i)
+        att = blk + ("attn",)
+        out[lp + "input_layernorm.weight"] = _Target(blk + ("attn_norm", "scale"), (d,), _same)
+        if spec.sandwich_norms:  # Gemma 3 names: post_attention = attention output, pre_feedforward = MLP input
+            out[lp + "post_attention_layernorm.weight"] = _Target(blk + ("post_attn_norm", "scale"), (d,), _same)
+            out[lp + "pre_feedforward_layernorm.weight"] = _Target(blk + ("mlp_norm", "scale"), (d,), _same)
+            out[lp + "post_feedforward_layernorm.weight"] = _Target(blk + ("post_mlp_norm", "scale"), (d,), _same)
+        else:  # Llama names: post_attention_layernorm is the MLP's input norm
+            out[lp + "post_attention_layernorm.weight"] = _Target(blk + ("mlp_norm", "scale"), (d,), _same)
+        for proj, heads, attr in (("q", n, "wq"), ("k", k, "wk"), ("v", k, "wv")):
+            out[f"{lp}self_attn.{proj}_proj.weight"] = _Target(att + (attr,), (heads * h, d), _heads_in(heads, h))
+            if spec.qkv_bias:
+                out[f"{lp}self_attn.{proj}_proj.bias"] = _Target(att + ("b" + proj,), (heads * h,), _bias(heads, h))
+        out[lp + "self_attn.o_proj.weight"] = _Target(att + ("wo",), (d, n * h), _heads_out(n, h))
+        if spec.out_bias:
+            out[lp + "self_attn.o_proj.bias"] = _Target(att + ("bo",), (d,), _same)
+        if spec.qk_norm:
+            out[lp + "self_attn.q_norm.weight"] = _Target(att + ("q_norm", "scale"), (h,), _same)
+            out[lp + "self_attn.k_norm.weight"] = _Target(att + ("k_norm", "scale"), (h,), _same)
+        out[lp + "mlp.gate_proj.weight"] = _Target(blk + ("mlp", "gate"), (f, d), _transpose)
+        out[lp + "mlp.up_proj.weight"] = _Target(blk + ("mlp", "up"), (f, d), _transpose)
+        out[lp + "mlp.down_proj.weight"] = _Target(blk + ("mlp", "down"), (d, f), _transpose)
+    return out
+
+
+def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
+    """(text-model prefix, lm_head name) of this checkpoint's naming."""
+    for prefix in TEXT_PREFIXES:
+        if f"{prefix}embed_tokens.weight" in tensors:
+            head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
+            return prefix, head
+    raise CheckpointError(f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})")
+
+
+def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
+    node: Any = model
+    for step in path:
+        node = node[step] if isinstance(step, int) else getattr(node, step)
+    if not isinstance(node, nnx.Variable):
+        raise TypeError(f"{path} is not a parameter")  # a bug in _targets, never user input
+    return node
+
+
+def _set(var: nnx.Variable, value: jax.Array) -> None:
+    if hasattr(var, "set_value"):
+        var.set_value(value)
+    else:  # pragma: no cover - older flax
+        var.value = value
+
+
+def _get(var: nnx.Variable) -> Any:
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return name
+
+
+def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None) -> Transformer:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
+
+    `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
+    activations and the KV cache (`model.spec.dtype`). With `mesh` (Auto axis types; allocate
+    the pools on the same mesh), heads and MLP columns are sharded over all of its axes; query
+    heads, KV heads and the MLP width must divide by its size.
+    Raises `UnsupportedConfigError` for a config kvjax would compute wrong, `CheckpointError`
+    for missing, truncated or mismatched weight files.
+    """
+    path = Path(path)
+    spec = spec_from_checkpoint(path)
+    if dtype is not None:
+        spec = dataclasses.replace(spec, dtype=_dtype_name(dtype))
+    tensors = CheckpointTensors(path)  # every header read and checked before any allocation
+    prefix, head = _layout(tensors)
+    targets = _targets(spec, prefix, head)
+    problems = _check_names(spec, tensors, targets, head)
+    if problems:
+        raise CheckpointError(f"{path}: {problems}")
+    shardings = _shardings(spec, mesh)
+
+    with shapes_only():
+        model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(params=0)))
+    target_dtype = np.dtype(jnp.dtype(spec.dtype))
+    for name, target in targets.items():
+        stored = tensors.array(name)
+        # astype copies out of the file mapping; a transposed layout is made contiguous (one tensor in flight)
+        host = np.ascontiguousarray(target.convert(stored.astype(target_dtype)))
+        var = _variable(model, target.path)
+        expected = _get(var).shape
+        if host.shape != tuple(expected):  # a layout bug, not a user error: the names and shapes were checked
+            raise AssertionError(f"{name}: converted to {host.shape}, parameter is {expected}")
+        sharding = shardings(target.path[-1], host.ndim)
+        if sharding is None:
+            _set(var, jax.device_put(host))
+        else:
+            _set(var, jax.make_array_from_callback(host.shape, sharding, lambda index, a=host: a[index]))
+        del host, stored  # this tensor's file mapping and host copy go before the next one
+    return model
+
+
+def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str, _Target], head: str) -> str:
+    """'' when the checkpoint has exactly the tensors the spec needs (with their shapes)."""
+    missing = [n for n in targets if n not in tensors]
+    if missing:
+        return f"tensor {missing[0]!r} is missing ({len(missing)} missing in all)"
+    for name, target in targets.items():
+        info = tensors.info(name)
+        if info.shape != target.hf_shape:
+            return f"tensor {name!r} has shape {list(info.shape)}, config.json implies {list(target.hf_shape)}"
+        if info.dtype not in ("F32", "F16", "BF16"):
+            return f"tensor {name!r} is {info.dtype}; kvjax loads float32, float16 and bfloat16 weights"
+    for name in tensors:
+        if name in targets or name.endswith(RECOMPUTED_SUFFIXES) or name.startswith(VISION_PREFIXES):
+            continue
+        if spec.tie_embeddings and name == head:  # tied: transformers ignores a stored copy too
+            continue
+        return f"unexpected tensor {name!r} (kvjax would not use it; refusing rather than ignore it)"
+    return ""
+
+
+def _shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], NamedSharding | None]:
+    """(parameter name, rank) -> its sharding: heads / MLP columns over all mesh axes, else replicated."""
+    if mesh is None:
+        return lambda name, ndim: None
+    axes = tuple(mesh.axis_names)
+    auto = getattr(jax.sharding.AxisType, "Auto", None)
+    if auto is not None and any(t != auto for t in getattr(mesh, "axis_types", ())):
+        raise ValueError(
+            f"from_pretrained needs a mesh with Auto axes (XLA places the collectives), got axis_types={mesh.axis_types}; "
+            f"build it with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * {len(axes)}) and allocate the "
+            "KV pools on the same mesh"
+        )
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    for what, count in (("num_attention_heads", spec.num_attention_heads), ("intermediate_size", spec.intermediate_size),
+                        *(("num_kv_heads", k) for k in sorted(set(spec.kv_heads_per_layer)))):
+        if count % size:
+            raise ValueError(f"tensor parallelism over {size} devices needs {what} ({count}) divisible by {size}")
+    entry = axes if len(axes) > 1 else axes[0]
+
+    def sharding(name: Any, ndim: int) -> NamedSharding:
+        axis = TP_SPLIT_AXIS.get(name)
+        return NamedSharding(mesh, P(*[entry if i == axis else None for i in range(ndim)]))
+
+    return sharding
+
+
+#: Axis of each parameter (kvjax layout) that tensor parallelism splits: query / KV heads of the
+#: projections and their biases ([D, N, H], [D, K, H], [N, H, D], [N, H]), MLP columns ([D, F], [F, D]).
+TP_SPLIT_AXIS = {"wq": 1, "wk": 1, "wv": 1, "wo": 0, "bq": 0, "bk": 0, "bv": 0, "gate": 1, "up": 1, "down": 0}
