@@ -16,7 +16,7 @@ from collections.abc import Callable
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.errors import OutOfBlocksError
 from kvjax.ledger.block import PRIMARY, SECONDARY, Block
-from kvjax.ledger.block_key import BlockKey
+from kvjax.ledger.block_key import BlockHasher, BlockKey
 from kvjax.ledger.events import KVCacheEventManager
 from kvjax.ledger.radix_tree import UnifiedBlockTree
 from kvjax.ledger.sequence import Sequence
@@ -59,7 +59,7 @@ class BlockManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self.tree = UnifiedBlockTree(config.tokens_per_block)
+        self.tree = UnifiedBlockTree(config.tokens_per_block, BlockHasher(config.event_hash))
         self.recorder = TransferRecorder()
         self.events = KVCacheEventManager(config.event_buffer_max_size) if config.event_buffer_max_size > 0 else None
         self.windows = [

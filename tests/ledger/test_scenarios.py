@@ -18,7 +18,8 @@ from kvjax import (
     TransferKind,
 )
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredBlock, StoredData, UpdatedData
-from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id
+from kvjax.ledger.block_key import BlockKey, cache_salt_id
+from kvjax.ledger.block_key import sha256_block_hash as block_hash
 from kvjax.offsets import kvcache_index_offsets
 from ledger_helpers import (
     FakeClock,
@@ -336,7 +337,7 @@ def test_request_without_retention_keeps_cached_priority():
     assert [m.priority_of_block(i) for i in (0, 1)] == [50, 50]
     m.flush_iteration_events()
     updates = [e.data for e in m.get_latest_events() if isinstance(e.data, UpdatedData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert updates == [UpdatedData(h0, None, (80, 50)), UpdatedData(h1, None, (80, 50))]
 
@@ -449,7 +450,7 @@ def test_secondary_victim_is_evicted_when_secondary_is_full():
     assert plan_ops(m) == [("OFFLOAD", 0, 1, 0, 4), ("OFFLOAD", 0, 0, 0, 4)]
     assert cached_ids(m) == {0} and m.block(0).level == 1
     m.flush_iteration_events()
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     ev = [e.data for e in m.get_latest_events()]
     assert ev == [UpdatedData(h1, (0, 1), None), UpdatedData(h0, (0, 1), None), RemovedData((h1,))]
@@ -940,7 +941,7 @@ def test_rewind_into_a_stored_block_drops_it_from_the_tree():
     assert free_order(m) == [3, 4, 5, 6, 7]
     m.flush_iteration_events()
     removed = [e.data for e in m.get_latest_events() if isinstance(e.data, RemovedData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert removed == [RemovedData((block_hash(BlockKey((8, 9, 10, 11)), h1),))]
     # generating again re-stores the new content
@@ -1001,7 +1002,7 @@ def test_set_context_position_and_store_context_blocks():
     assert cached_ids(m) == {0, 1, 2}
     m.flush_iteration_events()
     stored = [e.data for e in m.get_latest_events() if isinstance(e.data, StoredData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert [s.parent_hash for s in stored] == [None, h0]
     assert [[b.block_hash for b in s.blocks] for s in stored] == [[h0], [h1, block_hash(BlockKey((8, 9, 10, 11)), h1)]]
@@ -1284,7 +1285,7 @@ def test_vswa_stats_sum_windows():
 # =========================================================================== events
 def H(*keys):
     """Chained hashes of consecutive keys from the root."""
-    out, parent = [], 0
+    out, parent = [], None
     for k in keys:
         parent = block_hash(BlockKey(tuple(k)), parent)
         out.append(parent)
@@ -1356,7 +1357,7 @@ def test_stored_event_fields_lora_extra_ids_mm():
     (e,) = events(m)
     (blk,) = e.data.blocks
     key = BlockKey((0, 1, 2, 3), (1, 2, 3, 4), 9, cache_salt_id("s"), (MmKey(item.hash, 0),))
-    assert blk == StoredBlock(block_hash(key, 0), ((0, 1), (1, 2), (2, 3), (3, 4)), 9, 0, 35, (MmKey(item.hash, 0),))
+    assert blk == StoredBlock(block_hash(key), ((0, 1), (1, 2), (2, 3), (3, 4)), 9, 0, 35, (MmKey(item.hash, 0),))
 
 
 def test_removed_events_batched_until_next_stored_of_the_window():

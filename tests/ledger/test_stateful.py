@@ -460,7 +460,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if isinstance(d, CreatedData):
                 assert view == {}
             elif isinstance(d, StoredData):
-                assert d.parent_hash is None or d.parent_hash != 0
+                assert d.parent_hash is None or d.parent_hash not in (0, self.m._bm.tree.hasher.root)
                 for b in d.blocks:
                     assert b.block_hash not in view, f"Stored twice without Removed: {b}"
                     view[b.block_hash] = b.cache_level
@@ -473,7 +473,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert view.get(d.block_hash) == old, f"Updated {d} but router has {view.get(d.block_hash)}"
                 view[d.block_hash] = new
         for wm in self.m._bm.windows:
-            truth = {b.node.hash: b.level for b in wm.blocks if b.node is not None}
+            truth = {self.m._bm.tree.node_hash(b.node): b.level for b in wm.blocks if b.node is not None}
             assert self.router.get(wm.window, {}) == truth
 
     @invariant()
