@@ -191,7 +191,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth
     def add_token(self, request_id: Hashable, token: int | Seq[int]) -> None:
-        """Append one generated (or draft) token, allocating a block when it starts one."""
+        """Append one generated (or draft) token, allocating a block when it starts one. With
+        several beams, `token` is one int per beam, or one int that every beam appends."""
         try:
             seq = self._seqs[request_id]
         except (KeyError, TypeError):
@@ -242,8 +243,8 @@ class KVCacheManager:
             if not 0 <= token <= _MAX_TOKEN_ID:
                 raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
             return token
-        if hasattr(token, "__index__"):
-            token = [token]
+        if hasattr(token, "__index__"):  # one token for every beam
+            token = [token] * seq.beam_width
         try:
             tokens = [int(t.__index__()) for t in token]
         except (TypeError, AttributeError):

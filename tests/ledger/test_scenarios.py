@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax import (
+    InvalidRequestError,
     KVCacheManager,
     MultimodalItem,
     Request,
@@ -678,6 +679,26 @@ def test_beam_search_blocks():
     # released last position first, beams from the last: 5, 4, 3, 2, 1, 0
     assert free_order(m) == [6, 7, 5, 4, 3, 2, 1, 0]
     m.verify_integrity()
+
+
+def test_beam_search_one_int_token_goes_to_every_beam():
+    """`add_token(rid, int)` on a multi-beam request appends the token to every beam, exactly
+    as passing it once per beam does (numpy integers too)."""
+    ms = [make_manager(max_beam_width=2) for _ in range(2)]
+    for m in ms:
+        m.add_sequence(Request("a", list(R(10)), max_new_tokens=8, beam_width=2))
+    for t in (10, np.int64(11), 12):
+        ms[0].add_token("a", t)
+        ms[1].add_token("a", [int(t), int(t)])
+    assert ms[0].snapshot() == ms[1].snapshot()
+    assert ms[0].block_ids("a") == [[0, 1, 2, 4], [0, 1, 3, 5]]
+    before = ms[0].snapshot()
+    with pytest.raises(InvalidRequestError):
+        ms[0].add_token("a", [13])  # a list must still give one token per beam
+    with pytest.raises(InvalidRequestError):
+        ms[0].add_token("a", -1)
+    assert ms[0].snapshot() == before
+    ms[0].verify_integrity()
 
 
 def test_beam_search_full_last_block():
