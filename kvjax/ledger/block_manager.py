@@ -361,14 +361,34 @@ class BlockManager:
                     wm.extend_blocks(sw, [blk], beam=b)
             wm.counters.gen_alloc += per_token
 
-    def detach_out_of_window(self, seq: Sequence) -> None:
-        """Sliding windows: release front blocks no future query can see."""
+    @staticmethod
+    def oldest_query(seq: Sequence) -> int:
+        """The oldest position the next forward may compute (so may query): the context
+        position during a chunked prefill, else the newest token less the request's draft
+        tokens (unverified drafts are computed by the next verify forward too)."""
+        if seq.context_position < seq.prompt_len:
+            return seq.context_position
+        return seq.num_tokens - 1 - seq.num_draft_tokens
+
+    def released_blocks_visible(self, seq: Sequence, query: int) -> list[int]:
+        """Windows in which a query at `query` would see a block already released."""
         tpb = self.tokens_per_block
-        n = seq.num_tokens
+        out = []
+        for wm in self.windows:
+            nfr = seq.windows[wm.index].num_front_removed
+            if nfr and nfr * tpb > query - wm.window + 1:
+                out.append(wm.window)
+        return out
+
+    def detach_out_of_window(self, seq: Sequence) -> None:
+        """Sliding windows: release front blocks that no query of the next forward (the oldest
+        one being `oldest_query`) and no later one can see."""
+        tpb = self.tokens_per_block
+        first_visible = self.oldest_query(seq) + 1  # + 1 - window, per window below
         for wm in self.windows:
             if wm.is_swa:
                 sw = seq.windows[wm.index]
-                while n - sw.num_front_removed * tpb >= wm.window + tpb:
+                while (sw.num_front_removed + 1) * tpb <= first_visible - wm.window:
                     wm.detach_front_block(sw)
 
     # ------------------------------------------------------------------ storing

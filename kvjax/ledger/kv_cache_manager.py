@@ -231,8 +231,8 @@ class KVCacheManager:
         tpb = self._tpb
         at = min(len(seq.windows[0].beams[0]) * tpb + 1, self._max_seq_len + 1)
         for wm in self._bm.windows:
-            if wm.is_swa:
-                at = min(at, wm.window + (seq.windows[wm.index].num_front_removed + 1) * tpb)
+            if wm.is_swa:  # the token count at which the next front block may leave the window
+                at = min(at, wm.window + seq.num_draft_tokens + (seq.windows[wm.index].num_front_removed + 1) * tpb)
         seq.slow_at = at
 
     def _beam_token(self, seq: Sequence, token) -> int:
@@ -257,8 +257,12 @@ class KVCacheManager:
 
     def rewind(self, request_id: Hashable, n: int) -> None:
         """Drop the last `n` generated tokens (rejected draft tokens). Blocks left empty are
-        released to the front of their queue; a cached block whose tail will be rewritten
-        leaves the tree (or, if others use it, is copied first)."""
+        released to the front of their queue. The block that keeps the new last token but
+        loses later positions is copied first if anyone else holds it (a pin, another
+        sequence), so pinned and shared KV never changes; else, if cached, it leaves the tree.
+
+        Sliding windows keep the blocks `num_draft_tokens` rewinds need; a longer rewind whose
+        next query would see a released block raises `InvalidRequestError` and changes nothing."""
         seq = self._seq(request_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidRequestError(f"rewind count must be an int >= 0, got {n!r}")
@@ -274,13 +278,19 @@ class KVCacheManager:
         new_n = seq.num_tokens - n
         last = (new_n - 1) // tpb
         filled = new_n - last * tpb
+        rewrites = filled < tpb  # block `last` loses positions that later tokens will rewrite
+        query = seq.context_position if seq.context_position < seq.prompt_len else new_n - 1
+        released = self._bm.released_blocks_visible(seq, query)
+        if released:
+            raise InvalidRequestError(
+                f"cannot rewind {n} tokens of request {request_id!r}: the next query (position {query}) would see "
+                f"blocks window(s) {released} already released (rewinds up to num_draft_tokens="
+                f"{seq.num_draft_tokens} are always kept)"
+            )
         cow = []
         for wm in self._bm.windows:
-            sw = seq.windows[wm.index]
-            if last < sw.num_front_removed:
-                raise InvalidRequestError(f"cannot rewind into blocks window {wm.window} already released")
-            blk = sw.beams[0][last]
-            if blk.node is not None and blk.node.key.num_tokens > filled and blk.ref_count > 1:
+            blk = seq.windows[wm.index].beams[0][last]
+            if rewrites and blk.ref_count > 1:
                 cow.append(wm)
         for wm in cow:  # blocks the rewind itself frees may receive the copy
             freed = sum(1 for b in seq.windows[wm.index].beams[0][last + 1 :] if b.ref_count == 1)
@@ -293,15 +303,14 @@ class KVCacheManager:
                 wm.release_block(beam.pop(), to_front=True)
                 slots.pop()
             blk = beam[last]
-            if blk.node is not None and blk.node.key.num_tokens > filled:
-                if wm in cow:
-                    fresh = wm.copy_prefix(blk, filled, None, None)
-                    fresh.ref_count += 1
-                    wm.release_block(blk)
-                    beam[last] = fresh
-                    slots[last] = fresh.slot
-                else:
-                    wm.drop_cached(blk, evicted=False)
+            if wm in cow:
+                fresh = wm.copy_prefix(blk, filled, None, None)
+                fresh.ref_count += 1
+                wm.release_block(blk)
+                beam[last] = fresh
+                slots[last] = fresh.slot
+            elif blk.node is not None and blk.node.key.num_tokens > filled:
+                wm.drop_cached(blk, evicted=False)
             if sw.store_depth > last:
                 sw.store_node, sw.store_depth = None, 0
         del seq.tokens[new_n:]
@@ -316,6 +325,11 @@ class KVCacheManager:
         seq = self._seq(request_id)
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= seq.num_tokens:
             raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
+        released = self._bm.released_blocks_visible(seq, position) if position < seq.prompt_len else None
+        if released:
+            raise InvalidRequestError(
+                f"request {request_id!r}: a chunk starting at {position} would see blocks window(s) {released} already released"
+            )
         seq.context_position = position
 
     # ------------------------------------------------------------------ storing for reuse
@@ -616,8 +630,8 @@ class KVCacheManager:
     ) -> int:
         """Blocks still to allocate for the request to finish (TensorRT-LLM's formula for full
         attention). A sliding window holds at most its prompt at admission, then at most
-        `ceil(window / tokens_per_block) + 1` blocks (growth is paid for by out-of-window releases),
-        so its remaining need is the peak of those minus what is held now."""
+        `ceil((window + num_draft_tokens) / tokens_per_block) + 1` blocks (growth is paid for by
+        out-of-window releases), so its remaining need is the peak of those minus what is held now."""
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
         cfg, tpb = self.config, self._tpb
@@ -635,10 +649,15 @@ class KVCacheManager:
             if reuse_ok:
                 summary = summary or self.analyze_prefix_reuse(request)
                 ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
-            # held blocks peak at ceil(window / tpb) + 1: a new block is allocated before the
-            # token's detach releases the front one
-            steady = min(-(-(final + bubble) // tpb), -(-wm.window // tpb) + 1) * beam
-            peak = max(ctx if seq is None else held, steady)
+            # held blocks peak at ceil((window + drafts) / tpb) + 1: the blocks the oldest draft
+            # query sees, and a new block is allocated before the token's detach releases one
+            span = wm.window + request.num_draft_tokens
+            steady = min(-(-(final + bubble) // tpb), -(-span // tpb) + 1) * beam
+            # until the first token is added nothing has left the window: if that token starts
+            # a block, the whole context plus one block is held for a moment
+            cur = prompt_len if seq is None else seq.num_tokens
+            first = (ctx if seq is None else held) + beam * int(cur < final and (cur + bubble) % tpb == 0)
+            peak = max(first, steady)
             return max(0, peak - held)
         span = wm.window + wm.temporary_window
         ctx = (min(prompt_len, span) + bubble) // tpb
