@@ -37,19 +37,23 @@ _MAX_TOKEN_ID = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class PrefixReuseSummary:
-    """One tree walk's answer to "how much of this prompt is cached?" (scheduler input).
+    """Admission's own plan, read-only: "how much of this prompt is cached, and what would
+    admitting it take?" (scheduler input; one tree walk per window).
 
-    `reusable_blocks_all`: full blocks of the usable prompt found in the tree;
+    `reusable_blocks_all`: full blocks of the prompt admission would reuse (largest window);
     `reusable_blocks_allocated`: those already referenced by live sequences (the only ones a
     block budget may subtract: free cached blocks already count as free supply);
     `total_matched_tokens`: tokens admission would prepopulate (partial matches included);
-    `first_new_block`: index of the first context block admission must allocate.
+    `first_new_block`: index of the first context block admission must allocate;
+    `admission_blocks`: per window (ascending), the free primary blocks that window must have
+    for the admission to succeed now (what `needed_blocks_one_step` answers, drafts aside).
     """
 
     reusable_blocks_all: int
     reusable_blocks_allocated: int
     total_matched_tokens: int
     first_new_block: int
+    admission_blocks: tuple[int, ...] = ()
 
 
 class KVCacheManager:
@@ -561,20 +565,17 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ scheduler queries
     def analyze_prefix_reuse(self, request: Request) -> PrefixReuseSummary:
-        """One tree walk (largest window) summarising what admission would reuse."""
+        """Run admission's planning (tree walks, safe prefix, in-place or copy) without
+        committing anything, and summarise it."""
         bm = self._bm
         if not isinstance(request, Request):
             raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
-        if not bm.reuse or not request.prompt:
-            return PrefixReuseSummary(0, 0, 0, 0)
-        seq = Sequence(request, len(bm.windows), False)
-        wm = bm.windows[-1]
-        n_ctx = -(-seq.prompt_len // self._tpb)
-        shared = n_ctx if seq.beam_width == 1 else n_ctx - 1
-        wa = bm.walk(wm, seq, seq.prompt_len - 1, shared)
+        adm = bm.plan_sequence(Sequence(request, len(bm.windows), bm.is_cross))
+        blocks = tuple(bm.window_need(wm, [adm]).required for wm in bm.windows)
+        wa = adm.windows[-1]
         full = [b for b in wa.matched if b is not None]
         allocated = sum(1 for b in full if b.ref_count > 0)
-        return PrefixReuseSummary(len(full), allocated, wa.coverage, len(wa.matched))
+        return PrefixReuseSummary(len(full), allocated, adm.prepopulated, len(wa.matched), blocks)
 
     def _resolve(self, request_or_id) -> tuple[Request, Sequence | None]:
         if isinstance(request_or_id, Request):
@@ -590,30 +591,32 @@ class KVCacheManager:
         *,
         summary: PrefixReuseSummary | None = None,
     ) -> int:
-        """Blocks the next step needs: the whole context for a request not yet admitted (minus
-        reusable blocks already referenced by others: free cached ones are already counted
-        as free), else the generation growth. Pass a cached `summary` to skip the tree walk.
+        """Blocks the next step needs in `window`.
 
-        Sliding windows: admission allocates every prompt block (out-of-window ones are only
-        released as generation proceeds), so the context branch does not cap the prompt at
-        `window + chunk` as TensorRT-LLM's formula does; it would under-reserve.
+        For a request not yet admitted: the free primary blocks admission needs now (from
+        admission's own plan: matches, the safe sliding-window prefix, onboards, partial
+        copies, fresh blocks), plus the blocks its first step's draft tokens start. Whenever
+        every window's answer is at most its `num_free_blocks`, `add_sequence` succeeds, and
+        a batch whose summed answers fit is admitted by `add_sequences`. Without drafts the
+        answer is exact: admission takes that many blocks, or one fewer when the plan copies a
+        free block and allocates nothing else, as the copy source cannot be its own target.
+        Pass the `summary` of `analyze_prefix_reuse` to skip the tree walks.
+
+        For an admitted request: the blocks the next one (or two) steps of generation, draft
+        tokens included, start (out-of-window releases not credited).
         """
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
-        cfg, tpb = self.config, self._tpb
-        bubble = cfg.sink_bubble_length
+        tpb = self._tpb
         beam = request.beam_width
-        if seq is None:  # context phase, first chunk
-            chunk = request.max_new_tokens  # TensorRT-LLM's (sic) chunkSize
-            prompt_len = request.encoder_len if self._bm.is_cross else len(request.prompt)
-            span = prompt_len if wm.is_swa else wm.window + chunk
-            length = min(prompt_len + request.num_draft_tokens, span) + bubble
-            shared = length // tpb
-            needed = shared + -(-(length % tpb) // tpb) * beam
-            if self._bm.reuse and not cfg.is_variable_window:
-                recoverable = (min(prompt_len, span) - 1) // tpb
-                summary = summary or self.analyze_prefix_reuse(request)
-                needed -= min(summary.reusable_blocks_allocated, recoverable, shared)
+        if seq is None:  # context phase
+            if summary is None or len(summary.admission_blocks) != len(self._bm.windows):
+                summary = self.analyze_prefix_reuse(request)
+            needed = summary.admission_blocks[wm.index]
+            if request.num_draft_tokens and not self._bm.is_cross:  # added by the first step
+                prompt_len = len(request.prompt)
+                with_drafts = min(prompt_len + request.num_draft_tokens, self._max_seq_len)
+                needed += (-(-with_drafts // tpb) - -(-prompt_len // tpb)) * beam
             return needed
         if seq.is_cross or seq.context_position < seq.prompt_len:
             return 0

@@ -487,6 +487,23 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.m.scheduling_has_free_blocks(0)
         self.m.iteration_stats()
         assert self.m.snapshot() == before  # queries and dry runs change nothing
+        # the query agrees with admission: "fits" -> admitted; without drafts, exactly
+        fits = all(self.m.needed_blocks_one_step(req, window=w) <= self.m.num_free_blocks(w) for w in windows)
+        if len(self.live) >= 4:
+            return
+        req.request_id = self._new_id()
+        try:
+            p = self.m.add_sequence(req)
+        except OutOfBlocksError:
+            assert not fits, "needed_blocks_one_step said the request fits, admission failed"
+            assert self.m.snapshot() == before
+            return
+        assert fits or req.num_draft_tokens, "a request the query said does not fit was admitted"
+        event("scheduler probe admitted")
+        self._engine_step()
+        self._admitted(req, p)
+        self._check_seq_content(req.request_id, p)
+        self._write(req.request_id, range(p, len(req.prompt)))
 
     # ------------------------------------------------------------------ invariants
     @invariant()
