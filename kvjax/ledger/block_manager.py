@@ -2,11 +2,12 @@
 and the multi-window algorithms that span them (admission with reuse, token growth, storing,
 release).
 
-Admission is two-phase so that it is atomic and batch-aware: `plan_admission` walks the tree
-(read-only) for every request and window, fixes the prepopulated length (the minimum over
-windows, shortened until every sliding window is safe), decides in-place versus copy for
-partial matches and checks capacity; only then does `commit_admission` claim, copy, onboard
-and allocate. A failed check raises before anything changed.
+Admission plans before it commits, so that it is atomic and batch-aware: `plan_sequence`
+walks the tree (read-only) for every request and window and fixes the prepopulated length
+(the minimum over windows, shortened until every sliding window is safe); `check_capacity`
+decides in-place versus copy for partial matches and counts what the batch takes
+(`window_need`, the count the scheduler queries share); only then does `commit_admission`
+claim, copy, onboard and allocate. A failed check raises before anything changed.
 """
 from __future__ import annotations
 

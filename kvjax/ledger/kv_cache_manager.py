@@ -1,4 +1,4 @@
-"""`KVCacheManager`: the public ledger API (TensorRT-LLM's `KVCacheManager`, SPEC §4).
+"""`KVCacheManager`: the public ledger API (TensorRT-LLM's `KVCacheManager`; docs/semantics.md).
 
 Validates every argument before touching state, so a failed call leaves the ledger exactly as
 it was; delegates block decisions to `BlockManager`; answers the scheduler's questions; and
@@ -57,7 +57,7 @@ class PrefixReuseSummary:
 
 
 class KVCacheManager:
-    """Host ledger of a paged KV cache. See SPEC §3 for the semantics of every call."""
+    """Host ledger of a paged KV cache. docs/semantics.md states the semantics of every call."""
 
     def __init__(self, config: CacheConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(config, CacheConfig):

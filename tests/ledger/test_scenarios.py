@@ -1,6 +1,6 @@
 """Scenario tests pinning the ledger's exact behaviour on tiny pools (tokens_per_block 4).
 
-Every number is derived by hand from SPEC §3 / trtllm.md and the design decisions of issue 2:
+Every number is derived by hand from docs/semantics.md / trtllm.md and the design decisions of issue 2:
 fresh blocks come in ascending id order, never-used before released; release goes to the back
 of the block's priority queue, last block of a sequence first; rewind releases to the front; a
 cached block is one attached to the radix tree; the eviction victim is the front of the lowest
@@ -103,7 +103,7 @@ def test_last_prompt_token_never_reused():
     m = make_manager()
     stored_chain(m, 13)
     # 12-token prompt identical to the cached 12 tokens: usable = 11, so block 2 matches only
-    # 3 tokens; it is a free leaf, reused in place (partial match, SPEC §3)
+    # 3 tokens; it is a free leaf, reused in place (partial match, docs/semantics.md)
     assert m.add_sequence(Request("b", list(R(12)))) == 11
     assert m.block_ids("b") == [[0, 1, 2]]
     assert 2 not in cached_ids(m)  # in-place partial reuse detaches the block from the tree
