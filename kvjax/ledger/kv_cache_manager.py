@@ -570,6 +570,8 @@ class KVCacheManager:
         bm = self._bm
         if not isinstance(request, Request):
             raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
+        if bm.is_cross and request.encoder_len is None:
+            raise InvalidRequestError("a cross-attention cache needs request.encoder_len")
         adm = bm.plan_sequence(Sequence(request, len(bm.windows), bm.is_cross))
         blocks = tuple(bm.window_need(wm, [adm]).required for wm in bm.windows)
         wa = adm.windows[-1]

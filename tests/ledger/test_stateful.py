@@ -262,6 +262,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._engine_step()
         self._admitted(req, p)
         self._check_seq_content(req.request_id, p)  # reused KV is this request's own
+        self._check_query_windows(req.request_id, p, len(req.prompt) - 1)  # the prefill's queries
         self._write(req.request_id, range(p, len(req.prompt)))
 
     @precondition(lambda self: len(self.live) < 3)
@@ -280,6 +281,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for req, p in zip(reqs, ps):
             self._admitted(req, p)
             self._check_seq_content(req.request_id, p)
+            self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
         for req, p in zip(reqs, ps):
             self._write(req.request_id, range(p, len(req.prompt)))
 
@@ -503,6 +505,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._engine_step()
         self._admitted(req, p)
         self._check_seq_content(req.request_id, p)
+        self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
         self._write(req.request_id, range(p, len(req.prompt)))
 
     # ------------------------------------------------------------------ invariants
