@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 CacheType = Literal["self", "cross", "self_k_only"]
 Layout = Literal["block_first", "layer_first"]
+EventHash = Literal["sha256", "trtllm64"]
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -86,7 +87,9 @@ class CacheConfig:
 
     `primary_blocks` / `secondary_blocks` are per attention window: an int gives every window
     that many blocks, a dict maps window -> blocks. `attention_windows` is a per-layer cycle
-    (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`.
+    (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`. `event_hash` picks
+    the block-hash formula of KV events: "sha256" (default; 32-byte hashes) or "trtllm64"
+    (TensorRT-LLM's 64-bit `BlockKeyHasher`, int hashes; see docs/semantics.md).
     """
 
     tokens_per_block: int
@@ -109,6 +112,7 @@ class CacheConfig:
     event_buffer_max_size: int = 0
     max_num_tokens: int | None = None
     layout: Layout = "block_first"
+    event_hash: EventHash = "sha256"
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -164,6 +168,8 @@ class CacheConfig:
             raise ValueError(f"event_buffer_max_size must be an int >= 0, got {self.event_buffer_max_size!r}")
         if self.max_num_tokens is not None and (not isinstance(self.max_num_tokens, int) or self.max_num_tokens < 1):
             raise ValueError(f"max_num_tokens must be a positive int or None, got {self.max_num_tokens!r}")
+        if self.event_hash not in ("sha256", "trtllm64"):
+            raise ValueError(f"event_hash must be 'sha256' or 'trtllm64', got {self.event_hash!r}")
 
     def __hash__(self) -> int:
         return hash(tuple(_canonical(getattr(self, f.name)) for f in dataclasses.fields(self)))

@@ -1,4 +1,4 @@
-"""`KVCacheManager`: the public ledger API (TensorRT-LLM's `KVCacheManager`, SPEC §4).
+"""`KVCacheManager`: the public ledger API (TensorRT-LLM's `KVCacheManager`; docs/semantics.md).
 
 Validates every argument before touching state, so a failed call leaves the ledger exactly as
 it was; delegates block decisions to `BlockManager`; answers the scheduler's questions; and
@@ -37,23 +37,27 @@ _MAX_TOKEN_ID = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class PrefixReuseSummary:
-    """One tree walk's answer to "how much of this prompt is cached?" (scheduler input).
+    """Admission's own plan, read-only: "how much of this prompt is cached, and what would
+    admitting it take?" (scheduler input; one tree walk per window).
 
-    `reusable_blocks_all`: full blocks of the usable prompt found in the tree;
+    `reusable_blocks_all`: full blocks of the prompt admission would reuse (largest window);
     `reusable_blocks_allocated`: those already referenced by live sequences (the only ones a
     block budget may subtract: free cached blocks already count as free supply);
     `total_matched_tokens`: tokens admission would prepopulate (partial matches included);
-    `first_new_block`: index of the first context block admission must allocate.
+    `first_new_block`: index of the first context block admission must allocate;
+    `admission_blocks`: per window (ascending), the free primary blocks that window must have
+    for the admission to succeed now (what `needed_blocks_one_step` answers, drafts aside).
     """
 
     reusable_blocks_all: int
     reusable_blocks_allocated: int
     total_matched_tokens: int
     first_new_block: int
+    admission_blocks: tuple[int, ...] = ()
 
 
 class KVCacheManager:
-    """Host ledger of a paged KV cache. See SPEC §3 for the semantics of every call."""
+    """Host ledger of a paged KV cache. docs/semantics.md states the semantics of every call."""
 
     def __init__(self, config: CacheConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(config, CacheConfig):
@@ -191,7 +195,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ growth
     def add_token(self, request_id: Hashable, token: int | Seq[int]) -> None:
-        """Append one generated (or draft) token, allocating a block when it starts one."""
+        """Append one generated (or draft) token, allocating a block when it starts one. With
+        several beams, `token` is one int per beam, or one int that every beam appends."""
         try:
             seq = self._seqs[request_id]
         except (KeyError, TypeError):
@@ -230,8 +235,8 @@ class KVCacheManager:
         tpb = self._tpb
         at = min(len(seq.windows[0].beams[0]) * tpb + 1, self._max_seq_len + 1)
         for wm in self._bm.windows:
-            if wm.is_swa:
-                at = min(at, wm.window + (seq.windows[wm.index].num_front_removed + 1) * tpb)
+            if wm.is_swa:  # the token count at which the next front block may leave the window
+                at = min(at, wm.window + seq.num_draft_tokens + (seq.windows[wm.index].num_front_removed + 1) * tpb)
         seq.slow_at = at
 
     def _beam_token(self, seq: Sequence, token) -> int:
@@ -242,8 +247,8 @@ class KVCacheManager:
             if not 0 <= token <= _MAX_TOKEN_ID:
                 raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
             return token
-        if hasattr(token, "__index__"):
-            token = [token]
+        if hasattr(token, "__index__"):  # one token for every beam
+            token = [token] * seq.beam_width
         try:
             tokens = [int(t.__index__()) for t in token]
         except (TypeError, AttributeError):
@@ -256,8 +261,12 @@ class KVCacheManager:
 
     def rewind(self, request_id: Hashable, n: int) -> None:
         """Drop the last `n` generated tokens (rejected draft tokens). Blocks left empty are
-        released to the front of their queue; a cached block whose tail will be rewritten
-        leaves the tree (or, if others use it, is copied first)."""
+        released to the front of their queue. The block that keeps the new last token but
+        loses later positions is copied first if anyone else holds it (a pin, another
+        sequence), so pinned and shared KV never changes; else, if cached, it leaves the tree.
+
+        Sliding windows keep the blocks `num_draft_tokens` rewinds need; a longer rewind whose
+        next query would see a released block raises `InvalidRequestError` and changes nothing."""
         seq = self._seq(request_id)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidRequestError(f"rewind count must be an int >= 0, got {n!r}")
@@ -273,13 +282,19 @@ class KVCacheManager:
         new_n = seq.num_tokens - n
         last = (new_n - 1) // tpb
         filled = new_n - last * tpb
+        rewrites = filled < tpb  # block `last` loses positions that later tokens will rewrite
+        query = seq.context_position if seq.context_position < seq.prompt_len else new_n - 1
+        released = self._bm.released_blocks_visible(seq, query)
+        if released:
+            raise InvalidRequestError(
+                f"cannot rewind {n} tokens of request {request_id!r}: the next query (position {query}) would see "
+                f"blocks window(s) {released} already released (rewinds up to num_draft_tokens="
+                f"{seq.num_draft_tokens} are always kept)"
+            )
         cow = []
         for wm in self._bm.windows:
-            sw = seq.windows[wm.index]
-            if last < sw.num_front_removed:
-                raise InvalidRequestError(f"cannot rewind into blocks window {wm.window} already released")
-            blk = sw.beams[0][last]
-            if blk.node is not None and blk.node.key.num_tokens > filled and blk.ref_count > 1:
+            blk = seq.windows[wm.index].beams[0][last]
+            if rewrites and blk.ref_count > 1:
                 cow.append(wm)
         for wm in cow:  # blocks the rewind itself frees may receive the copy
             freed = sum(1 for b in seq.windows[wm.index].beams[0][last + 1 :] if b.ref_count == 1)
@@ -292,15 +307,14 @@ class KVCacheManager:
                 wm.release_block(beam.pop(), to_front=True)
                 slots.pop()
             blk = beam[last]
-            if blk.node is not None and blk.node.key.num_tokens > filled:
-                if wm in cow:
-                    fresh = wm.copy_prefix(blk, filled, None, None)
-                    fresh.ref_count += 1
-                    wm.release_block(blk)
-                    beam[last] = fresh
-                    slots[last] = fresh.slot
-                else:
-                    wm.drop_cached(blk, evicted=False)
+            if wm in cow:
+                fresh = wm.copy_prefix(blk, filled, None, None)
+                fresh.ref_count += 1
+                wm.release_block(blk)
+                beam[last] = fresh
+                slots[last] = fresh.slot
+            elif blk.node is not None and blk.node.key.num_tokens > filled:
+                wm.drop_cached(blk, evicted=False)
             if sw.store_depth > last:
                 sw.store_node, sw.store_depth = None, 0
         del seq.tokens[new_n:]
@@ -315,6 +329,11 @@ class KVCacheManager:
         seq = self._seq(request_id)
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= seq.num_tokens:
             raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
+        released = self._bm.released_blocks_visible(seq, position) if position < seq.prompt_len else None
+        if released:
+            raise InvalidRequestError(
+                f"request {request_id!r}: a chunk starting at {position} would see blocks window(s) {released} already released"
+            )
         seq.context_position = position
 
     # ------------------------------------------------------------------ storing for reuse
@@ -546,20 +565,19 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ scheduler queries
     def analyze_prefix_reuse(self, request: Request) -> PrefixReuseSummary:
-        """One tree walk (largest window) summarising what admission would reuse."""
+        """Run admission's planning (tree walks, safe prefix, in-place or copy) without
+        committing anything, and summarise it."""
         bm = self._bm
         if not isinstance(request, Request):
             raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
-        if not bm.reuse or not request.prompt:
-            return PrefixReuseSummary(0, 0, 0, 0)
-        seq = Sequence(request, len(bm.windows), False)
-        wm = bm.windows[-1]
-        n_ctx = -(-seq.prompt_len // self._tpb)
-        shared = n_ctx if seq.beam_width == 1 else n_ctx - 1
-        wa = bm.walk(wm, seq, seq.prompt_len - 1, shared)
+        if bm.is_cross and request.encoder_len is None:
+            raise InvalidRequestError("a cross-attention cache needs request.encoder_len")
+        adm = bm.plan_sequence(Sequence(request, len(bm.windows), bm.is_cross))
+        blocks = tuple(bm.window_need(wm, [adm]).required for wm in bm.windows)
+        wa = adm.windows[-1]
         full = [b for b in wa.matched if b is not None]
         allocated = sum(1 for b in full if b.ref_count > 0)
-        return PrefixReuseSummary(len(full), allocated, wa.coverage, len(wa.matched))
+        return PrefixReuseSummary(len(full), allocated, adm.prepopulated, len(wa.matched), blocks)
 
     def _resolve(self, request_or_id) -> tuple[Request, Sequence | None]:
         if isinstance(request_or_id, Request):
@@ -575,30 +593,32 @@ class KVCacheManager:
         *,
         summary: PrefixReuseSummary | None = None,
     ) -> int:
-        """Blocks the next step needs: the whole context for a request not yet admitted (minus
-        reusable blocks already referenced by others: free cached ones are already counted
-        as free), else the generation growth. Pass a cached `summary` to skip the tree walk.
+        """Blocks the next step needs in `window`.
 
-        Sliding windows: admission allocates every prompt block (out-of-window ones are only
-        released as generation proceeds), so the context branch does not cap the prompt at
-        `window + chunk` as TensorRT-LLM's formula does; it would under-reserve.
+        For a request not yet admitted: the free primary blocks admission needs now (from
+        admission's own plan: matches, the safe sliding-window prefix, onboards, partial
+        copies, fresh blocks), plus the blocks its first step's draft tokens start. Whenever
+        every window's answer is at most its `num_free_blocks`, `add_sequence` succeeds, and
+        a batch whose summed answers fit is admitted by `add_sequences`. Without drafts the
+        answer is exact: admission takes that many blocks, or one fewer when the plan copies a
+        free block and allocates nothing else, as the copy source cannot be its own target.
+        Pass the `summary` of `analyze_prefix_reuse` to skip the tree walks.
+
+        For an admitted request: the blocks the next one (or two) steps of generation, draft
+        tokens included, start (out-of-window releases not credited).
         """
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
-        cfg, tpb = self.config, self._tpb
-        bubble = cfg.sink_bubble_length
+        tpb = self._tpb
         beam = request.beam_width
-        if seq is None:  # context phase, first chunk
-            chunk = request.max_new_tokens  # TensorRT-LLM's (sic) chunkSize
-            prompt_len = request.encoder_len if self._bm.is_cross else len(request.prompt)
-            span = prompt_len if wm.is_swa else wm.window + chunk
-            length = min(prompt_len + request.num_draft_tokens, span) + bubble
-            shared = length // tpb
-            needed = shared + -(-(length % tpb) // tpb) * beam
-            if self._bm.reuse and not cfg.is_variable_window:
-                recoverable = (min(prompt_len, span) - 1) // tpb
-                summary = summary or self.analyze_prefix_reuse(request)
-                needed -= min(summary.reusable_blocks_allocated, recoverable, shared)
+        if seq is None:  # context phase
+            if summary is None or len(summary.admission_blocks) != len(self._bm.windows):
+                summary = self.analyze_prefix_reuse(request)
+            needed = summary.admission_blocks[wm.index]
+            if request.num_draft_tokens and not self._bm.is_cross:  # added by the first step
+                prompt_len = len(request.prompt)
+                with_drafts = min(prompt_len + request.num_draft_tokens, self._max_seq_len)
+                needed += (-(-with_drafts // tpb) - -(-prompt_len // tpb)) * beam
             return needed
         if seq.is_cross or seq.context_position < seq.prompt_len:
             return 0
@@ -615,8 +635,8 @@ class KVCacheManager:
     ) -> int:
         """Blocks still to allocate for the request to finish (TensorRT-LLM's formula for full
         attention). A sliding window holds at most its prompt at admission, then at most
-        `ceil(window / tokens_per_block) + 1` blocks (growth is paid for by out-of-window releases),
-        so its remaining need is the peak of those minus what is held now."""
+        `ceil((window + num_draft_tokens) / tokens_per_block) + 1` blocks (growth is paid for by
+        out-of-window releases), so its remaining need is the peak of those minus what is held now."""
         wm = self._window_manager(window)
         request, seq = self._resolve(request_or_id)
         cfg, tpb = self.config, self._tpb
@@ -634,10 +654,15 @@ class KVCacheManager:
             if reuse_ok:
                 summary = summary or self.analyze_prefix_reuse(request)
                 ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
-            # held blocks peak at ceil(window / tpb) + 1: a new block is allocated before the
-            # token's detach releases the front one
-            steady = min(-(-(final + bubble) // tpb), -(-wm.window // tpb) + 1) * beam
-            peak = max(ctx if seq is None else held, steady)
+            # held blocks peak at ceil((window + drafts) / tpb) + 1: the blocks the oldest draft
+            # query sees, and a new block is allocated before the token's detach releases one
+            span = wm.window + request.num_draft_tokens
+            steady = min(-(-(final + bubble) // tpb), -(-span // tpb) + 1) * beam
+            # until the first token is added nothing has left the window: if that token starts
+            # a block, the whole context plus one block is held for a moment
+            cur = prompt_len if seq is None else seq.num_tokens
+            first = (ctx if seq is None else held) + beam * int(cur < final and (cur + bubble) % tpb == 0)
+            peak = max(first, steady)
             return max(0, peak - held)
         span = wm.window + wm.temporary_window
         ctx = (min(prompt_len, span) + bubble) // tpb

@@ -31,7 +31,7 @@ class Router:
         policy: RoutingPolicy,
         *,
         tokens_per_block: int,
-        hash_kind: str = "trtllm",
+        hash_kind: str = "sha256",
         index: PrefixIndex | None = None,
     ) -> None:
         if not replicas:

@@ -325,7 +325,8 @@ def simulate(
     if len(by_id) != len(items):
         raise ValueError("work item ids must be unique")
     reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size) for i in range(replicas)]
-    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block)
+    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block,
+                    hash_kind=cache_config.event_hash)
     children: dict[str, list[WorkItem]] = collections.defaultdict(list)
     heap: list[tuple] = []
     seq = 0

@@ -2,9 +2,9 @@
 a slot-content model that replays `TransferPlan`s op by op.
 
 Only public API plus the documented inspection handle `KVCacheManager.block(id, window)` is
-used to read results; free-queue order is read from the eviction policy because SPEC §3 pins
-it ("never-used before released, release to the back, last block first") and no public query
-exposes it.
+used to read results; free-queue order is read from the eviction policy because
+docs/semantics.md pins it ("never-used before released, release to the back, last block
+first") and no public query exposes it.
 """
 from __future__ import annotations
 
