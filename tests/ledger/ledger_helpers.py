@@ -137,3 +137,34 @@ class SlotModel:
 
 def salt(s):
     return cache_salt_id(s)
+
+
+def busy_manager() -> KVCacheManager:
+    """A ledger with a bit of everything: live sequences (one with two beams), cached, offloaded
+    and onboarded blocks, pinned blocks of a removed request, an armed retention expiry, pending
+    and published events, and an open one-op transfer plan (a partial-reuse copy)."""
+    from kvjax import Request, RetentionConfig, TokenRangeRetention
+
+    clock = FakeClock()
+    m = make_manager(clock=clock, primary_blocks=14, secondary_blocks=2, max_beam_width=2, event_buffer_max_size=256)
+    keep = RetentionConfig((TokenRangeRetention(0, None, 60, 100.0),))
+    m.add_sequence(Request("seed", list(range(9)), retention=keep))
+    m.remove_sequence("seed")  # blocks of [0..8) cached at priority 60, expiry armed
+    m.add_sequence(Request("big", list(range(500, 552))))  # 13 blocks: offloads the seed chain
+    m.remove_sequence("big", store_for_reuse=False)
+    m.add_sequence(Request("a", list(range(13)), max_new_tokens=6))  # onboards the seed chain
+    m.add_token("a", 13)
+    m.add_token("a", 14)
+    m.add_sequence(Request("b", list(range(100, 106)), max_new_tokens=4, beam_width=2))
+    m.add_sequence(Request("p", list(range(200, 205))))
+    m.pin_blocks("p")
+    m.remove_sequence("p")
+    m.store_context_blocks("a")
+    m.flush_iteration_events()
+    m.take_transfers()
+    m.add_sequence(Request("c", [0, 1, 2, 3, 4, 5, 99, 98]))  # block [4..8) of "a" copied: 2 tokens
+    plan = m.take_transfers()
+    assert len(plan) == 1 and TransferKind(int(plan.kind[0])) is TransferKind.COPY, plan_ops
+    m.store_context_blocks("b")  # a pending Stored event
+    m.verify_integrity()
+    return m
