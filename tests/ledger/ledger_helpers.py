@@ -103,21 +103,30 @@ class SlotModel:
         self.secondary = {p.index: [[None] * self.tpb for _ in range(max(p.secondary_blocks, 0))] for p in config.pools}
 
     def apply(self, plan) -> None:
-        tpb = self.tpb
         for op in plan:
-            kind, pool, src, dst, n = TransferKind(op.kind), op.pool, op.src, op.dst, op.num_tokens
-            pspec = self.config.pools[pool]
-            assert 1 <= n <= tpb, op
-            if kind is TransferKind.OFFLOAD:
-                assert n == tpb, op
-                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.secondary_blocks, op
-                self.secondary[pool][dst] = list(self.primary[pool][src])
-            elif kind is TransferKind.ONBOARD:
-                assert 0 <= src < pspec.secondary_blocks and 0 <= dst < pspec.primary_blocks, op
-                self.primary[pool][dst] = list(self.secondary[pool][src][:n]) + [None] * (tpb - n)
-            else:
-                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.primary_blocks and src != dst, op
-                self.primary[pool][dst] = list(self.primary[pool][src][:n]) + [None] * (tpb - n)
+            self.apply_op(op.kind, op.pool, op.src, op.dst, op.num_tokens)
+
+    def apply_op(self, kind: int, pool: int, src: int, dst: int, n: int) -> None:
+        """One plan entry (`apply` is these in order)."""
+        tpb, op = self.tpb, (kind, pool, src, dst, n)
+        kind = TransferKind(kind)
+        pspec = self.config.pools[pool]
+        assert 1 <= n <= tpb, op
+        if kind is TransferKind.OFFLOAD:
+            assert n == tpb, op
+            assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.secondary_blocks, op
+            self.secondary[pool][dst] = list(self.primary[pool][src])
+        elif kind is TransferKind.ONBOARD:
+            assert 0 <= src < pspec.secondary_blocks and 0 <= dst < pspec.primary_blocks, op
+            self.primary[pool][dst] = list(self.secondary[pool][src][:n]) + [None] * (tpb - n)
+        else:
+            assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.primary_blocks and src != dst, op
+            self.primary[pool][dst] = list(self.primary[pool][src][:n]) + [None] * (tpb - n)
+
+    def lose(self, kind: int, pool: int, dst: int, n: int, garbage=("lost",)) -> None:
+        """A failed plan entry: its destination's first `n` positions hold garbage."""
+        store = self.secondary if TransferKind(kind) is TransferKind.OFFLOAD else self.primary
+        store[pool][dst] = [garbage] * n + list(store[pool][dst][n:])
 
     def write(self, window: int, slot: int, offset: int, value) -> None:
         for p in self.config.pools:

@@ -19,14 +19,11 @@ LOST = ("lost",)  # what a failed op leaves in its destination
 
 def replay(model: SlotModel, plan, failed=()) -> None:
     """Apply `plan` to the slot model; failed ops leave garbage in their destination."""
-    tpb = model.tpb
     for i, op in enumerate(plan):
         if i in failed:
-            store = model.secondary if TransferKind(op.kind) is TransferKind.OFFLOAD else model.primary
-            store[op.pool][op.dst] = [LOST] * op.num_tokens + list(store[op.pool][op.dst][op.num_tokens :])
+            model.lose(op.kind, op.pool, op.dst, op.num_tokens, LOST[0])
         else:
-            model.apply(type(plan).from_ops([tuple(op)]))
-    assert all(len(v) == tpb for v in model.primary[0])
+            model.apply_op(*op)
 
 
 def write(m: KVCacheManager, model: SlotModel, rid, tokens, positions) -> None:
