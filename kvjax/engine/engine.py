@@ -30,7 +30,7 @@ import numpy as np
 
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.errors import OutOfBlocksError
+from kvjax.errors import OutOfBlocksError, TransferError
 from kvjax.engine.batching import Row, build_batch
 from kvjax.engine.config import EngineConfig, device_config
 from kvjax.engine.metrics import RequestRecord, RunMetrics, StepRecord
@@ -120,6 +120,7 @@ class _Session:
         self.accounting_misses = 0
         self.deferred = 0
         self.admitted_stats: list = []  # ledger RequestStats of every admission
+        self._stats_index: dict[str, int] = {}  # request -> index of its latest admission's stats
         self.steps: list[StepRecord] = []
         self._admitted_tokens = 0
         self._reused_tokens = 0
@@ -200,13 +201,18 @@ class _Session:
             if n > 0:
                 prefill.append((r, n))
                 budget -= n
-        # 5. data movements decided by this step's ledger calls, before any forward
+        # 5. data movements decided by this step's ledger calls, before any forward; what did
+        #    not arrive leaves the ledger's cache and the requests that relied on it recompute
         plan = led.take_transfers()
         if len(plan):
             from kvjax.device import apply_transfers
 
             with self.clock.measuring():
-                self.pools = apply_transfers(self.pools, plan)
+                try:
+                    self.pools = apply_transfers(self.pools, plan)
+                except TransferError as e:
+                    self.pools = self.pools if e.pools is None else e.pools
+                    prefill = self._transfers_failed(led.transfers_failed(plan, e.op_indices), prefill)
         # 6. forwards + sampling
         finished = 0
         if decode:
@@ -245,6 +251,35 @@ class _Session:
             self.progress(finished)
 
     # ------------------------------------------------------------------ pieces
+    def _transfers_failed(self, failure, prefill: list) -> list:
+        """Rewind the prefill of every request a failed transfer cut back (the ledger already
+        dropped the lost blocks); a request that cannot recompute in place is admitted again.
+        Only admissions move blocks, so only this step's admissions can be affected."""
+        led = self.ledger
+        for rid, valid in failure.recompute_from.items():
+            r = self.running[rid]
+            if r.phase is not Phase.CONTEXT:
+                raise EngineInvariantError(f"{rid}: a failed transfer hit a {r.phase.value} request")
+            adm = r.admissions[-1]
+            lost = adm.reused - valid
+            self._reused_tokens -= lost
+            i = self._stats_index[rid]
+            if rid in failure.readmit:  # undo the admission: back to the front of the queue
+                self.admitted_stats[i] = dataclasses.replace(led.request_stats(rid), prepopulated_tokens=0)
+                led.remove_sequence(rid, store_for_reuse=True)  # stores only what is still valid
+                del self.running[rid]
+                r.admissions.pop()
+                r.phase = Phase.WAITING
+                self._admitted_tokens -= len(r.context)
+                self._reused_tokens -= valid
+                self.waiting.appendleft(r)
+                prefill = [(x, n) for x, n in prefill if x is not r]
+                continue
+            self.admitted_stats[i] = led.request_stats(rid)
+            r.admissions[-1] = dataclasses.replace(adm, reused=valid)
+            r.context_pos = valid
+        return prefill
+
     def _release(self, now: float) -> None:
         """Move arrived requests (arrival step reached) to the back of the waiting queue."""
         while self.future and self.future[0][0] <= self.step:
@@ -296,6 +331,7 @@ class _Session:
             stats = led.request_stats(r.request_id)
             if stats.prepopulated_tokens != p:
                 raise EngineInvariantError(f"{r.request_id}: add_sequence returned {p}, request_stats says {stats.prepopulated_tokens}")
+            self._stats_index[r.request_id] = len(self.admitted_stats)
             self.admitted_stats.append(stats)
             r.context = r.prompt + r.output
             r.context_pos = p
