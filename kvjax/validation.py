@@ -32,9 +32,12 @@ def check_int(
     name: str, x: object, lo: int | None = 0, hi: int | None = INT32_MAX, *, error: type[Exception] = InvalidArgumentError
 ) -> int:
     """`x` as an `int` in `[lo, hi]` (None: unbounded on that side)."""
-    if not is_int(x):
+    if type(x) is int:
+        v = x
+    elif is_int(x):
+        v = int(x)
+    else:
         raise error(f"{name} must be an int, got {x!r} ({type(x).__name__})")
-    v = int(x)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         lo_s = "-inf" if lo is None else lo
         hi_s = "inf" if hi is None else hi
@@ -47,6 +50,8 @@ def check_opt_int(name: str, x: object, lo: int | None = 0, hi: int | None = INT
 
 
 def check_bool(name: str, x: object, *, error: type[Exception] = InvalidArgumentError) -> bool:
+    if x is True or x is False:
+        return x
     if not isinstance(x, _BOOLS):
         raise error(f"{name} must be a bool, got {x!r} ({type(x).__name__})")
     return bool(x)
@@ -80,7 +85,10 @@ def check_hashable_id(name: str, x: object, *, error=InvalidRequestError) -> Non
 
 
 def check_id_list(name: str, ids: object, *, error=InvalidArgumentError) -> list:
-    """A collection (a list, tuple, range, set, 1-D array or generator; not a str) as a list."""
+    """A collection (a list, tuple, range, set, 1-D array or generator; not a str) as a list
+    (a list or tuple is returned as it is)."""
+    if type(ids) is list or type(ids) is tuple:
+        return ids
     if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable):
         raise error(f"{name} must be a collection, got {ids!r}")
     try:

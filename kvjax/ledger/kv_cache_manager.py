@@ -190,7 +190,6 @@ class KVCacheManager:
         if rest and (bool in set(map(type, rest)) or min(rest) < 0 or max(rest) > _MAX_TOKEN_ID):
             raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
 
-    @writer
     def add_sequence(self, request: Request) -> int:
         """Admit a request: reuse cached prefix blocks, allocate the rest of its prompt.
         Returns the prepopulated prompt length (tokens whose KV is already cached)."""
@@ -236,11 +235,17 @@ class KVCacheManager:
             seq.tokens.append(token)  # nothing to allocate or detach before `slow_at`
             seq.num_tokens = n
             return
-        self._add_token_slow(seq, token, n)
+        lock = self._lock  # the fast path above takes no lock (kvjax/ledger/concurrency.py)
+        lock.acquire()
+        try:
+            self._add_token_slow(seq, token, n)
+            self._version += 1
+        finally:
+            lock.release()
 
-    @writer
     def _add_token_slow(self, seq: Sequence, token, n: int) -> None:
-        token = check_token_arg(token)
+        if type(token) is not int:
+            token = check_token_arg(token)
         if seq.is_cross:
             raise InvalidRequestError("a cross-attention cache does not grow token by token")
         if type(token) is not int or seq.beam_width != 1:
@@ -387,12 +392,25 @@ class KVCacheManager:
         if self._can_store(seq):
             self._bm.store(seq, min(self._materialised(seq), seq.prompt_len), allow_partial=False)
 
-    @writer
     def store_new_block(self, request_id: Hashable) -> None:
         """During generation: make newly completed full blocks reusable (beam width 1 only)."""
         seq = self._seq(request_id)
-        if self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, self._materialised(seq), allow_partial=False)
+        if self._can_store(seq) and seq.beam_width == 1 and self._completed_unstored(seq):
+            self._store_new(seq)
+
+    def _completed_unstored(self, seq: Sequence) -> bool:
+        """Has a full block completed since the last store? Most calls (one per decode token)
+        answer no and change nothing, so they skip the lock."""
+        n_full = self._materialised(seq) // self._tpb
+        for sw in seq.windows:
+            node = sw.store_node
+            if n_full > (sw.store_depth if node is not None and node.attached else 0):
+                return True
+        return False
+
+    @writer
+    def _store_new(self, seq: Sequence) -> None:
+        self._bm.store(seq, self._materialised(seq), allow_partial=False)
 
     @writer
     def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:

@@ -38,15 +38,16 @@ def check_table_ids(request_ids: object) -> list[Hashable]:
     """Request ids of a block table: a collection, each id once (a repeated row would make a
     forward write the same positions twice)."""
     ids = check_id_list("request_ids", request_ids)
-    if len(ids) > 1:
+    try:
+        unique = len(set(ids)) == len(ids)
+    except TypeError:  # an unhashable id: the lookup reports it as unknown
+        return ids
+    if not unique:
         seen: set = set()
         for rid in ids:
-            try:
-                if rid in seen:
-                    raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
-                seen.add(rid)
-            except TypeError:
-                pass  # unhashable: the lookup reports it as unknown
+            if rid in seen:
+                raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
+            seen.add(rid)
     return ids
 
 
