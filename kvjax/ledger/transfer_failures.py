@@ -150,7 +150,10 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
                     if blk in blocks and (cut is None or pos * tpb < cut):
                         cut = pos * tpb
                         break
-        if cut is None or cut >= m._materialised(seq):
+        # KV may exist up to the context position during a prefill, else for every token (the
+        # newest one's too: after a rewind it was computed as a draft)
+        computed = seq.context_position if seq.context_position < seq.prompt_len else seq.num_tokens
+        if cut is None or cut >= computed:
             continue  # the lost positions were never computed: the next forward writes them
         _cut_back(m, seq, cut)
         recompute[rid] = cut

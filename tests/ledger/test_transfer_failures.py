@@ -262,3 +262,28 @@ def plan_ops_of(plan):
 def test_plan_ops_helper_agrees():
     m = KVCacheManager(make_config())
     assert plan_ops(m) == []
+
+
+def test_failed_rewind_copy_recomputes_the_kept_newest_token():
+    """A rewind into a shared block copies the kept tokens first; if that copy fails, even the
+    newest kept token (computed as a draft) must be recomputed."""
+    m = KVCacheManager(make_config())
+    model = SlotModel(m.config)
+    toks = list(range(8)) + [50, 51, 52]
+    m.add_sequence(Request("a", toks[:8], max_new_tokens=8))
+    write(m, model, "a", toks, range(8))
+    for t in toks[8:]:
+        m.add_token("a", t)
+    write(m, model, "a", toks, range(8, 11))
+    m.take_transfers()
+    m.store_blocks_for_reuse("a", pin=True)  # block [8, 10) cached with 2 tokens, and pinned
+    m.rewind("a", 2)  # keeps 9 tokens: position 8 of the shared block is copied first
+    plan = m.take_transfers()
+    assert [op[0] for op in plan_ops_of(plan)] == ["COPY"]
+    replay(model, plan, {0})
+    out = m.transfers_failed(plan)
+    assert out.recompute_from == {"a": 8}
+    write(m, model, "a", toks, [8])
+    check_reads_own_tokens(m, model, "a", toks, 9)
+    m.set_context_position("a", 9)
+    m.verify_integrity()
