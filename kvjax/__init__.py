@@ -6,6 +6,7 @@ Importing `kvjax` does not import JAX: the device names below load on first use.
 """
 from kvjax.config import CacheConfig, PoolSpec
 from kvjax.errors import (
+    ArgumentTypeError,
     DuplicateRequestError,
     IntegrityError,
     InvalidArgumentError,
@@ -13,6 +14,8 @@ from kvjax.errors import (
     KVCacheError,
     OutOfBlocksError,
     SchedulingStateError,
+    TransferError,
+    TransferSequenceError,
     UnknownBlockError,
     UnknownRequestError,
 )
@@ -31,6 +34,7 @@ _LEDGER_NAMES = {
     "KVCacheStats",
     "RequestStats",
     "IterationStats",
+    "TransferFailure",
 }
 _DEVICE_NAMES = {"KVPools", "allocate_pools", "apply_transfers", "write_kv", "gather_kv", "paged_attention"}
 
@@ -67,6 +71,9 @@ __all__ = sorted(
         "UnknownBlockError",
         "SchedulingStateError",
         "IntegrityError",
+        "ArgumentTypeError",
+        "TransferError",
+        "TransferSequenceError",
     }
     | _LEDGER_NAMES
     | _DEVICE_NAMES
