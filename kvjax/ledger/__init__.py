@@ -23,5 +23,6 @@ from kvjax.ledger.events import (
 from kvjax.ledger.kv_cache_manager import KVCacheManager, PrefixReuseSummary
 from kvjax.ledger.radix_tree import RadixNode, UnifiedBlockTree
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
+from kvjax.ledger.transfer_failures import TransferFailure
 from kvjax.ledger.window_manager import WindowBlockManager
 from kvjax.ledger.block_manager import BlockManager

@@ -169,6 +169,12 @@ class UnifiedBlockTree:
                     if not bucket:
                         del parent.partial_index[bucket_key]
             node.attached = False
+            # Break the run links both ways: a live predecessor (always the parent) would
+            # keep the pruned node, its successors and their token run alive for good.
+            if parent.next_in_run is node:
+                parent.next_in_run = None
+            node.next_in_run = None
+            node.run = None
             self.num_nodes -= 1
             node = parent
 

@@ -147,7 +147,11 @@ def test_not_a_request(m):
 
 
 def test_unhashable_request_id(m):
-    unchanged(m, InvalidRequestError, m.add_sequence, Request(["x"], [1, 2]))
+    with pytest.raises(InvalidRequestError):
+        Request(["x"], [1, 2])
+    r = Request("ok", [1, 2])
+    r.request_id = ["x"]  # a Request is mutable: admission checks again
+    unchanged(m, InvalidRequestError, m.add_sequence, r)
 
 
 def test_prompt_exactly_max_seq_len_is_fine(m):
