@@ -42,8 +42,9 @@ def test_mgpu_gather_pages_interpret(layout):
     pool = small_pool(layout, jnp.bfloat16, rng)
     table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 6]], jnp.int32)  # 6 = null slot
     lens = jnp.array([11, 24], jnp.int32)  # a partial block and a full one
-    got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout, interpret=interp()))(pool, table, lens)
-    want = gather_pages.gather_pages_portable(pool, table, lens, layer=1, layout=layout)
+    layer = jnp.array([1], jnp.int32)
+    got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layout=layout, interpret=interp()))(pool, table, lens, layer)
+    want = gather_pages.gather_pages_portable(pool, table, lens, layer, layout=layout)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert_no_races()
@@ -61,8 +62,8 @@ def test_mgpu_write_pages_interpret(layout):
         if slot[i] >= 0:
             idx = (int(slot[i]), 1) if layout == "block_first" else (1, int(slot[i]))
             want[idx][:, :, int(off[i])] = kv[i]
-    got = jax.jit(functools.partial(write_pages.write_pages_mgpu, layer=1, layout=layout, interpret=interp()),
-                  donate_argnums=0)(jnp.array(pool), kv, slot, off)
+    got = jax.jit(functools.partial(write_pages.write_pages_mgpu, layout=layout, interpret=interp()),
+                  donate_argnums=0)(jnp.array(pool), kv, slot, off, jnp.array([1], jnp.int32))
     np.testing.assert_array_equal(np.asarray(got), want)
     assert_no_races()
 
@@ -101,9 +102,9 @@ def test_mgpu_kernels_cross_lower_for_h200(layout):
     big = (257, 4, 2, 8, 16, 128) if ba == 0 else (4, 257, 2, 8, 16, 128)
     pool = S(big, jnp.bfloat16)
     i32 = lambda *s: S(s, jnp.int32)  # noqa: E731
-    _lowered(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout), pool, i32(8, 32), i32(8))
-    txt = _lowered(functools.partial(write_pages.write_pages_mgpu, layer=3, layout=layout), pool,
-                   S((64, 2, 8, 128), jnp.bfloat16), i32(64), i32(64), donate=(0,))
+    _lowered(functools.partial(gather_pages.gather_pages_mgpu, layout=layout), pool, i32(8, 32), i32(8), i32(1))
+    txt = _lowered(functools.partial(write_pages.write_pages_mgpu, layout=layout), pool,
+                   S((64, 2, 8, 128), jnp.bfloat16), i32(64), i32(64), i32(1), donate=(0,))
     assert "tf.aliasing_output" in txt  # the donated pool is updated in place
     _lowered(functools.partial(copy_pages.gather_blocks_mgpu, block_axis=ba), pool, i32(16))
     _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba), pool,
@@ -119,11 +120,11 @@ def test_mgpu_paged_attention_cross_lowers(q_len, heads, tpb):
     """The wgmma kernel cannot run under the 0.12 GPU interpreter (no wgmma rule on CPU), so
     CI checks that it lowers; benchmarks/gpu_check.sh checks its numbers on a GPU."""
     pool = S((65, 2, 2, 2, tpb, 128), jnp.bfloat16)
-    fn = functools.partial(paged_attention.paged_attention_mgpu, layer=1, layout="block_first", scale=0.1, window=512)
-    _lowered(fn, S((4, q_len, heads, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32))
+    fn = functools.partial(paged_attention.paged_attention_mgpu, layout="block_first", scale=0.1, window=512)
+    _lowered(fn, S((4, q_len, heads, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32), S((1,), jnp.int32))
     lf = S((2, 65, 2, 2, tpb, 128), jnp.float16)
-    _lowered(functools.partial(paged_attention.paged_attention_mgpu, layer=0, layout="layer_first", scale=0.1, window=7),
-             S((2, q_len, heads, 128), jnp.float16), lf, S((2, 8), jnp.int32), S((2,), jnp.int32))
+    _lowered(functools.partial(paged_attention.paged_attention_mgpu, layout="layer_first", scale=0.1, window=7),
+             S((2, q_len, heads, 128), jnp.float16), lf, S((2, 8), jnp.int32), S((2,), jnp.int32), S((1,), jnp.int32))
 
 
 def test_mgpu_attention_rejects_unsupported_shapes():
@@ -133,4 +134,5 @@ def test_mgpu_attention_rejects_unsupported_shapes():
     assert paged_attention.mgpu_supported(jnp.bfloat16, 128, 32)
     with pytest.raises(ValueError, match="16-bit"):
         paged_attention.paged_attention_mgpu(jnp.ones((1, 1, 2, 64)), jnp.ones((3, 1, 2, 2, 8, 64)), jnp.zeros((1, 2), jnp.int32),
-                                             jnp.ones((1,), jnp.int32), layer=0, layout="block_first", scale=1.0, window=8)
+                                             jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32), layout="block_first",
+                                             scale=1.0, window=8)

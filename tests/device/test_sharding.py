@@ -60,9 +60,12 @@ def test_no_collectives_in_gather_and_write(mesh):
     table = jnp.zeros((4, 4), jnp.int32)
     lens = jnp.zeros((4,), jnp.int32)
     arr = pools.primary[0]
+    j = jnp.int32(0)  # the layer is a traced index
     for impl in ("xla", "pallas"):
-        hlo = gather_mod._gather_kv.lower(arr, table, lens, meta=pools.meta, layer=0, impl=impl).compile().as_text()
+        hlo = gather_mod._gather_kv.lower(arr, None, table, lens, j, meta=pools.meta, pool_index=0, impl=impl,
+                                          checked=False, out_dtype=arr.dtype).compile().as_text()
         assert not COLLECTIVES.findall(hlo), f"gather ({impl}) has collectives"
         k = jnp.zeros((4, 8, 8), jnp.float32)
-        hlo = write_mod._write_kv.lower(arr, k, k, jnp.zeros((4,), jnp.int32), meta=pools.meta, layer=0, impl=impl).compile().as_text()
+        hlo = write_mod._write_kv.lower(arr, None, k, k, jnp.zeros((4,), jnp.int32), j, meta=pools.meta, pool_index=0,
+                                        impl=impl, checked=False).compile().as_text()
         assert not COLLECTIVES.findall(hlo), f"write ({impl}) has collectives"
