@@ -3,8 +3,9 @@
 Output per field: `[batch, max_blocks * T, kv_heads, head_dim]`, zero at positions >= seq_len.
 `layer` is a `[1]` int32 array (the index inside the pool; it may be traced). Tables must
 already be safe (entries in `[0, num_slots)`): `kvjax.device.gather` maps bad entries to the
-null slot first. With `scales` (FP8 pools: `[slots, L, F, H]` or `[L, slots, F, H]`) every
-page is multiplied by its block scale and comes out as `out_dtype`.
+null slot first. With `scales` (FP8 pools, whose arrays hold uint8 bit patterns of
+`value_dtype`; scales `[slots, L, F, H]` or `[L, slots, F, H]`) every page is viewed as fp8,
+multiplied by its block scale and comes out as `out_dtype`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from jaxtyping import Array, Float, Int, Shaped
 from pallas_kernels._common import on_gpu, page_ref
 
 
-def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str, tpb: int, fields: int, scaled: bool):
+def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str, tpb: int, fields: int, scaled: bool,
+                     value_dtype):
     scale_ref = refs[0] if scaled else None
     out_refs = refs[1:] if scaled else refs
     b = pl.program_id(0)
@@ -33,7 +35,8 @@ def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str,
         for f, out_ref in enumerate(out_refs):
             page = pool_ref[idx + (f,)]  # [H, T, D]
             if scaled:
-                page = page.astype(jnp.float32) * scale_ref[idx + (f,)][:, None, None]  # [H, T, D]
+                page = jax.lax.bitcast_convert_type(page, value_dtype).astype(jnp.float32)
+                page = page * scale_ref[idx + (f,)][:, None, None]  # [H, T, D]
             page = jnp.transpose(page, (1, 0, 2)).astype(out_ref.dtype)  # [T, H, D]
             out_ref[0, pl.ds(m * tpb, tpb)] = jnp.where(pos < seq_len, page, jnp.zeros((), page.dtype))
         return carry
@@ -50,6 +53,7 @@ def gather_pages_portable(
     *,
     layout: str,
     out_dtype=None,
+    value_dtype=None,
     interpret=True,
 ) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
     """pallas_call, grid over the batch; pool, scales and table are whole-array refs."""
@@ -60,7 +64,8 @@ def gather_pages_portable(
     whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
     inputs = (block_table, seq_lens, layer, pool) + (() if scales is None else (scales,))
     return tuple(pl.pallas_call(
-        functools.partial(_portable_kernel, layout=layout, tpb=t, fields=f_, scaled=scales is not None),
+        functools.partial(_portable_kernel, layout=layout, tpb=t, fields=f_, scaled=scales is not None,
+                          value_dtype=value_dtype),
         grid=(b,),
         in_specs=[whole(x) for x in inputs],
         out_specs=[pl.BlockSpec((1, m * t, h, d), lambda i: (i, 0, 0, 0)) for _ in range(f_)],
@@ -138,14 +143,17 @@ def dequantize_pages(
     *,
     layout: str,
     out_dtype,
+    value_dtype,
 ) -> Float[Array, "batch positions kv_heads head_dim"]:
-    """Epilogue of the Mosaic GPU gather on FP8 pools: multiply gathered pages by their
-    block scales (an XLA fusion over the kernel's output; the kernel moves the fp8 bytes)."""
+    """Epilogue of the Mosaic GPU gather on FP8 pools: view the gathered bytes as fp8 and
+    multiply them by their block scales (an XLA fusion over the kernel's output; the kernel
+    moves the bytes)."""
     tpb = pages.shape[1] // block_table.shape[1]
     idx = (block_table, layer[0]) if layout == "block_first" else (layer[0], block_table)
     s = scales[idx + (field,)]  # [batch, blocks, H]
     s = jnp.repeat(s, tpb, axis=1)  # [batch, positions, H]
-    return (pages.astype(jnp.float32) * s[..., None]).astype(out_dtype)
+    values = jax.lax.bitcast_convert_type(pages, value_dtype).astype(jnp.float32)
+    return (values * s[..., None]).astype(out_dtype)
 
 
 def gather_pages(
@@ -157,12 +165,14 @@ def gather_pages(
     *,
     layout: str,
     out_dtype=None,
+    value_dtype=None,
 ) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
     out_dtype = jnp.dtype(pool.dtype if out_dtype is None else out_dtype)
     if not on_gpu():
-        return gather_pages_portable(pool, block_table, seq_lens, layer, scales, layout=layout, out_dtype=out_dtype)
+        return gather_pages_portable(pool, block_table, seq_lens, layer, scales, layout=layout, out_dtype=out_dtype,
+                                     value_dtype=value_dtype)
     pages = gather_pages_mgpu(pool, block_table, seq_lens, layer, layout=layout)
     if scales is None:
         return tuple(p.astype(out_dtype) for p in pages)
-    return tuple(dequantize_pages(p, scales, block_table, layer, f, layout=layout, out_dtype=out_dtype)
-                 for f, p in enumerate(pages))
+    return tuple(dequantize_pages(p, scales, block_table, layer, f, layout=layout, out_dtype=out_dtype,
+                                  value_dtype=value_dtype) for f, p in enumerate(pages))

@@ -45,7 +45,8 @@ def _block_range(seq_len, q_len: int, window: int, tpb: int, max_blocks: int):
     return lo, hi
 
 
-def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layout, scale, window, q_len, group, scaled):
+def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layout, scale, window, q_len, group, scaled,
+                     value_dtype):
     scale_ref = refs[0] if scaled else None
     o_ref = refs[-1]
     b, kh = pl.program_id(0), pl.program_id(1)
@@ -62,11 +63,11 @@ def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layou
         acc, m_i, l_i = carry
         slot = tbl_ref[b, m]
         idx = (slot, layer) if layout == "block_first" else (layer, slot)
-        k = pool_ref[idx + (0, kh)].astype(jnp.float32)  # [T, D]
-        v = pool_ref[idx + (fv, kh)].astype(jnp.float32)  # [T, D]
-        if scaled:  # FP8: dequantise the page with its block scale
-            k = k * scale_ref[idx + (0, kh)]
-            v = v * scale_ref[idx + (fv, kh)]
+        k, v = pool_ref[idx + (0, kh)], pool_ref[idx + (fv, kh)]  # [T, D] each
+        if scaled:  # FP8 (uint8 bit patterns): view as fp8, dequantise with the block scale
+            k = jax.lax.bitcast_convert_type(k, value_dtype).astype(jnp.float32) * scale_ref[idx + (0, kh)]
+            v = jax.lax.bitcast_convert_type(v, value_dtype).astype(jnp.float32) * scale_ref[idx + (fv, kh)]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * scale  # [R, T]
         kpos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (1, tpb), 1)  # [1, T]
         vis = (kpos <= qpos) & (kpos > qpos - window)  # [R, T]
@@ -93,6 +94,7 @@ def paged_attention_portable(
     layout: str,
     scale: float,
     window: int,
+    value_dtype=None,
     interpret=True,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """pallas_call, grid over (request, kv head); pool, scales and tables are whole-array refs."""
@@ -104,7 +106,7 @@ def paged_attention_portable(
     extra = () if scales is None else (scales,)
     out = pl.pallas_call(
         functools.partial(_portable_kernel, layout=layout, scale=scale, window=window, q_len=ql, group=hq // hkv,
-                          scaled=scales is not None),
+                          scaled=scales is not None, value_dtype=value_dtype),
         grid=(b, hkv),
         in_specs=[whole(block_table), whole(seq_lens), whole(layer),
                   pl.BlockSpec((1, 1, rows, d), lambda i, h: (i, h, 0, 0)),
@@ -277,10 +279,11 @@ def paged_attention(
     layout: str,
     scale: float,
     window: int,
+    value_dtype=None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     if not on_gpu():
         return paged_attention_portable(q, pool, block_table, seq_lens, layer, scales, layout=layout, scale=scale,
-                                        window=window)
+                                        window=window, value_dtype=value_dtype)
     if scales is not None:
         raise ValueError("the Mosaic GPU attention kernel takes 16-bit K/V; FP8 pools run the XLA path (impl='xla')")
     return paged_attention_mgpu(q, pool, block_table, seq_lens, layer, layout=layout, scale=scale, window=window)

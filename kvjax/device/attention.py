@@ -90,7 +90,8 @@ def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_le
     in_pool = j < pool.num_layers
     table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [batch, blocks]
     layer = jnp.where(in_pool, j, 0).reshape(1)  # [1]
-    fn = functools.partial(pa.paged_attention, layout=meta.geometry.layout, scale=scale, window=pool.window)
+    fn = functools.partial(pa.paged_attention, layout=meta.geometry.layout, scale=scale, window=pool.window,
+                           value_dtype=meta.geometry.jnp_dtype)
     args = (q, arr, table, seq_lens, layer) + (() if sarr is None else (sarr,))
     if meta.mesh is not None:
         rep = jax.sharding.PartitionSpec()

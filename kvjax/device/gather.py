@@ -78,7 +78,7 @@ def _gather_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, block_table, seq_l
         x = arr[at(meta.block_axis, slot, jj) + (f, slice(None), off, slice(None))]  # [batch, positions, H, D]
         if sarr is not None:
             scale = sarr[at(meta.block_axis, slot, jj) + (f,)]  # [batch, positions, H]
-            x = quant.dequantize(x, scale[..., None], out_dtype)
+            x = quant.dequantize(quant.from_bytes(x, meta.geometry.jnp_dtype), scale[..., None], out_dtype)
         out.append(x.astype(out_dtype))
     return tuple(out)
 
@@ -89,7 +89,8 @@ def _gather_pallas(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, block_table, se
     in_pool = j < pool.num_layers
     table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [batch, blocks]
     layer = jnp.where(in_pool, j, 0).reshape(1)  # [1]
-    fn = functools.partial(gather_pages.gather_pages, layout=meta.geometry.layout, out_dtype=out_dtype)
+    fn = functools.partial(gather_pages.gather_pages, layout=meta.geometry.layout, out_dtype=out_dtype,
+                           value_dtype=meta.geometry.jnp_dtype)
     args = (arr, table, seq_lens, layer) + (() if sarr is None else (sarr,))
     if meta.mesh is not None:
         rep = jax.sharding.PartitionSpec()
@@ -187,7 +188,10 @@ def gather_kv_reference(
     out_dtype = output_dtype(pools.meta, dtype)
     out = []
     for f in range(pools.geometry.kv_factor):
-        x = layer_arr[slots, f, :, offs, :].astype(jnp.float32)  # [batch, positions, H, D]
+        x = layer_arr[slots, f, :, offs, :]  # [batch, positions, H, D]
+        if sarr is not None:
+            x = jax.lax.bitcast_convert_type(x, pools.geometry.jnp_dtype)
+        x = x.astype(jnp.float32)
         if sarr is not None:
             layer_s = sarr[:, j] if pools.block_axis == 0 else sarr[j]  # [slots, F, H]
             x = x * layer_s[slots, f][..., None]

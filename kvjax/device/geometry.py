@@ -72,7 +72,16 @@ class PoolGeometry:
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
+        """The dtype of the K/V values (float8_e4m3fn for FP8 pools)."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def storage_dtype(self) -> jnp.dtype:
+        """The dtype of the pool arrays: FP8 pools keep their fp8 bit patterns in uint8 arrays,
+        so every op that only moves bytes (scatter, gather, copy, swap) runs natively on every
+        backend (XLA CPU converts a whole fp8 array to f16 and back around each scatter:
+        measured 16 ms for a 16-token write into a 2 MiB pool, against 0.06 ms on uint8)."""
+        return jnp.dtype(jnp.uint8) if self.is_scaled else self.jnp_dtype
 
     @functools.cached_property
     def windows(self) -> tuple[int, ...]:

@@ -11,10 +11,12 @@ ever writes it.
 The secondary tier mirrors the primary layout with `secondary_blocks` slots in `pinned_host`
 memory (no null slot: nothing reads it through a table); a pool without one holds `None`.
 
-FP8 pools (`dtype="float8_e4m3fn"` or `"float8_e5m2"`) carry float32 scale arrays beside
-each tier, shaped like the pool without its token and head_dim axes (`[slots, layers, F,
-kv_heads]` block_first) and indexed by the same slot, so every op that moves a block moves
-its scales with it (`kvjax.device.quant` has the format). Other pools hold `None` there.
+FP8 pools (`dtype="float8_e4m3fn"` or `"float8_e5m2"`) keep their fp8 bit patterns in uint8
+arrays (`PoolGeometry.storage_dtype`; `kvjax.device.quant.from_bytes` views them as fp8) and
+carry float32 scale arrays beside each tier, shaped like the pool without its token and
+head_dim axes (`[slots, layers, F, kv_heads]` block_first) and indexed by the same slot, so
+every op that moves a block moves its scales with it (`kvjax.device.quant` has the format).
+Other pools hold `None` there.
 """
 from __future__ import annotations
 
@@ -148,7 +150,7 @@ def allocate_pools(config: CacheConfig | PoolGeometry, sharding=None) -> KVPools
         for pool in geometry.pools:
             if pool.num_kv_heads % n:
                 raise ValueError(f"pool {pool.index}: {pool.num_kv_heads=} is not divisible by the kv mesh size {n} ({axes=})")
-    dtype = geometry.jnp_dtype
+    dtype = geometry.storage_dtype
     prim, sec, prim_s, sec_s = [], [], [], []
     for pool in geometry.pools:
         s_dev = shd.pool_sharding(mesh, axes, device, "device")

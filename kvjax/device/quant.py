@@ -14,9 +14,12 @@ need, so that later tokens of the block rarely force another rescale (e4m3 keeps
 of normal range; 4 of them are spent on headroom).
 
 A scale of 0 means "nothing written": the block dequantises to zeros (the null slot's state).
+Pool arrays hold the fp8 bit patterns as uint8 (`to_bytes` / `from_bytes`; see
+`PoolGeometry.storage_dtype`).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Shaped
 
@@ -24,6 +27,16 @@ from jaxtyping import Array, Float, Shaped
 QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 #: Factor (a power of two) by which a newly set or raised scale exceeds what its values need.
 HEADROOM = 16.0
+
+
+def to_bytes(q: Shaped[Array, "*s"]) -> Shaped[Array, "*s"]:
+    """fp8 values -> their uint8 bit patterns (what pool arrays store)."""
+    return jax.lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def from_bytes(b: Shaped[Array, "*s"], dtype) -> Shaped[Array, "*s"]:
+    """uint8 bit patterns (from a pool array) -> fp8 values of `dtype`."""
+    return jax.lax.bitcast_convert_type(b, jnp.dtype(dtype))
 
 
 def qmax(dtype) -> float:
@@ -57,11 +70,16 @@ def quantize(x: Float[Array, "*s"], scale: Float[Array, "*s"], dtype) -> Shaped[
 
 
 def dequantize(q: Shaped[Array, "*s"], scale: Float[Array, "*s"], dtype=jnp.float32) -> Float[Array, "*s"]:
-    """`q * scale` in `dtype` (bfloat16 and float32 are exact). `scale` broadcasts against `q`."""
+    """`q * scale` in `dtype` (bfloat16 and float32 are exact). `scale` broadcasts against `q`
+    (fp8 values, not their uint8 bit patterns)."""
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def rescale(q: Shaped[Array, "*s"], old: Float[Array, "*s"], new: Float[Array, "*s"]) -> Shaped[Array, "*s"]:
-    """Re-express fp8 values stored at scale `old` at scale `new` (exact unless they turn subnormal)."""
+def rescale(q: Shaped[Array, "*s"], old: Float[Array, "*s"], new: Float[Array, "*s"], dtype=None) -> Shaped[Array, "*s"]:
+    """Re-express fp8 values stored at scale `old` at scale `new` (exact unless they turn
+    subnormal). `q` may be uint8 bit patterns of `dtype` (returned as such)."""
+    stored = q.dtype == jnp.uint8
+    x = from_bytes(q, dtype) if stored else q
     ratio = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)
-    return (q.astype(jnp.float32) * ratio).astype(q.dtype)
+    y = (x.astype(jnp.float32) * ratio).astype(x.dtype)
+    return to_bytes(y) if stored else y

@@ -231,7 +231,7 @@ def _gather_primary(arr, idx, ba: int, impl: str, mesh, axes):
     return fn(arr, idx)
 
 
-def _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba: int):
+def _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba: int, dtype):
     """Partial writes into an FP8 pool: destination scale = max(source, destination) per
     (layer, field, head), both parts rescaled to it, then merged by token. Full-block
     entries keep the source's block and scale. Returns full blocks (and their scales)."""
@@ -240,8 +240,8 @@ def _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba: int):
     old_s = jnp.moveaxis(_take(sarr, dst, ba), ba, 0)  # [entries, L, F, H]
     full = (n >= tpb)[:, None, None, None]  # [entries, 1, 1, 1]
     new_s = jnp.where(full, st_scales, jnp.maximum(st_scales, old_s))  # [entries, L, F, H]
-    new = quant.rescale(staging, st_scales[..., None, None], new_s[..., None, None])
-    old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None])
+    new = quant.rescale(staging, st_scales[..., None, None], new_s[..., None, None], dtype)
+    old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None], dtype)
     keep_new = _token_mask(n, staging.shape[1:], staging.ndim - 3)
     return jnp.where(keep_new, new, old), new_s
 
@@ -266,12 +266,12 @@ def _scatter_primary(arr, staging, dst, n, partial: bool, ba: int, impl: str, me
     return arr.at[:, dst].set(jnp.moveaxis(staging, 0, 1), mode="drop")
 
 
-def _write_primary(arr, sarr, staging, st_scales, dst, n, partial: bool, ba: int, impl: str, mesh, axes):
+def _write_primary(arr, sarr, staging, st_scales, dst, n, partial: bool, ba: int, impl: str, mesh, axes, dtype):
     """Scatter staged blocks (and FP8 scales) into a primary pool; partial entries merge."""
     if sarr is None:
         return _scatter_primary(arr, staging, dst, n, partial, ba, impl, mesh, axes), None
     if partial:  # merged in XLA: what lands is a full block at its new scale
-        staging, st_scales = _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba)
+        staging, st_scales = _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba, dtype)
         n = jnp.full_like(n, staging.shape[-2])
     arr = _scatter_primary(arr, staging, dst, n, False, ba, impl, mesh, axes)
     sarr = _scatter_primary(sarr, st_scales, dst, n, False, ba, "xla", mesh, axes)
@@ -320,7 +320,7 @@ def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_ds
                 dst = jnp.concatenate(dsts) if len(dsts) > 1 else dsts[0]
                 num = jnp.concatenate(nums) if len(nums) > 1 else nums[0]
                 arr, sarr = _write_primary(arr, sarr, staged[0], staged[1] if sarr is not None else None, dst, num, partial,
-                                           ba, impl, meta.mesh, meta.kv_axes)
+                                           ba, impl, meta.mesh, meta.kv_axes, meta.geometry.jnp_dtype)
             new_prim.append((arr, sarr))
         if sec_w:
             if off_stage is not None:
@@ -376,8 +376,8 @@ def _merge_tokens(new, old, n, tok_axis: int):
     return jnp.where(pos < n, new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "ba", "partial"), donate_argnames=("dst_tier",))
-def _sequential_run(dst_tier, src_tier, ops, count, *, kind: int, ba: int, partial: bool):
+@functools.partial(jax.jit, static_argnames=("kind", "ba", "partial", "dtype"), donate_argnames=("dst_tier",))
+def _sequential_run(dst_tier, src_tier, ops, count, *, kind: int, ba: int, partial: bool, dtype=None):
     """Entries `ops[:, :count]` of one kind, in order: DS from `src_tier` (None: `dst_tier`
     itself, for COPY), DUS into the donated `dst_tier`. Tiers are `(kv, scales)` pairs."""
     tok_axis = 4  # pool dims: [*, *, F, H, T, D]
@@ -400,8 +400,8 @@ def _sequential_run(dst_tier, src_tier, ops, count, *, kind: int, ba: int, parti
             if blk_s is not None:  # FP8: both parts move to the larger scale first
                 old_s = jax.lax.dynamic_slice_in_dim(d_sc, ops[1, i], 1, ba)
                 new_s = jnp.where(n >= d_kv.shape[tok_axis], blk_s, jnp.maximum(blk_s, old_s))
-                blk = quant.rescale(blk, blk_s[..., None, None], new_s[..., None, None])
-                old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None])
+                blk = quant.rescale(blk, blk_s[..., None, None], new_s[..., None, None], dtype)
+                old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None], dtype)
                 blk_s = new_s
             blk = _merge_tokens(blk, old, n, tok_axis)
         d_kv = jax.lax.dynamic_update_slice_in_dim(d_kv, blk, ops[1, i], ba)
@@ -416,15 +416,17 @@ def _apply_sequential(pools: KVPools, plan: TransferPlan) -> KVPools:
     prim = [list(t) for t in zip(pools.primary, pools.primary_scales)]
     sec = [list(t) for t in zip(pools.secondary, pools.secondary_scales)]
     tpb, ba = pools.geometry.tokens_per_block, pools.block_axis
+    dtype = pools.geometry.jnp_dtype if pools.is_scaled else None
     for p, kind, ops, n in split_runs(pools.geometry, plan):
         partial = bool((ops[2, :n] < tpb).any())
         count = np.int32(n)
+        run = functools.partial(_sequential_run, ops=ops, count=count, kind=kind, ba=ba, dtype=dtype)
         if kind == TransferKind.OFFLOAD:
-            sec[p] = list(_sequential_run(tuple(sec[p]), tuple(prim[p]), ops, count, kind=kind, ba=ba, partial=False))
+            sec[p] = list(run(tuple(sec[p]), tuple(prim[p]), partial=False))
         elif kind == TransferKind.ONBOARD:
-            prim[p] = list(_sequential_run(tuple(prim[p]), tuple(sec[p]), ops, count, kind=kind, ba=ba, partial=partial))
+            prim[p] = list(run(tuple(prim[p]), tuple(sec[p]), partial=partial))
         else:
-            prim[p] = list(_sequential_run(tuple(prim[p]), None, ops, count, kind=kind, ba=ba, partial=partial))
+            prim[p] = list(run(tuple(prim[p]), None, partial=partial))
     return pools.replace(primary=tuple(a for a, _ in prim), primary_scales=tuple(s for _, s in prim),
                          secondary=tuple(a for a, _ in sec), secondary_scales=tuple(s for _, s in sec))
 
@@ -476,9 +478,10 @@ def apply_transfers_reference(pools: KVPools, plan: TransferPlan) -> KVPools:
     def blk(a, i):
         return a[i] if ba == 0 else a[:, i]
 
-    def rescaled(q, old, new):
+    def rescaled(q, old, new):  # q: uint8 bit patterns of the pools' fp8 dtype
+        fp8 = pools.geometry.jnp_dtype
         ratio = np.where(new > 0, old / np.where(new > 0, new, 1), 0).astype(np.float32)
-        return (q.astype(np.float32) * ratio[..., None, None]).astype(q.dtype)
+        return (np.ascontiguousarray(q).view(fp8).astype(np.float32) * ratio[..., None, None]).astype(fp8).view(np.uint8)
 
     for op in plan:
         p, s, d, n = op.pool, op.src, op.dst, op.num_tokens

@@ -76,9 +76,10 @@ def _write_xla(arr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_mapping):
 
 
 # ------------------------------------------------------------------------------ scaled
-def _rescale_blocks(arr, ba: int, j, slot, rep, ratio):
+def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype):
     """Multiply blocks `slot[i]` (where `rep[i]`) by `ratio[i]` `[F, H]`, in chunks of
-    `RESCALE_CHUNK` blocks inside a loop that runs only as often as there are such blocks."""
+    `RESCALE_CHUNK` blocks inside a loop that runs only as often as there are such blocks.
+    `arr` holds uint8 bit patterns of fp8 `dtype`."""
     n = slot.shape[0]
     c = min(n, RESCALE_CHUNK)
     width = -(-n // c) * c
@@ -91,9 +92,9 @@ def _rescale_blocks(arr, ba: int, j, slot, rep, ratio):
     def body(i, a):
         s = jax.lax.dynamic_slice_in_dim(slots, i * c, c)  # [c]
         r = jax.lax.dynamic_slice_in_dim(ratios, i * c, c)  # [c, F, H]
-        blk = a.at[at(ba, s, j)].get(mode="fill", fill_value=0)  # [c, F, H, T, D]
-        blk = (blk.astype(jnp.float32) * r[..., None, None]).astype(a.dtype)
-        return a.at[at(ba, s, j)].set(blk, mode="drop")
+        blk = quant.from_bytes(a.at[at(ba, s, j)].get(mode="fill", fill_value=0), dtype)  # [c, F, H, T, D]
+        blk = (blk.astype(jnp.float32) * r[..., None, None]).astype(dtype)
+        return a.at[at(ba, s, j)].set(quant.to_bytes(blk), mode="drop")
 
     return jax.lax.fori_loop(0, (count + c - 1) // c, body, arr)
 
@@ -118,7 +119,7 @@ def update_scales(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, xs, slot, off, v
     first = jnp.full((pool.num_slots,), n, jnp.int32).at[slot].min(jnp.arange(n, dtype=jnp.int32), mode="drop")
     rep = grew & (first.at[slot].get(mode="fill", fill_value=-1) == jnp.arange(n))  # [n] one token per block
     ratio = jnp.where(new > 0, base / jnp.where(new > 0, new, 1.0), 1.0)  # [n, F, H]
-    arr = _rescale_blocks(arr, ba, j, slot, rep, ratio)
+    arr = _rescale_blocks(arr, ba, j, slot, rep, ratio, dtype)
     return arr, sarr, new
 
 
@@ -127,8 +128,8 @@ def _write_scaled_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_m
     xs = (k, v)[: meta.geometry.kv_factor]
     arr, sarr, scale = update_scales(arr, sarr, meta, pool, j, xs, slot, off, valid)
     for f, x in enumerate(xs):
-        q = quant.quantize(x, scale[:, f, :, None], arr.dtype)  # [tokens, H, D]
-        arr = arr.at[at(meta.block_axis, slot, j) + (f, slice(None), off, slice(None))].set(q, mode="drop")
+        q = quant.quantize(x, scale[:, f, :, None], meta.geometry.jnp_dtype)  # [tokens, H, D]
+        arr = arr.at[at(meta.block_axis, slot, j) + (f, slice(None), off, slice(None))].set(quant.to_bytes(q), mode="drop")
     return arr, sarr
 
 
@@ -140,7 +141,7 @@ def _write_pallas(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_mappi
     xs = (k, v)[: meta.geometry.kv_factor]
     if sarr is not None:  # scale bookkeeping in XLA, the kernel writes the quantised bytes
         arr, sarr, scale = update_scales(arr, sarr, meta, pool, j, xs, slot, off, valid)
-        xs = tuple(quant.quantize(x, scale[:, f, :, None], arr.dtype) for f, x in enumerate(xs))
+        xs = tuple(quant.to_bytes(quant.quantize(x, scale[:, f, :, None], meta.geometry.jnp_dtype)) for f, x in enumerate(xs))
     kv = jnp.stack([x.astype(arr.dtype) for x in xs], axis=1)  # [tokens, F, H, D]
     slot = jnp.where(valid, slot, -1)  # kernels skip negative slots
     layer = jnp.where(j < pool.num_layers, j, 0).reshape(1)  # [1]
@@ -262,7 +263,7 @@ def _write_scaled_reference(pools: KVPools, layer: int, k, v, slot_mapping) -> K
     pool, j = pools.locate(layer)
     geo = pools.geometry
     tpb, dtype = geo.tokens_per_block, geo.jnp_dtype
-    q = np.array(jnp.copy(pools.primary[pool.index]))  # [..., F, H, T, D] fp8
+    q = np.array(jnp.copy(pools.primary[pool.index])).view(dtype)  # [..., F, H, T, D] fp8
     s = np.array(jnp.copy(pools.primary_scales[pool.index]))  # [..., F, H]
     if pools.block_axis == 1:
         q, s = np.swapaxes(q, 0, 1), np.swapaxes(s, 0, 1)  # block axis first
@@ -286,5 +287,6 @@ def _write_scaled_reference(pools: KVPools, layer: int, k, v, slot_mapping) -> K
             q[b, j, :, :, sm[t] % tpb] = np.clip(xs[t] * inv, -qm, qm).astype(q.dtype)
     if pools.block_axis == 1:
         q, s = np.swapaxes(q, 0, 1), np.swapaxes(s, 0, 1)
+    q = np.ascontiguousarray(q).view(np.uint8)
     arr, sarr = pools.primary[pool.index], pools.primary_scales[pool.index]
     return pools.with_primary(pool.index, jax.device_put(q, arr.sharding), jax.device_put(s, sarr.sharding))
