@@ -50,10 +50,9 @@ def validate_write(k, v, slot_mapping, j, *, meta: PoolMeta, pool_index: int) ->
     pool = meta.geometry.pools[pool_index]
     limit = pool.primary_blocks * meta.geometry.tokens_per_block
     sm = slot_mapping.astype(jnp.int32)
-    checking.check(j < pool.num_layers, "write_kv: the layer is not in pool {} (in-pool index {})", pool_index, j)
-    bad = sm >= limit
-    checking.check(~jnp.any(bad), "write_kv: slot_mapping entry {} targets the null block or beyond (limit {})",
-                   jnp.max(sm), limit)
+    checking.check(j < pool.num_layers, f"write_kv: the layer is not in pool {pool_index} (in-pool index {{}})", j)
+    checking.check(~jnp.any(sm >= limit), f"write_kv: slot_mapping entry {{}} targets the null block or beyond "
+                   f"(entries must be < primary_blocks*tokens_per_block={limit}, or negative for padding)", jnp.max(sm))
     for name, x in (("k", k), ("v", v)):
         if x is not None:
             checking.check(jnp.all(jnp.isfinite(x)), f"write_kv: {name} holds NaN or inf")
