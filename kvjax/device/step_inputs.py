@@ -15,7 +15,9 @@ Padding conventions:
                 (possibly negative) and slot mapping -1: they write nothing; their query
                 output is finite garbage from the row's own keys, to be ignored.
   block tables  placeholder entries (negative, or the null slot) and columns past the
-                ledger's table are the window's null slot (reads zeros).
+                ledger's table are the window's null slot (reads zeros); columns past
+                `max_blocks` (>= every row's blocks) are dropped: they hold positions the
+                step neither reads nor writes.
   slot mapping  `slot * tokens_per_block + offset` per token, `[batch * q_len]` row-major,
                 -1 for padding. A new token whose block is missing or a placeholder is an
                 error: the null slot is never written.
@@ -145,9 +147,7 @@ def step_inputs(
         if tab.size and tab.max() > null:
             raise ValueError(f"block table of window {w} has entries > the null slot {null}: max {int(tab.max())}")
         tab = np.where(tab < 0, null, tab).astype(np.int64)  # placeholders -> null slot
-        width = min(tab.shape[1], m)
-        if (tab[:, m:] != null).any():  # columns past max_blocks must hold nothing a row can reach
-            raise ValueError(f"block table of window {w} holds blocks past max_blocks={m}")
+        width = min(tab.shape[1], m)  # later columns only hold positions >= seq_len: never reached
         table = np.full((b, m), null, np.int32)  # [B, M]
         table[:n, :width] = tab[:, :width]
         blk = pos // tpb  # [new tokens]
