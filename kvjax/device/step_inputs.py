@@ -96,9 +96,9 @@ def _size(name: str, given: int | None, needed: int) -> int:
 
 def step_inputs(
     geometry: CacheConfig | PoolGeometry,
-    block_tables: Mapping[int, np.ndarray] | np.ndarray,
-    seq_lens: np.ndarray,
-    chunk_lens: np.ndarray,
+    block_tables: Mapping[int, Int[np.ndarray, "n blocks"]] | Int[np.ndarray, "n blocks"],
+    seq_lens: Int[np.ndarray, " n"],
+    chunk_lens: Int[np.ndarray, " n"],
     *,
     batch: int | None = None,
     q_len: int | None = None,
