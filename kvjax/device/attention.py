@@ -77,7 +77,8 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
 
 
 def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
-    fields = _gather_xla(arr, sarr, meta, pool, j, block_table, seq_lens, jnp.float32 if sarr is not None else arr.dtype)
+    # FP8 dequantises into bfloat16: exact (power-of-two scales), half the bytes of float32
+    fields = _gather_xla(arr, sarr, meta, pool, j, block_table, seq_lens, jnp.bfloat16 if sarr is not None else arr.dtype)
     q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)  # query heads follow their kv heads
     k = fields[0]
     v = fields[1] if len(fields) == 2 else fields[0]

@@ -73,11 +73,14 @@ def _gather_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, block_table, seq_l
     same fusion.
     """
     slot, off, jj = gather_slots(meta, pool, j, block_table, seq_lens)
+    if sarr is not None:  # scales per block (not per position): positions past seq_len read 0 anyway
+        blocks = jnp.where(j < pool.num_layers, safe_table(block_table, pool), pool.null_slot)  # [batch, blocks]
     out = []
     for f in range(meta.geometry.kv_factor):
         x = arr[at(meta.block_axis, slot, jj) + (f, slice(None), off, slice(None))]  # [batch, positions, H, D]
         if sarr is not None:
-            scale = sarr[at(meta.block_axis, slot, jj) + (f,)]  # [batch, positions, H]
+            scale = sarr[at(meta.block_axis, blocks, jj) + (f,)]  # [batch, blocks, H]
+            scale = jnp.repeat(scale, meta.geometry.tokens_per_block, axis=1)  # [batch, positions, H]
             x = quant.dequantize(quant.from_bytes(x, meta.geometry.jnp_dtype), scale[..., None], out_dtype)
         out.append(x.astype(out_dtype))
     return tuple(out)
