@@ -75,7 +75,7 @@ def _write_xla(arr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_mapping):
 
 
 # ------------------------------------------------------------------------------ scaled
-def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype):
+def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype, heads):
     """Multiply blocks `slot[i]` (where `rep[i]`) by `ratio[i]` `[F, H]`, in chunks of
     `RESCALE_CHUNK` blocks inside a loop that runs only as often as there are such blocks.
     `arr` holds uint8 bit patterns of fp8 `dtype`."""
@@ -86,7 +86,7 @@ def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype):
     count = jnp.sum(rep)
     dest = jnp.where(rep, jnp.cumsum(rep) - 1, width)  # [n] compacted position (or dropped)
     slots = jnp.full((width,), num_slots, jnp.int32).at[dest].set(slot, mode="drop")  # [width]
-    ratios = jnp.ones((width,) + ratio.shape[1:], jnp.float32).at[dest].set(ratio, mode="drop")  # [width, F, H]
+    ratios = heads(jnp.ones((width,) + ratio.shape[1:], jnp.float32), 2).at[dest].set(ratio, mode="drop")  # [width, F, H]
 
     def body(i, a):
         s = jax.lax.dynamic_slice_in_dim(slots, i * c, c)  # [c]
@@ -104,12 +104,14 @@ def update_scales(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, xs, slot, off, v
     Returns (arr, sarr, per-token block scale `[n, F, H]`)."""
     ba, n = meta.block_axis, slot.shape[0]
     dtype = meta.geometry.dtype
-    amax = jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) for x in xs], axis=1)  # [n, F, H]
+    heads = lambda x, axis: shd.constrain_heads(x, meta.mesh, meta.kv_axes, axis)  # noqa: E731  (pools' head sharding)
+    amax = jnp.stack([jnp.max(jnp.abs(heads(x, 1).astype(jnp.float32)), axis=-1) for x in xs], axis=1)  # [n, F, H]
+    amax = heads(amax, 2)
     need_tok = quant.needed_scale(jnp.where(valid[:, None, None], amax, 0.0), dtype)  # [n, F, H]
     restart = jnp.where(valid & (off == 0), slot, pool.num_slots)  # [n]
-    sarr = sarr.at[at(ba, restart, j)].set(0.0, mode="drop")
+    sarr = sarr.at[at(ba, restart, j)].set(jnp.zeros_like(need_tok), mode="drop")
     base = sarr.at[at(ba, slot, j)].get(mode="fill", fill_value=0.0)  # [n, F, H]
-    block_need = jnp.zeros((pool.num_slots,) + need_tok.shape[1:], jnp.float32)
+    block_need = heads(jnp.zeros((pool.num_slots,) + need_tok.shape[1:], jnp.float32), 2)
     block_need = block_need.at[slot].max(need_tok, mode="drop")  # [slots, F, H]
     need = block_need.at[slot].get(mode="fill", fill_value=0.0)  # [n, F, H]: max over the block's new tokens
     new = quant.grown_scale(base, need)  # [n, F, H]
@@ -118,13 +120,13 @@ def update_scales(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, xs, slot, off, v
     first = jnp.full((pool.num_slots,), n, jnp.int32).at[slot].min(jnp.arange(n, dtype=jnp.int32), mode="drop")
     rep = grew & (first.at[slot].get(mode="fill", fill_value=-1) == jnp.arange(n))  # [n] one token per block
     ratio = jnp.where(new > 0, base / jnp.where(new > 0, new, 1.0), 1.0)  # [n, F, H]
-    arr = _rescale_blocks(arr, ba, j, slot, rep, ratio, dtype)
+    arr = _rescale_blocks(arr, ba, j, slot, rep, ratio, dtype, heads)
     return arr, sarr, new
 
 
 def _write_scaled_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_mapping):
     slot, off, valid = token_targets(slot_mapping, j, pool, meta.geometry.tokens_per_block)
-    xs = (k, v)[: meta.geometry.kv_factor]
+    xs = tuple(shd.constrain_heads(x, meta.mesh, meta.kv_axes, 1) for x in (k, v)[: meta.geometry.kv_factor])
     arr, sarr, scale = update_scales(arr, sarr, meta, pool, j, xs, slot, off, valid)
     for f, x in enumerate(xs):
         q = quant.quantize(x, scale[:, f, :, None], meta.geometry.jnp_dtype)  # [tokens, H, D]
