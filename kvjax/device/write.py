@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Float, Int
 
 from kvjax.config import PoolSpec
 from kvjax.device import _checks as chk

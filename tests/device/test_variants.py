@@ -4,7 +4,6 @@ function carries jaxtyping shape annotations on its array arguments."""
 import inspect
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 
