@@ -192,11 +192,11 @@ def test_capacity_counts_the_scales():
 
 
 # ------------------------------------------------------------------------------ accuracy
-# Tolerances, above the figures measured on these seeds (attention at q_len 4: see the test;
-# greedy: teacher-forced agreement 0.927, prefix before the first difference 0.578). e4m3
-# keeps 3 mantissa bits: a value is off by up to 2^-4 of itself, so a few % is the format's
-# floor; bfloat16 pools against float32 ones agree on every token of the same runs.
-ATTN_MAX_REL, ATTN_RMS_REL = 0.10, 0.08
+# Tolerances, with margin above the figures measured on these seeds (attention at q_len 4:
+# rms 0.053, max 0.100; seeds 0-4 spread 0.028-0.064 / 0.038-0.106; greedy: teacher-forced
+# agreement 0.927, prefix before the first difference 0.578). e4m3 keeps 3 mantissa bits: a value is off by up to 2^-4 of itself, so a
+# few % is the format's floor. Larger runs: benchmarks/fp8_accuracy.py and docs/device.md.
+ATTN_MAX_REL, ATTN_RMS_REL = 0.15, 0.08
 GREEDY_FORCED_AGREE, GREEDY_PREFIX = 0.90, 0.50
 
 
