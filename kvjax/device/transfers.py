@@ -80,6 +80,7 @@ class Segment:
 
 
 _PLAN_FIELDS = ("kind", "pool", "src", "dst", "num_tokens")
+_KIND_MIN, _KIND_MAX = min(TransferKind), max(TransferKind)  # kinds are 0, 1, 2
 
 
 def validate_plan(config, plan: TransferPlan) -> None:
@@ -93,16 +94,17 @@ def validate_plan(config, plan: TransferPlan) -> None:
         a = getattr(plan, name)
         if not isinstance(a, np.ndarray) or a.ndim != 1:
             raise ValueError(f"plan.{name} must be a 1-D numpy array, got {type(a).__name__} {getattr(a, 'shape', '')}")
-        if not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_:
+        if a.dtype.kind not in "iu":
             raise ValueError(f"plan.{name} must hold integers, got dtype {a.dtype}")
-        if a.size and (int(a.min()) < chk.INT32_MIN or int(a.max()) > chk.INT32_MAX):
-            raise ValueError(f"plan.{name} holds values outside int32 (min {int(a.min())}, max {int(a.max())})")
+        if a.dtype != np.int32 and (a.dtype.itemsize > 4 or a.dtype == np.uint32):  # only these can leave int32
+            if a.size and (int(a.min()) < chk.INT32_MIN or int(a.max()) > chk.INT32_MAX):
+                raise ValueError(f"plan.{name} holds values outside int32 (min {int(a.min())}, max {int(a.max())})")
         if n is not None and a.shape[0] != n:
             raise ValueError(f"plan arrays differ in length: {name} has {a.shape[0]}, expected {n}")
         n = a.shape[0]
     if not len(plan):
         return
-    if not np.isin(plan.kind, [int(k) for k in TransferKind]).all():
+    if plan.kind.min() < _KIND_MIN or plan.kind.max() > _KIND_MAX:
         raise ValueError(f"plan.kind holds values outside TransferKind: {np.unique(plan.kind).tolist()}")
     pools = config.pools
     if plan.pool.min() < 0 or plan.pool.max() >= len(pools):
