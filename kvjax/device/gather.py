@@ -81,7 +81,7 @@ def _gather_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, block_table, seq_l
         if sarr is not None:
             scale = sarr[at(meta.block_axis, blocks, jj) + (f,)]  # [batch, blocks, H]
             scale = jnp.repeat(scale, meta.geometry.tokens_per_block, axis=1)  # [batch, positions, H]
-            x = quant.dequantize(quant.from_bytes(x, meta.geometry.jnp_dtype), scale[..., None], out_dtype)
+            x = quant.dequantize_bytes(x, scale[..., None], meta.geometry.jnp_dtype, out_dtype)
         out.append(x.astype(out_dtype))
     return tuple(out)
 

@@ -29,6 +29,48 @@ QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 HEADROOM = 16.0
 
 
+# (mantissa bits, exponent bias, smallest normal exponent, NaN code) of each format
+_FORMAT = {"float8_e4m3fn": (3, 7, -6, 0x7F), "float8_e5m2": (2, 15, -14, 0x7E)}
+
+
+def encode(x: Float[Array, "*s"], dtype) -> Shaped[Array, "*s"]:
+    """float32 -> uint8 bit patterns of fp8 `dtype`, round to nearest even, bit-identical to
+    `x.astype(dtype)` for |x| <= qmax(dtype) and NaN (callers clip first).
+
+    Plain integer and float ops, which XLA vectorises: XLA CPU's own fp8 conversion is
+    emulated element by element (measured 2.5x slower than this; `decode` 1.5x). On a GPU
+    both are a few ALU ops per byte moved."""
+    mb, bias, emin, nan = _FORMAT[jnp.dtype(dtype).name]
+    x = x.astype(jnp.float32)
+    a = jnp.abs(x)
+    u = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    shift = 23 - mb
+    lsb = (u >> shift) & 1
+    r = (u + ((1 << (shift - 1)) - 1) + lsb) >> shift  # RNE to mb mantissa bits (carries into the exponent)
+    normal = (r - ((127 - bias) << mb)).astype(jnp.int32)  # rebias the exponent field
+    sub = jnp.round(a * 2.0 ** (mb - emin)).astype(jnp.int32)  # below the smallest normal: multiples of 2^(emin-mb)
+    bits = jnp.where(a < 2.0**emin, sub, normal)
+    bits = jnp.where(jnp.signbit(x), bits | 0x80, bits)
+    return jnp.where(jnp.isnan(x), jnp.where(jnp.signbit(x), nan | 0x80, nan), bits).astype(jnp.uint8)
+
+
+def decode(b: Shaped[Array, "*s"], dtype) -> Float[Array, "*s"]:
+    """uint8 bit patterns of fp8 `dtype` -> float32, bit-identical to `.astype(float32)`."""
+    mb, bias, emin, nan = _FORMAT[jnp.dtype(dtype).name]
+    b = b.astype(jnp.uint32)
+    e = (b >> mb) & ((0xFF >> (mb + 1)))  # exponent field
+    m = b & ((1 << mb) - 1)
+    normal = jax.lax.bitcast_convert_type(((e + (127 - bias)) << 23) | (m << (23 - mb)), jnp.float32)
+    sub = m.astype(jnp.float32) * 2.0 ** (emin - mb)
+    v = jnp.where(e == 0, sub, normal)
+    top = 0xFF >> (mb + 1)
+    if mb == 3:  # e4m3fn: no infinities, only S.1111.111 is NaN
+        v = jnp.where((e == top) & (m == (1 << mb) - 1), jnp.nan, v)
+    else:  # e5m2: IEEE-like
+        v = jnp.where(e == top, jnp.where(m == 0, jnp.inf, jnp.nan), v)
+    return jnp.where((b & 0x80) != 0, -v, v)
+
+
 def to_bytes(q: Shaped[Array, "*s"]) -> Shaped[Array, "*s"]:
     """fp8 values -> their uint8 bit patterns (what pool arrays store)."""
     return jax.lax.bitcast_convert_type(q, jnp.uint8)
@@ -78,8 +120,19 @@ def dequantize(q: Shaped[Array, "*s"], scale: Float[Array, "*s"], dtype=jnp.floa
 def rescale(q: Shaped[Array, "*s"], old: Float[Array, "*s"], new: Float[Array, "*s"], dtype=None) -> Shaped[Array, "*s"]:
     """Re-express fp8 values stored at scale `old` at scale `new` (exact unless they turn
     subnormal). `q` may be uint8 bit patterns of `dtype` (returned as such)."""
-    stored = q.dtype == jnp.uint8
-    x = from_bytes(q, dtype) if stored else q
     ratio = jnp.where(new > 0, old / jnp.where(new > 0, new, 1.0), 0.0)
-    y = (x.astype(jnp.float32) * ratio).astype(x.dtype)
-    return to_bytes(y) if stored else y
+    if q.dtype == jnp.uint8:
+        return encode(decode(q, dtype) * ratio, dtype)
+    return (q.astype(jnp.float32) * ratio).astype(q.dtype)
+
+
+def quantize_bytes(x: Float[Array, "*s"], scale: Float[Array, "*s"], dtype) -> Shaped[Array, "*s"]:
+    """`quantize` straight to the uint8 bit patterns a pool stores."""
+    inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+    m = qmax(dtype)
+    return encode(jnp.clip(x.astype(jnp.float32) * inv, -m, m), dtype)
+
+
+def dequantize_bytes(b: Shaped[Array, "*s"], scale: Float[Array, "*s"], dtype, out_dtype=jnp.float32) -> Float[Array, "*s"]:
+    """`dequantize` straight from the uint8 bit patterns a pool stores."""
+    return (decode(b, dtype) * scale).astype(out_dtype)

@@ -91,9 +91,9 @@ def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype, heads):
     def body(i, a):
         s = jax.lax.dynamic_slice_in_dim(slots, i * c, c)  # [c]
         r = jax.lax.dynamic_slice_in_dim(ratios, i * c, c)  # [c, F, H]
-        blk = quant.from_bytes(a.at[at(ba, s, j)].get(mode="fill", fill_value=0), dtype)  # [c, F, H, T, D]
-        blk = (blk.astype(jnp.float32) * r[..., None, None]).astype(dtype)
-        return a.at[at(ba, s, j)].set(quant.to_bytes(blk), mode="drop")
+        blk = a.at[at(ba, s, j)].get(mode="fill", fill_value=0)  # [c, F, H, T, D] uint8
+        blk = quant.encode(quant.decode(blk, dtype) * r[..., None, None], dtype)  # exact: power-of-two ratios
+        return a.at[at(ba, s, j)].set(blk, mode="drop")
 
     return jax.lax.fori_loop(0, (count + c - 1) // c, body, arr)
 
@@ -129,8 +129,8 @@ def _write_scaled_xla(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_m
     xs = tuple(shd.constrain_heads(x, meta.mesh, meta.kv_axes, 1) for x in (k, v)[: meta.geometry.kv_factor])
     arr, sarr, scale = update_scales(arr, sarr, meta, pool, j, xs, slot, off, valid)
     for f, x in enumerate(xs):
-        q = quant.quantize(x, scale[:, f, :, None], meta.geometry.jnp_dtype)  # [tokens, H, D]
-        arr = arr.at[at(meta.block_axis, slot, j) + (f, slice(None), off, slice(None))].set(quant.to_bytes(q), mode="drop")
+        q = quant.quantize_bytes(x, scale[:, f, :, None], meta.geometry.jnp_dtype)  # [tokens, H, D] uint8
+        arr = arr.at[at(meta.block_axis, slot, j) + (f, slice(None), off, slice(None))].set(q, mode="drop")
     return arr, sarr
 
 
@@ -142,7 +142,7 @@ def _write_pallas(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, k, v, slot_mappi
     xs = (k, v)[: meta.geometry.kv_factor]
     if sarr is not None:  # scale bookkeeping in XLA, the kernel writes the quantised bytes
         arr, sarr, scale = update_scales(arr, sarr, meta, pool, j, xs, slot, off, valid)
-        xs = tuple(quant.to_bytes(quant.quantize(x, scale[:, f, :, None], meta.geometry.jnp_dtype)) for f, x in enumerate(xs))
+        xs = tuple(quant.quantize_bytes(x, scale[:, f, :, None], meta.geometry.jnp_dtype) for f, x in enumerate(xs))
     kv = jnp.stack([x.astype(arr.dtype) for x in xs], axis=1)  # [tokens, F, H, D]
     slot = jnp.where(valid, slot, -1)  # kernels skip negative slots
     layer = jnp.where(j < pool.num_layers, j, 0).reshape(1)  # [1]

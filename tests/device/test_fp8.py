@@ -227,3 +227,24 @@ def test_greedy_generations_of_tiny_fp8_vs_bfloat16():
     free = bench.token_agreement(got, ref)
     assert agree >= GREEDY_FORCED_AGREE and free["prefix"] >= GREEDY_PREFIX, (agree, free)
     assert forced == got or free["exact"] < 1  # forced and free runs agree until the first difference
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_codec_is_bit_identical_to_the_native_conversion(dtype):
+    """The ops encode/decode fp8 with vectorisable integer ops; they must match XLA's own
+    conversion bit for bit: every code, every representable value, every tie between two
+    neighbours and one float32 ulp either side of it, and a log-uniform sweep."""
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    native = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.dtype(dtype)).astype(jnp.float32))
+    mine = np.asarray(jax.jit(quant.decode, static_argnums=1)(codes, dtype))
+    np.testing.assert_array_equal(native.view(np.uint32), mine.view(np.uint32))
+    m = quant.qmax(dtype)
+    vals = np.unique(native[np.isfinite(native) & (np.abs(native) <= m)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    rng = np.random.default_rng(0)
+    sweep = rng.standard_normal(50000) * 10.0 ** rng.uniform(-9, np.log10(m), 50000)
+    x = np.concatenate([vals, mids, np.nextafter(mids, np.inf), np.nextafter(mids, -np.inf), [0.0, -0.0, np.nan, -np.nan],
+                        np.clip(sweep, -m, m)]).astype(np.float32)
+    want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.dtype(dtype)), jnp.uint8))
+    got = np.asarray(jax.jit(quant.encode, static_argnums=1)(jnp.asarray(x), dtype))
+    np.testing.assert_array_equal(got, want)
