@@ -28,8 +28,7 @@ def decode(x: np.ndarray) -> set:
     return {float(v) for v in np.unique(np.abs(x)) if v}
 
 
-@pytest.mark.parametrize("dtype,impl", [("float32", "xla"), ("float32", "pallas"), ("float8_e4m3fn", "xla"),
-                                        ("float8_e4m3fn", "pallas")])
+@pytest.mark.parametrize("dtype,impl", [("float32", "xla"), ("float8_e4m3fn", "pallas")])
 def test_adversarial_tables_and_slots_never_cross_requests(dtype, impl):
     """Each request owns disjoint blocks. Slot mappings carry extra entries aimed at the null
     block, past the pool, and at negative values; tables (traced, inside jit) carry entries
