@@ -33,7 +33,7 @@ def test_policy_does_not_reach_the_geometry():
 def test_policies_share_compiled_ops(dtype):
     """Every op run on pools from config A, then on pools from config B (policy changed):
     no op traces again."""
-    a = make_config(dtype=dtype, primary_blocks=6, secondary_blocks=4)
+    a = make_config(dtype=dtype, primary_blocks=6, secondary_blocks=4, attention_windows=None)
     b = dataclasses.replace(a, **POLICY)
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
