@@ -139,7 +139,7 @@ def test_sizes(text, expected):
         (["demo", "--users", "0"], "expected a positive int"),
         (["run", "--workload", "no-such-workload"], "unknown workload 'no-such-workload'"),
         (["run", "--workload", "chat", "--model", "llama-3.1-8b"], "model 'llama-3.1-8b' describes a published model but kvjax has no weights"),
-        (["demo", "--model", "gemma-3-27b"], "pass its Hugging Face checkpoint directory (--model PATH)"),
+        (["demo", "--model", "gemma-3-27b"], "pass its Hugging Face checkpoint directory"),
         (["run", "--workload", "chat", "--model", "tests/fixtures"], "cannot read the checkpoint's config"),
         (["demo", "--set", "users"], "--set expects KEY=VALUE"),
         (["demo", "--set", "colour=3"], "unknown key 'colour'"),
