@@ -37,7 +37,9 @@ from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
 from kvjax.engine.batching import Row, build_batch
 from kvjax.engine.config import device_config
+from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
+from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
@@ -84,18 +86,29 @@ class EngineCore:
     `engine` (`kvjax.engine.Engine`). Not thread-safe: one thread drives it (the server runs it
     on its engine thread)."""
 
-    def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None) -> None:
-        from kvjax.device import allocate_pools
+    def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
+                 kv_events: KVEventsConfig | None = None) -> None:
         from kvjax.ledger import KVCacheManager
 
         from kvjax.engine.scheduler import CapacityScheduler
 
         engine.model.check_cache(cache_config)
+        if kv_events is not None:
+            cache_config = with_events(cache_config)
         self.engine = engine
         self.cfg = engine.config
+        # ranks of a mesh spanning processes: one ledger each, kept identical (see ranks.py)
+        self.rank_digest: RankDigest | None = None
+        if spans_processes(getattr(engine.runner, "mesh", None)):
+            cache_config = agree_on_cache(cache_config, (repr(self.cfg), engine.model.spec))
+            self.rank_digest = RankDigest(self.cfg.rank_check_interval)
         self.cache_config = cache_config
         self.ledger = KVCacheManager(cache_config)
-        self.pools = allocate_pools(device_config(cache_config))
+        self.pools = engine.runner.allocate_pools(device_config(cache_config))
+        self.events: EventPublishing | None = None
+        if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
+            self.events = EventPublishing(kv_events, cache_config)
+            self.events.publish(self.ledger)  # the ledger's Created events: AllBlocksCleared, batch 0
         self.scheduler = CapacityScheduler(self.cfg.scheduler, self.ledger)
         self.vocab = engine.model.spec.vocab_size
         self.clock = ServingClock() if clock is None else clock
@@ -174,6 +187,7 @@ class EngineCore:
         if request_id in self.running:
             self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
+            self._publish_events()
         else:
             self.waiting = collections.deque(x for x in self.waiting if x is not r)
         self._retire(r, reason, stop_reason)
@@ -196,7 +210,18 @@ class EngineCore:
         Returns the number of blocks dropped."""
         if self.running:
             raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
-        return self.ledger.reset_prefix_cache()
+        dropped = self.ledger.reset_prefix_cache()
+        self._publish_events()
+        return dropped
+
+    def close(self) -> None:
+        """Stop publishing KV events (idempotent). The ledger and pools stay readable."""
+        if self.events is not None:
+            self.events.close()
+
+    def _publish_events(self) -> None:
+        if self.events is not None:
+            self.events.publish(self.ledger)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[CoreOutput]:
@@ -206,6 +231,7 @@ class EngineCore:
             self._step(outputs)
         finally:
             self.step_index += 1
+        self._publish_events()
         return outputs
 
     def _step(self, outputs: list[CoreOutput]) -> None:
@@ -230,6 +256,8 @@ class EngineCore:
             decode.append(r)
         # 3. admissions (one batch: two-phase matching in the ledger)
         admitted = self._admit(sched.admit, now)
+        if self.rank_digest is not None:  # every rank, every step, before any device work
+            self._rank_sync(sched.pause, decode, admitted)
         if not self.running:
             if self.waiting and not sched.pause:
                 head = self.waiting[0]
@@ -286,15 +314,31 @@ class EngineCore:
         if self.steps is not None:
             self._record_step(len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause))
 
+    def _rank_sync(self, paused: list[LiveRequest], decode: list[LiveRequest], admitted: list[LiveRequest]) -> None:
+        """Fold this step's ledger decisions into the rank digest and compare it across ranks
+        at the configured interval (`RankDivergenceError` if they differ)."""
+        d, led = self.rank_digest, self.ledger
+        d.update(
+            self.step_index, len(self.waiting), len(self.running),
+            [r.request_id for r in paused],
+            [(r.request_id, r.output[-1]) for r in decode],
+            [(r.request_id, r.admissions[-1].reused, len(r.context)) for r in admitted],
+            [(w, led.num_free_blocks(w), led.num_free_secondary_blocks(w)) for w in led.windows],
+        )
+        for r in sorted(self.running.values(), key=lambda r: r.order):
+            for w in led.windows:
+                d.update(r.request_id, np.asarray(led.block_ids(r.request_id, w)))
+        d.check(self.step_index)
+
     def _apply_transfers(self) -> None:
         """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
         Called once per step, after every ledger call of the step and before any forward."""
         plan = self.ledger.take_transfers()
+        if self.rank_digest is not None and len(plan):
+            self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
         if len(plan):
-            from kvjax.device import apply_transfers
-
             with self.clock.measuring():
-                self.pools = apply_transfers(self.pools, plan)
+                self.pools = self.engine.runner.apply_transfers(self.pools, plan)
 
     # ------------------------------------------------------------------ pieces
     def _admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
