@@ -35,7 +35,8 @@ import numpy as np
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
-from kvjax.engine.batching import Row, build_batch
+from kvjax.ledger.transfer_plan import TransferKind
+from kvjax.engine.batching import Row
 from kvjax.engine.config import device_config
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
@@ -65,6 +66,21 @@ class CoreOutput:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """What the last step did (`EngineCore.last_step`): requests in the ledger once admissions
+    are done (`running`; 0 means the step ran nothing), decode rows, prefill tokens computed,
+    admissions, pauses and blocks onboarded from the host tier. A time model prices a step
+    from these (`kvjax.router.sim`)."""
+
+    running: int = 0
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    admitted: int = 0
+    paused: int = 0
+    onboarded: int = 0
 
 
 @dataclasses.dataclass
@@ -121,6 +137,7 @@ class EngineCore:
         self.accounting_misses = 0
         self.deferred = 0
         self.steps: list[StepRecord] | None = [] if record_steps else None
+        self.last_step = StepCounts()
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -138,7 +155,8 @@ class EngineCore:
                 f"request {rid!r}: {len(prompt)} prompt tokens + max_new_tokens={item.max_new_tokens} "
                 f"exceed max_seq_len={cfg.max_seq_len}"
             )
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+        if not all(type(t) is int for t in prompt) and not all(  # the fast path: plain ints
+                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
             raise InvalidRequestError(f"request {rid!r}: token ids must be ints")
         if max(prompt) >= self.vocab or min(prompt) < 0:
             raise InvalidRequestError(f"request {rid!r}: token ids must be in [0, {self.vocab})")
@@ -259,6 +277,7 @@ class EngineCore:
         if self.rank_digest is not None:  # every rank, every step, before any device work
             self._rank_sync(sched.pause, decode, admitted)
         if not self.running:
+            self.last_step = StepCounts(0, 0, 0, len(admitted), len(sched.pause), 0)
             if self.waiting and not sched.pause:
                 head = self.waiting[0]
                 raise EngineInvariantError(
@@ -266,6 +285,7 @@ class EngineCore:
                     f"(free blocks per window: {[led.num_free_blocks(w) for w in led.windows]})"
                 )
             return
+        running = len(self.running)
         # 4. prefill chunks from the token budget, oldest admission first
         budget = self.cfg.scheduler.max_num_tokens - len(decode)
         prefill: list[tuple[LiveRequest, int]] = []
@@ -277,7 +297,7 @@ class EngineCore:
                 prefill.append((r, n))
                 budget -= n
         # 5. data movements decided by this step's ledger calls, before any forward
-        self._apply_transfers()
+        onboarded = self._apply_transfers()
         # 6. forwards + sampling
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
@@ -311,6 +331,7 @@ class EngineCore:
             else:
                 outputs.append(self._emit(r, int(t), float(c), float(m)))
         led.refresh_blocks()
+        self.last_step = StepCounts(running, len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause), onboarded)
         if self.steps is not None:
             self._record_step(len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause))
 
@@ -330,15 +351,18 @@ class EngineCore:
                 d.update(r.request_id, np.asarray(led.block_ids(r.request_id, w)))
         d.check(self.step_index)
 
-    def _apply_transfers(self) -> None:
+    def _apply_transfers(self) -> int:
         """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
-        Called once per step, after every ledger call of the step and before any forward."""
+        Called once per step, after every ledger call of the step and before any forward.
+        Returns the number of blocks onboarded."""
         plan = self.ledger.take_transfers()
-        if self.rank_digest is not None and len(plan):
+        if not len(plan):
+            return 0
+        if self.rank_digest is not None:
             self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
-        if len(plan):
-            with self.clock.measuring():
-                self.pools = self.engine.runner.apply_transfers(self.pools, plan)
+        with self.clock.measuring():
+            self.pools = self.engine.runner.apply_transfers(self.pools, plan)
+        return int((plan.kind == TransferKind.ONBOARD).sum())
 
     # ------------------------------------------------------------------ pieces
     def _admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
@@ -395,7 +419,7 @@ class EngineCore:
         self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
 
     def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None):
-        batch = build_batch(self.ledger, rows, self.cfg.buckets, chunk_bucket=chunk_bucket)
+        batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
         temperature = np.array([r.item.sampling.temperature for r in reqs], np.float32)
         top_p = np.array([r.item.sampling.top_p for r in reqs], np.float32)
         top_k = np.array([r.item.sampling.top_k for r in reqs], np.int32)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.engine.batching import ForwardBatch
+from kvjax.engine.batching import ForwardBatch, build_batch
 from kvjax.engine.sampling import sample
 
 
@@ -54,7 +54,11 @@ class ModelRunner:
 
         self._step = jax.jit(step, donate_argnums=(3,))
 
-    # ------------------------------------------------------------------ pools
+    # ------------------------------------------------------------------ the core's device side
+    def batch(self, ledger, rows, buckets, chunk_bucket: int | None = None) -> ForwardBatch:
+        """The bucketed forward inputs of `rows`, read from the ledger's block tables."""
+        return build_batch(ledger, rows, buckets, chunk_bucket=chunk_bucket)
+
     def allocate_pools(self, config):
         """Zero pools for `config`, kv heads sharded over the mesh if there is one."""
         from kvjax.device import allocate_pools
