@@ -71,7 +71,7 @@ def main() -> int:
     ledger = run.ledger
     result.update(outputs=run.outputs, logits=run.chosen_logits,
                   primary_blocks=ledger.config.primary_blocks_for(ledger.windows[0]),
-                  reused=run.metrics.summary()["prefill_reused_tokens"])
+                  reused=run.metrics.summary()["prefill_reused_tokens"], copied=run.metrics.summary()["blocks_copied"])
     if mesh is not None:
         wq = model.blocks[0].attn.wq[...]
         result["wq_spec"] = str(wq.sharding.spec)

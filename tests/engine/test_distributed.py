@@ -83,6 +83,7 @@ def test_two_processes_match_one_and_stop_together_on_divergence(tmp_path):
     assert r0["outputs"] == r1["outputs"] and r0["logits"] == r1["logits"]  # every rank read the same tokens
     assert r0["outputs"] == single["outputs"] and len(single["outputs"]) == 7
     assert r0["reused"] == single["reused"] > 0  # same prefix reuse (the follow-up and the shared system prompt)
+    assert r0["copied"] == single["copied"] > 0  # a partial block copied on the cross-process pools
     diff = max(abs(a - b) for k in single["logits"] for a, b in zip(r0["logits"][k], single["logits"][k]))
     assert diff < 1e-4, diff
 
