@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvjax import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRangeRetention  # noqa: E402
+from kvjax.ledger import BlockHasher, BlockKey, StoredData  # noqa: E402
 
 # Peers measured on these 2-core machines with the same trace (shared/reference/vllm_sglang.md):
 # median requests/s, and the floor's rate measured alongside them (about 5,000 req/s). Load on a
@@ -87,7 +88,7 @@ class KvjaxDriver:
         # "features on": system prompts retained at high priority, decode blocks low
         self.retention = RetentionConfig([TokenRangeRetention(0, a.system_tokens, 80)], decode_priority=20)
         self.t = dict(admit=0.0, decode=0.0, finish=0.0)
-        self.ops = self.hit_tokens = self.prompt_tokens = 0
+        self.ops = self.hit_tokens = self.prompt_tokens = self.stored_blocks = 0
 
     def wave(self, start, wave):
         a, m, clock = self.a, self.m, time.perf_counter
@@ -109,7 +110,9 @@ class KvjaxDriver:
         m.take_transfers()
         if a.events:
             m.flush_iteration_events()
-            m.get_latest_events()
+            for e in m.get_latest_events():
+                if isinstance(e.data, StoredData):
+                    self.stored_blocks += len(e.data.blocks)
         t3 = clock()
         self.t["admit"] += t1 - t0
         self.t["decode"] += t2 - t1
@@ -122,7 +125,7 @@ class KvjaxDriver:
         return dict(
             admit_s=self.t["admit"], decode_s=self.t["decode"], finish_s=self.t["finish"], ops=self.ops,
             hit_rate=self.hit_tokens / self.prompt_tokens, evicted=s.evicted_blocks, offloaded=s.offloaded_blocks,
-            onboarded=s.onboarded_blocks, block_hit_rate=s.cache_hit_rate,
+            onboarded=s.onboarded_blocks, block_hit_rate=s.cache_hit_rate, stored_blocks=self.stored_blocks,
         )
 
 
@@ -209,6 +212,33 @@ def run_decode_step(a, batch: int = 256, steps: int = 64) -> float:
     return dt * 1e3
 
 
+def run_hash_cost(trace, a, max_blocks: int = 20_000) -> dict[str, float]:
+    """Microseconds per stored block of each event-hash formula (`CacheConfig.event_hash`),
+    chaining the trace's own prompt blocks as the ledger does when it publishes Stored events."""
+    B = a.block_size
+    chains = []
+    n = 0
+    for _, prompt, _ in trace:
+        keys = [BlockKey(tuple(prompt[i : i + B])) for i in range(0, len(prompt) - B + 1, B)]
+        chains.append(keys)
+        n += len(keys)
+        if n >= max_blocks:
+            break
+    out = {}
+    for algorithm in ("sha256", "trtllm64"):
+        hasher = BlockHasher(algorithm)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for keys in chains:
+                h = hasher.root
+                for k in keys:
+                    h = hasher.hash(k, h)
+            best = min(best, time.perf_counter() - t0)
+        out[algorithm] = best / n * 1e6
+    return out
+
+
 def load_floor():
     for p in FLOOR_PATHS:
         if p.exists():
@@ -259,6 +289,7 @@ def main(argv=None):
     if Naive is not None:
         floor = min((summarise("floor", r[1], a.requests) for r in runs), key=lambda r: r["total_s"])
     step_ms = run_decode_step(a)
+    hash_us = run_hash_cost(trace, a) if a.events else None
     gc.enable()
 
     print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
@@ -274,6 +305,14 @@ def main(argv=None):
           f"(evicted {ours['evicted']}, offloaded {ours['offloaded']}, onboarded {ours['onboarded']} blocks)")
     print(f"per-step bookkeeping of a 256-request decode batch (add_token x256 + block table + plan): {step_ms:.3f} ms")
     result = dict(args=vars(a), ideal_hit_rate=ideal, kvjax=ours, floor=floor, peers_req_per_s=PEER_REQ_PER_S, decode_step_ms_256=step_ms)
+    if hash_us is not None:
+        stored = ours["stored_blocks"]
+        share = {k: stored * us * 1e-6 / ours["total_s"] for k, us in hash_us.items()}
+        print(f"event block hash per stored block: sha256 {hash_us['sha256']:.2f} us (default), trtllm64 "
+              f"{hash_us['trtllm64']:.2f} us; {stored} blocks stored in this run: sha256 is "
+              f"{100 * share['sha256']:.1f}% of kvjax's time (trtllm64 would be {100 * share['trtllm64']:.1f}%)")
+        result["event_hash_us_per_block"] = hash_us
+        result["event_hash_share_of_time"] = share
     if floor:
         ratio = ours["requests_per_s"] / floor["requests_per_s"]
         result["ratio_to_floor"] = ratio

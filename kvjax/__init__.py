@@ -8,6 +8,7 @@ Importing `kvjax` does not import JAX: the device and serving names below load o
 """
 from kvjax.config import CacheConfig, PoolSpec
 from kvjax.errors import (
+    ArgumentTypeError,
     DuplicateRequestError,
     IntegrityError,
     InvalidArgumentError,
@@ -15,6 +16,8 @@ from kvjax.errors import (
     KVCacheError,
     OutOfBlocksError,
     SchedulingStateError,
+    TransferError,
+    TransferSequenceError,
     UnknownBlockError,
     UnknownRequestError,
 )
@@ -33,6 +36,7 @@ _LEDGER_NAMES = {
     "KVCacheStats",
     "RequestStats",
     "IterationStats",
+    "TransferFailure",
 }
 _DEVICE_NAMES = {"KVPools", "allocate_pools", "apply_transfers", "write_kv", "gather_kv", "paged_attention"}
 _SERVING_NAMES = {
@@ -81,6 +85,9 @@ __all__ = sorted(
         "UnknownBlockError",
         "SchedulingStateError",
         "IntegrityError",
+        "ArgumentTypeError",
+        "TransferError",
+        "TransferSequenceError",
     }
     | _LEDGER_NAMES
     | _DEVICE_NAMES

@@ -11,8 +11,12 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from kvjax.errors import InvalidArgumentError
+from kvjax.validation import INT32_MAX, check_bool, check_int, check_opt_int, check_sequence, is_int
+
 CacheType = Literal["self", "cross", "self_k_only"]
 Layout = Literal["block_first", "layer_first"]
+EventHash = Literal["sha256", "trtllm64"]
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -58,18 +62,15 @@ class PoolSpec:
 
 
 def _per_layer(name: str, value: int | tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int or one int per layer, got {value!r}")
-    if isinstance(value, int):
-        values = (value,) * num_layers
-    else:
-        values = tuple(value)
+    if is_int(value):
+        values = (int(value),) * num_layers
+    elif isinstance(value, tuple):
+        values = value
         if len(values) != num_layers:
-            raise ValueError(f"{name} has {len(values)} entries but num_layers={num_layers}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} entries must be positive ints, got {values!r}")
-    return values
+            raise InvalidArgumentError(f"{name} has {len(values)} entries but num_layers={num_layers}")
+    else:
+        raise InvalidArgumentError(f"{name} must be an int or one int per layer, got {value!r}")
+    return tuple(check_int(f"{name} entry", v, 1) for v in values)
 
 
 def _canonical(value: Any) -> Any:
@@ -86,7 +87,9 @@ class CacheConfig:
 
     `primary_blocks` / `secondary_blocks` are per attention window: an int gives every window
     that many blocks, a dict maps window -> blocks. `attention_windows` is a per-layer cycle
-    (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`.
+    (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`. `event_hash` picks
+    the block-hash formula of KV events: "sha256" (default; 32-byte hashes) or "trtllm64"
+    (TensorRT-LLM's 64-bit `BlockKeyHasher`, int hashes; see docs/semantics.md).
     """
 
     tokens_per_block: int
@@ -109,61 +112,64 @@ class CacheConfig:
     event_buffer_max_size: int = 0
     max_num_tokens: int | None = None
     layout: Layout = "block_first"
+    event_hash: EventHash = "sha256"
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
-        tpb = self.tokens_per_block
-        if isinstance(tpb, bool) or not isinstance(tpb, int) or tpb < 1 or tpb & (tpb - 1):
-            raise ValueError(f"tokens_per_block must be a positive power of two, got {tpb!r}")
+        err = InvalidArgumentError
+        tpb = check_int("tokens_per_block", self.tokens_per_block, 1)
+        if tpb & (tpb - 1):
+            raise err(f"tokens_per_block must be a positive power of two, got {tpb!r}")
+        set_("tokens_per_block", tpb)
         for name in ("num_layers", "max_seq_len", "max_beam_width"):
+            set_(name, check_int(name, getattr(self, name), 1))
+        for name in ("num_kv_heads", "head_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        set_("num_kv_heads", self.num_kv_heads if isinstance(self.num_kv_heads, int) else tuple(self.num_kv_heads))
-        set_("head_dim", self.head_dim if isinstance(self.head_dim, int) else tuple(self.head_dim))
+            set_(name, check_int(name, v, 1) if is_int(v) else check_sequence(name, v))
         _per_layer("num_kv_heads", self.num_kv_heads, self.num_layers)
         _per_layer("head_dim", self.head_dim, self.num_layers)
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        windows = (self.max_seq_len,) if self.attention_windows is None else tuple(self.attention_windows)
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
+            raise err(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        for name in ("enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks"):
+            set_(name, check_bool(name, getattr(self, name)))
+        raw = self.attention_windows
+        windows = (self.max_seq_len,) if raw is None else check_sequence("attention_windows", raw)
         if not windows:
-            raise ValueError("attention_windows must not be empty")
-        for w in windows:
-            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-                raise ValueError(f"attention_windows entries must be positive ints, got {windows!r}")
+            raise err("attention_windows must not be empty")
+        windows = tuple(check_int("attention_windows entry", w, 1) for w in windows)
         set_("attention_windows", tuple(min(w, self.max_seq_len) for w in windows))
-        if self.cache_type not in ("self", "cross", "self_k_only"):
-            raise ValueError(f"cache_type must be 'self', 'cross' or 'self_k_only', got {self.cache_type!r}")
+        if not isinstance(self.cache_type, str) or self.cache_type not in ("self", "cross", "self_k_only"):
+            raise err(f"cache_type must be 'self', 'cross' or 'self_k_only', got {self.cache_type!r}")
         if self.cache_type == "cross" and len(set(self.attention_windows)) != 1:
-            raise ValueError("a cross-attention cache has exactly one attention window")
-        if self.layout not in ("block_first", "layer_first"):
-            raise ValueError(f"layout must be 'block_first' or 'layer_first', got {self.layout!r}")
+            raise err("a cross-attention cache has exactly one attention window")
+        if not isinstance(self.layout, str) or self.layout not in ("block_first", "layer_first"):
+            raise err(f"layout must be 'block_first' or 'layer_first', got {self.layout!r}")
         distinct = sorted(set(self.attention_windows))
         for name in ("primary_blocks", "secondary_blocks"):
             value = getattr(self, name)
+            # slots are int32 and a pool holds one null slot after the primary blocks
+            minimum, maximum = (1, INT32_MAX - 1) if name == "primary_blocks" else (0, INT32_MAX)
             if isinstance(value, Mapping):
-                value = {int(k): v for k, v in value.items()}
+                value = {
+                    # TOML tables can only have string keys: "512" names window 512
+                    check_int(f"{name} window", int(k) if isinstance(k, str) and k.isdigit() else k, 1): check_int(
+                        f"{name}[{k!r}]", v, minimum, maximum
+                    )
+                    for k, v in value.items()
+                }
                 missing = [w for w in distinct if w not in value]
                 extra = [w for w in value if w not in distinct]
                 if missing or extra:
-                    raise ValueError(f"{name} must give every window {distinct}; missing {missing}, unknown {extra}")
-                counts = [value[w] for w in distinct]
+                    raise err(f"{name} must give every window {distinct}; missing {missing}, unknown {extra}")
                 set_(name, value)
             else:
-                counts = [value]
-            minimum = 1 if name == "primary_blocks" else 0
-            for c in counts:
-                if isinstance(c, bool) or not isinstance(c, int) or c < minimum:
-                    raise ValueError(f"{name} must be int(s) >= {minimum}, got {getattr(self, name)!r}")
-        p = self.secondary_offload_min_priority
-        if isinstance(p, bool) or not isinstance(p, int) or not MIN_PRIORITY <= p <= MAX_PRIORITY + 1:
-            raise ValueError(f"secondary_offload_min_priority must be in [0, 101], got {p!r}")
-        if not isinstance(self.sink_token_length, int) or self.sink_token_length < 0:
-            raise ValueError(f"sink_token_length must be an int >= 0, got {self.sink_token_length!r}")
-        if not isinstance(self.event_buffer_max_size, int) or self.event_buffer_max_size < 0:
-            raise ValueError(f"event_buffer_max_size must be an int >= 0, got {self.event_buffer_max_size!r}")
-        if self.max_num_tokens is not None and (not isinstance(self.max_num_tokens, int) or self.max_num_tokens < 1):
-            raise ValueError(f"max_num_tokens must be a positive int or None, got {self.max_num_tokens!r}")
+                set_(name, check_int(name, value, minimum, maximum))
+        set_("secondary_offload_min_priority", check_int("secondary_offload_min_priority", self.secondary_offload_min_priority, MIN_PRIORITY, MAX_PRIORITY + 1))
+        set_("sink_token_length", check_int("sink_token_length", self.sink_token_length))
+        set_("event_buffer_max_size", check_int("event_buffer_max_size", self.event_buffer_max_size))
+        set_("max_num_tokens", check_opt_int("max_num_tokens", self.max_num_tokens, 1))
+        if self.event_hash not in ("sha256", "trtllm64"):
+            raise err(f"event_hash must be 'sha256' or 'trtllm64', got {self.event_hash!r}")
 
     def __hash__(self) -> int:
         return hash(tuple(_canonical(getattr(self, f.name)) for f in dataclasses.fields(self)))

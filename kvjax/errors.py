@@ -41,3 +41,26 @@ class SchedulingStateError(KVCacheError, RuntimeError):
 
 class IntegrityError(KVCacheError):
     """`verify_integrity()` found a broken ledger invariant (a bug, never user error)."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type where Python convention asks for a `TypeError` (the
+    manager's `config` and `clock`); every other bad argument is an `InvalidArgumentError`."""
+
+
+class TransferSequenceError(KVCacheError, ValueError):
+    """A transfer plan reported out of order: already acknowledged, never issued, reported twice,
+    or (with `require_transfer_acks`) a new plan taken before the previous one was reported."""
+
+
+class TransferError(KVCacheError):
+    """Some operations of a transfer plan did not take effect (raised by whoever applies plans).
+
+    `op_indices` lists the failed operations (None: the whole plan); `pools` holds the pools
+    after the operations that did apply when the caller's pools were donated (None: the
+    caller's pools are untouched). Report it with `KVCacheManager.transfers_failed`."""
+
+    def __init__(self, message: str, *, op_indices=None, pools=None) -> None:
+        super().__init__(message)
+        self.op_indices = None if op_indices is None else tuple(int(i) for i in op_indices)
+        self.pools = pools

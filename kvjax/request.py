@@ -5,6 +5,16 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 
 from kvjax.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from kvjax.errors import InvalidRequestError
+from kvjax.validation import (
+    UINT64_END,
+    check_duration,
+    check_hashable_id,
+    check_int,
+    check_int_list,
+    check_opt_int,
+    check_sequence,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +27,12 @@ class MultimodalItem:
 
     def __post_init__(self) -> None:
         if not isinstance(self.hash, (bytes, bytearray)) or not self.hash:
-            raise ValueError(f"MultimodalItem.hash must be non-empty bytes, got {self.hash!r}")
+            raise InvalidRequestError(f"MultimodalItem.hash must be non-empty bytes, got {self.hash!r}")
         if len(self.hash) > 32:
-            raise ValueError(f"MultimodalItem.hash holds at most 32 bytes, got {len(self.hash)}")
-        if self.start < 0 or self.length < 1:
-            raise ValueError(f"MultimodalItem needs start >= 0 and length >= 1, got {self.start=}, {self.length=}")
+            raise InvalidRequestError(f"MultimodalItem.hash holds at most 32 bytes, got {len(self.hash)}")
+        object.__setattr__(self, "hash", bytes(self.hash))  # a bytearray could change after validation
+        object.__setattr__(self, "start", check_int("MultimodalItem.start", self.start, error=InvalidRequestError))
+        object.__setattr__(self, "length", check_int("MultimodalItem.length", self.length, 1, error=InvalidRequestError))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,18 +45,17 @@ class TokenRangeRetention:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.start < 0:
-            raise ValueError(f"retention range start must be >= 0, got {self.start}")
+        set_ = object.__setattr__
+        set_(self, "start", check_int("retention range start", self.start, error=InvalidRequestError))
+        set_(self, "end", check_opt_int("retention range end", self.end, error=InvalidRequestError))
         if self.end is not None and self.end < self.start:
-            raise ValueError(f"retention range has negative length: [{self.start}, {self.end})")
-        _check_priority(self.priority)
-        if self.duration_s is not None and self.duration_s < 0:
-            raise ValueError(f"retention duration must be >= 0, got {self.duration_s}")
+            raise InvalidRequestError(f"retention range has negative length: [{self.start}, {self.end})")
+        set_(self, "priority", _check_priority(self.priority))
+        set_(self, "duration_s", check_duration("retention duration_s", self.duration_s, error=InvalidRequestError))
 
 
-def _check_priority(p: int) -> None:
-    if isinstance(p, bool) or not isinstance(p, int) or not MIN_PRIORITY <= p <= MAX_PRIORITY:
-        raise ValueError(f"retention priority must be an int in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {p!r}")
+def _check_priority(p: object) -> int:
+    return check_int("retention priority", p, MIN_PRIORITY, MAX_PRIORITY, error=InvalidRequestError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +67,21 @@ class RetentionConfig:
     decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        ranges = tuple(sorted(self.ranges, key=lambda r: r.start))
+        ranges = check_sequence("RetentionConfig.ranges", self.ranges, error=InvalidRequestError)
+        for r in ranges:
+            if not isinstance(r, TokenRangeRetention):
+                raise InvalidRequestError(f"RetentionConfig.ranges must hold TokenRangeRetention, got {r!r}")
+        ranges = tuple(sorted(ranges, key=lambda r: r.start))
         object.__setattr__(self, "ranges", ranges)
         for prev, cur in zip(ranges, ranges[1:]):
             if prev.end is None:
-                raise ValueError(f"retention range starting at {cur.start} follows an open-ended range")
+                raise InvalidRequestError(f"retention range starting at {cur.start} follows an open-ended range")
             if cur.start < prev.end:
-                raise ValueError(f"retention ranges overlap: [{prev.start}, {prev.end}) and [{cur.start}, {cur.end})")
-        _check_priority(self.decode_priority)
-        if self.decode_duration_s is not None and self.decode_duration_s < 0:
-            raise ValueError(f"decode_duration_s must be >= 0, got {self.decode_duration_s}")
+                raise InvalidRequestError(f"retention ranges overlap: [{prev.start}, {prev.end}) and [{cur.start}, {cur.end})")
+        object.__setattr__(self, "decode_priority", _check_priority(self.decode_priority))
+        object.__setattr__(
+            self, "decode_duration_s", check_duration("decode_duration_s", self.decode_duration_s, error=InvalidRequestError)
+        )
 
     def block_retention(self, block_index: int, tokens_per_block: int) -> tuple[int | None, float | None]:
         """(priority, duration) of the range holding the block's first token, else (None, None)."""
@@ -95,29 +110,42 @@ class Request:
     encoder_len: int | None = None
 
     def __post_init__(self) -> None:
-        if hasattr(self.prompt, "tolist"):  # numpy / jax arrays
+        self.validate()
+
+    def validate(self) -> None:
+        """Check and normalise every field (numpy integers become ints); the ledger calls it
+        again at admission, since a Request can be changed after construction.
+
+        Structure and every scalar field are checked here; prompt token *values* are checked
+        where they are used (admission, scheduler queries): prompts are long, and admission
+        already reads every token it cannot match.
+        """
+        err = InvalidRequestError
+        check_hashable_id("request_id", self.request_id)
+        if hasattr(self.prompt, "tolist") and not isinstance(self.prompt, (list, tuple)):  # numpy / jax arrays
+            if getattr(self.prompt, "ndim", 1) != 1:
+                raise err(f"prompt must be one-dimensional, got shape {getattr(self.prompt, 'shape', None)}")
             self.prompt = self.prompt.tolist()
-        if self.extra_ids is not None and hasattr(self.extra_ids, "tolist"):
-            self.extra_ids = self.extra_ids.tolist()
-        self.mm_items = tuple(self.mm_items)
-        for name in ("max_new_tokens", "num_draft_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an int >= 1, got {self.beam_width!r}")
-        if self.lora_task_id is not None and (isinstance(self.lora_task_id, bool) or not isinstance(self.lora_task_id, int)):
-            raise ValueError(f"lora_task_id must be an int or None, got {self.lora_task_id!r}")
-        if self.cache_salt is not None and (isinstance(self.cache_salt, bool) or not isinstance(self.cache_salt, (str, int))):
-            raise ValueError(f"cache_salt must be a str, an int or None, got {self.cache_salt!r}")
-        if self.extra_ids is not None and len(self.extra_ids) != len(self.prompt):
-            raise ValueError(f"extra_ids needs one id per prompt token: {len(self.extra_ids)=} != {len(self.prompt)=}")
+        if not isinstance(self.prompt, (list, tuple)):
+            raise err(f"prompt must be a list of token ids, got {type(self.prompt).__name__}")
+        if self.extra_ids is not None:
+            # one extra id per prompt token, unsigned 64-bit like TensorRT-LLM's
+            self.extra_ids = check_int_list("extra_ids", self.extra_ids, 0, UINT64_END - 1, error=err)
+            if len(self.extra_ids) != len(self.prompt):
+                raise err(f"extra_ids needs one id per prompt token: {len(self.extra_ids)=} != {len(self.prompt)=}")
+        self.mm_items = check_sequence("mm_items", self.mm_items, error=err)
+        self.max_new_tokens = check_int("max_new_tokens", self.max_new_tokens, error=err)
+        self.num_draft_tokens = check_int("num_draft_tokens", self.num_draft_tokens, error=err)
+        self.beam_width = check_int("beam_width", self.beam_width, 1, error=err)
+        self.lora_task_id = check_opt_int("lora_task_id", self.lora_task_id, 0, UINT64_END - 1, error=err)
+        salt = self.cache_salt
+        if salt is not None and not isinstance(salt, str):
+            self.cache_salt = check_int("cache_salt", salt, 0, UINT64_END - 1, error=err)  # or a str
         for item in self.mm_items:
             if not isinstance(item, MultimodalItem):
-                raise ValueError(f"mm_items must hold MultimodalItem, got {item!r}")
+                raise err(f"mm_items must hold MultimodalItem, got {item!r}")
             if item.start + item.length > len(self.prompt):
-                raise ValueError(f"multimodal item [{item.start}, {item.start + item.length}) exceeds the prompt ({len(self.prompt)} tokens)")
-        if self.encoder_len is not None and (not isinstance(self.encoder_len, int) or self.encoder_len < 1):
-            raise ValueError(f"encoder_len must be a positive int or None, got {self.encoder_len!r}")
+                raise err(f"multimodal item [{item.start}, {item.start + item.length}) exceeds the prompt ({len(self.prompt)} tokens)")
+        self.encoder_len = check_opt_int("encoder_len", self.encoder_len, 1, error=err)
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
-            raise ValueError(f"retention must be a RetentionConfig or None, got {self.retention!r}")
+            raise err(f"retention must be a RetentionConfig or None, got {self.retention!r}")

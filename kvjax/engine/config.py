@@ -6,7 +6,8 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
 [cache]  tokens_per_block, primary_blocks, secondary_blocks (per window), max_seq_len,
          enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse, onboard_blocks,
          secondary_offload_min_priority, event_buffer_max_size (the ledger's KV-event queue;
-         0 = events off unless the engine publishes them, which sizes it itself)
+         0 = events off unless the engine publishes them, which sizes it itself), event_hash
+         (the events' block hashes: "sha256" or TensorRT-LLM's "trtllm64")
 [engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
          "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
          prefill_rows, max_steps, rank_check_interval (steps between two comparisons of the
@@ -33,8 +34,9 @@ CACHE_DEFAULTS: dict[str, Any] = {
     "onboard_blocks": True,
     "secondary_offload_min_priority": 30,
     "event_buffer_max_size": 0,
+    "event_hash": "sha256",
 }
-_STR_KEYS = {"policy", "queue_policy"}
+_STR_KEYS = {"policy", "queue_policy", "event_hash"}
 _BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
 
 
@@ -115,6 +117,7 @@ def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int |
             onboard_blocks=v["onboard_blocks"],
             secondary_offload_min_priority=v["secondary_offload_min_priority"],
             event_buffer_max_size=v["event_buffer_max_size"],
+            event_hash=v["event_hash"],
             max_num_tokens=max_num_tokens,
         )
     except ValueError as e:
@@ -133,5 +136,6 @@ def device_config(config: CacheConfig) -> CacheConfig:
         onboard_blocks=True,
         secondary_offload_min_priority=30,
         event_buffer_max_size=0,
+        event_hash="sha256",
         max_num_tokens=None,
     )

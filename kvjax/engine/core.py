@@ -34,7 +34,7 @@ import numpy as np
 
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from kvjax.ledger.transfer_plan import TransferKind
 from kvjax.engine.batching import Row
 from kvjax.engine.config import device_config
@@ -296,8 +296,9 @@ class EngineCore:
             if n > 0:
                 prefill.append((r, n))
                 budget -= n
-        # 5. data movements decided by this step's ledger calls, before any forward
-        onboarded = self._apply_transfers()
+        # 5. data movements decided by this step's ledger calls, before any forward; what did
+        #    not arrive leaves the ledger's cache and the requests that relied on it recompute
+        prefill, onboarded = self._apply_transfers(prefill)
         # 6. forwards + sampling
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
@@ -351,18 +352,60 @@ class EngineCore:
                 d.update(r.request_id, np.asarray(led.block_ids(r.request_id, w)))
         d.check(self.step_index)
 
-    def _apply_transfers(self) -> int:
+    def _apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> tuple[list[tuple[LiveRequest, int]], int]:
         """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
-        Called once per step, after every ledger call of the step and before any forward.
-        Returns the number of blocks onboarded."""
+        Called once per step, after every ledger call of the step and before any forward. A
+        `TransferError` (all or some ops did not take effect) is reported to the ledger, and
+        the prefill of the requests it cut back is redone. Returns this step's prefill and the
+        number of blocks onboarded."""
         plan = self.ledger.take_transfers()
         if not len(plan):
-            return 0
+            return prefill, 0
         if self.rank_digest is not None:
             self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
+        onboard = plan.kind == TransferKind.ONBOARD  # [ops]
         with self.clock.measuring():
-            self.pools = self.engine.runner.apply_transfers(self.pools, plan)
-        return int((plan.kind == TransferKind.ONBOARD).sum())
+            try:
+                self.pools = self.engine.runner.apply_transfers(self.pools, plan)
+            except TransferError as e:
+                if e.pools is not None:  # the ops that did apply, on the pools they consumed
+                    self.pools = e.pools
+                applied = np.ones(len(plan), bool) if e.op_indices is not None else np.zeros(len(plan), bool)
+                if e.op_indices is not None:
+                    applied[list(e.op_indices)] = False
+                prefill = self._transfers_failed(self.ledger.transfers_failed(plan, e.op_indices), prefill)
+                return prefill, int((onboard & applied).sum())
+        return prefill, int(onboard.sum())
+
+    def _transfers_failed(self, failure, prefill: list[tuple[LiveRequest, int]]) -> list[tuple[LiveRequest, int]]:
+        """Rewind the prefill of every request a failed transfer cut back (the ledger already
+        dropped the lost blocks); a request that cannot recompute in place (a sliding window
+        released what it would read) is admitted again. Only admissions move blocks, so only
+        this step's admissions can be affected."""
+        led, c = self.ledger, self.counters
+        for rid, valid in failure.recompute_from.items():
+            r = self.running[rid]
+            if r.phase is not Phase.CONTEXT:
+                raise EngineInvariantError(f"{rid}: a failed transfer hit a {r.phase.value} request")
+            adm = r.admissions[-1]
+            stats = led.request_stats(rid)  # the admission's block counts, as the ledger now has them
+            c.reused_blocks += stats.reused_blocks - r.admission_stats.reused_blocks
+            c.missed_blocks += stats.missed_blocks - r.admission_stats.missed_blocks
+            r.admission_stats = stats
+            if rid in failure.readmit:  # undo the admission: back to the front of the queue
+                led.remove_sequence(rid, store_for_reuse=True)  # stores only what is still valid
+                del self.running[rid]
+                r.admissions.pop()
+                r.phase = Phase.WAITING
+                c.admitted_prompt_tokens -= len(r.context)
+                c.reused_prompt_tokens -= adm.reused
+                self.waiting.appendleft(r)
+                prefill = [(x, n) for x, n in prefill if x is not r]
+                continue
+            c.reused_prompt_tokens -= adm.reused - valid
+            r.admissions[-1] = dataclasses.replace(adm, reused=valid)
+            r.context_pos = valid
+        return prefill
 
     # ------------------------------------------------------------------ pieces
     def _admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
@@ -389,6 +432,7 @@ class EngineCore:
                 raise EngineInvariantError(f"{r.request_id}: add_sequence returned {p}, request_stats says {stats.prepopulated_tokens}")
             c.reused_blocks += stats.reused_blocks
             c.missed_blocks += stats.missed_blocks
+            r.admission_stats = stats
             c.prefix_queries += 1
             r.context = r.prompt + r.output
             r.context_pos = p

@@ -61,9 +61,10 @@ def event_buffer_size(config: CacheConfig) -> int:
 
 
 def event_hash_kind(config: CacheConfig) -> str:
-    """The block-hash formula of the ledger's events, as `prompt_block_hashes(hash_kind=...)`
-    names it: a router must hash requests with the same one."""
-    return getattr(config, "event_hash", "trtllm")
+    """The block-hash formula of the ledger's events (`CacheConfig.event_hash`: "sha256" or
+    "trtllm64"), as `prompt_block_hashes(hash_kind=...)` names it: a router must hash requests
+    with the same one."""
+    return config.event_hash
 
 
 def with_events(config: CacheConfig) -> CacheConfig:

@@ -15,6 +15,7 @@ or "abort" (taken out by `abort_request` or a shutdown).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 import enum
 
 from kvjax.engine.workloads import WorkItem
@@ -53,6 +54,7 @@ class LiveRequest:
     context: list[int] = dataclasses.field(default_factory=list)  # prompt of the current admission
     context_pos: int = 0  # tokens of `context` whose KV is materialised
     admissions: list[Admission] = dataclasses.field(default_factory=list)
+    admission_stats: Any = None  # the ledger's RequestStats of the latest admission
     pauses: int = 0
     admit_time: float | None = None
     first_token_time: float | None = None

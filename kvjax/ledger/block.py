@@ -90,11 +90,6 @@ class Block:
         return node is not None and node.is_full
 
     @property
-    def hash(self) -> int | None:
-        """Chained 64-bit block hash, computed lazily from the tree path (None when not cached)."""
-        return self.node.hash if self.node is not None else None
-
-    @property
     def has_refs(self) -> bool:
         return self.ref_count > 0
 

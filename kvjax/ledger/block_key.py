@@ -1,12 +1,17 @@
-"""`BlockKey`: what a cached block's tokens mean, and the chained 64-bit block hash.
+"""`BlockKey`: what a cached block's tokens mean, and the chained block hashes events publish.
 
-Keys are compared, not hashed with a cryptographic digest: the radix tree looks children up by
-key equality (a C-level tuple compare), so the 64-bit TensorRT-LLM-compatible block hash is
-only computed when events or a router need it.
+Keys are compared, not hashed: the radix tree looks children up by key equality (a C-level
+tuple compare), so a block hash is only computed when events need it. Two formulas (see
+docs/semantics.md, "Events and block hashes"): SHA-256 over a canonical encoding of the
+parent hash and the whole key (default, collision-resistant), and TensorRT-LLM's 64-bit
+`BlockKeyHasher` (compatibility with routers that recompute it).
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import struct
+import sys
 from typing import NamedTuple
 
 _M64 = (1 << 64) - 1
@@ -124,32 +129,34 @@ def _mix64(c: int, seed: int) -> int:
     return seed ^ ((c + _GOLDEN + ((seed << 6) & _M64) + (seed >> 2)) & _M64)
 
 
-_TOKEN_MIX: dict[int, int] = {}  # token id -> its 32-bit mixed value + constant (seed-independent)
-_TOKEN_MIX_MAX = 1 << 20
-
-
 def _token_mix(t: int) -> int:
+    """The seed-independent half of hash32Mix: the token's 32-bit mix plus the constant."""
     a = t & _M32
     a = (((a >> 16) ^ a) * 0x45D9F3B) & _M32
     a = (((a >> 16) ^ a) * 0x45D9F3B) & _M32
-    v = (((a >> 16) ^ a) + _GOLDEN) & _M32
-    if len(_TOKEN_MIX) < _TOKEN_MIX_MAX:
-        _TOKEN_MIX[t] = v
-    return v
+    return (((a >> 16) ^ a) + _GOLDEN) & _M32
 
 
-def block_hash(key: BlockKey, parent_hash: int) -> int:
-    """TensorRT-LLM's `BlockKeyHasher::hash(key, parentHash)`: h_i = H(key_i, h_{i-1}), root 0."""
+def trtllm64_block_hash(key: BlockKey, parent_hash: int = 0, memo: dict[int, int] | None = None) -> int:
+    """TensorRT-LLM's `BlockKeyHasher::hash(key, parentHash)`: h_i = H(key_i, h_{i-1}), root 0.
+
+    64 bits and not collision-resistant (a 1-token block with extra id e and one with LoRA id e
+    hash alike); kept for routers that recompute TensorRT-LLM's hashes. `memo` caches each
+    token id's seed-independent mix (bounded by its owner, see `BlockHasher`)."""
     seed = (len(key.tokens) ^ ((parent_hash * 0xBF58476D1CE4E5B9) & _M64)) & _M64
     if parent_hash == 0 and key.cache_salt_id is not None:
         seed = _mix64(key.cache_salt_id, seed)
-    if key.extra_ids is None:
-        table = _TOKEN_MIX  # the token half of hash32Mix depends on the token alone: memoised
+    if key.extra_ids is None and memo is not None:
         for t in key.tokens:
-            v = table.get(t)
+            v = memo.get(t)
             if v is None:
                 v = _token_mix(t)
+                if len(memo) < TOKEN_MEMO_MAX:
+                    memo[t] = v
             seed ^= (v + ((seed << 6) & _M64) + (seed >> 2)) & _M64
+    elif key.extra_ids is None:
+        for t in key.tokens:
+            seed ^= (_token_mix(t) + ((seed << 6) & _M64) + (seed >> 2)) & _M64
     else:
         for t, e in zip(key.tokens, key.extra_ids):
             seed = _mix32(t, seed)
@@ -164,7 +171,85 @@ def block_hash(key: BlockKey, parent_hash: int) -> int:
     return seed
 
 
-HASH_KINDS = ("trtllm",)  # the block hashes events carry: TensorRT-LLM's 64-bit chained hash
+# ---------------------------------------------------------------------------- SHA-256
+# The canonical encoding of a key: its fields in a fixed order, each introduced by a tag byte,
+# every variable-length part preceded by its length, so the encoding can be parsed back
+# unambiguously and two different keys never encode alike (a LoRA id can never pass for an
+# extra id, a token run never runs into the next field). Absent fields have their own tag.
+SHA256_ROOT_HASH = hashlib.sha256(b"kvjax/block-hash/sha256/v1").digest()  # parent of depth-1 blocks
+_U32 = struct.Struct("<I")
+_U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
+_SWAP = sys.byteorder != "little"
+_PLAIN_TAIL = b"elsM" + _U32.pack(0)  # no extra ids, no LoRA, no salt, no multimodal items
+
+
+def _int_field(v: int) -> bytes:
+    """Any int (negative or huge too): byte count, then two's complement little-endian."""
+    n = (v.bit_length() + 8) // 8
+    return _U32.pack(n) + v.to_bytes(n, "little", signed=True)
+
+
+def canonical_key_bytes(key: BlockKey) -> bytes:
+    """The encoding `sha256_block_hash` digests after the parent hash (see the note above)."""
+    tokens = key.tokens
+    try:  # token ids are ints in [0, 2**31) once validated: four bytes each, little-endian
+        packed = array.array(_U32_CODE, tokens)
+        if _SWAP:
+            packed.byteswap()
+        head = b"T" + _U32.pack(len(tokens)) + packed.tobytes()
+    except (OverflowError, TypeError):
+        head = b"t" + _U32.pack(len(tokens)) + b"".join(_int_field(t) for t in tokens)
+    if key.extra_ids is None and key.lora_task_id is None and key.cache_salt_id is None and not key.mm_keys:
+        return head + _PLAIN_TAIL
+    parts = [head]
+    if key.extra_ids is None:
+        parts.append(b"e")
+    else:
+        parts.append(b"E" + _U32.pack(len(key.extra_ids)))
+        parts.extend(_int_field(e) for e in key.extra_ids)
+    parts.append(b"l" if key.lora_task_id is None else b"L" + _int_field(key.lora_task_id))
+    parts.append(b"s" if key.cache_salt_id is None else b"S" + _int_field(key.cache_salt_id))
+    parts.append(b"M" + _U32.pack(len(key.mm_keys)))
+    for mm in key.mm_keys:
+        parts.append(_U32.pack(len(mm.hash)) + bytes(mm.hash) + _int_field(mm.start_offset))
+    return b"".join(parts)
+
+
+def sha256_block_hash(key: BlockKey, parent_hash: bytes | None = None) -> bytes:
+    """SHA-256 over the parent hash (32 bytes; `SHA256_ROOT_HASH` at the root, also for None)
+    and the canonical encoding of the whole key: collision-resistant like vLLM's block hashes
+    after CVE-2025-25183."""
+    parent = SHA256_ROOT_HASH if parent_hash is None else parent_hash
+    if len(parent) != 32:
+        raise ValueError(f"a SHA-256 parent hash has 32 bytes, got {len(parent)}")
+    return hashlib.sha256(parent + canonical_key_bytes(key)).digest()
+
+
+# ---------------------------------------------------------------------------- per-manager hasher
+HASH_ALGORITHMS = ("sha256", "trtllm64")
+TOKEN_MEMO_MAX = 1 << 15  # token ids memoised by one trtllm64 hasher (about 3 MB at most)
+
+
+class BlockHasher:
+    """The chained block hash of one manager (`CacheConfig.event_hash`): `root` is the parent
+    hash of depth-1 blocks, `hash(key, parent)` the next link. SHA-256 hashes are 32 `bytes`,
+    TensorRT-LLM ones `int`s in [0, 2**64). Owns the trtllm64 token memo, so the memo is bounded
+    and dies with its manager."""
+
+    __slots__ = ("algorithm", "root", "memo", "hash", "__weakref__")
+
+    def __init__(self, algorithm: str = "sha256") -> None:
+        if algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash algorithm must be one of {HASH_ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
+        self.memo: dict[int, int] = {}
+        if algorithm == "sha256":
+            self.root: bytes | int = SHA256_ROOT_HASH
+            self.hash = sha256_block_hash
+        else:
+            self.root = 0
+            memo = self.memo
+            self.hash = lambda key, parent: trtllm64_block_hash(key, parent, memo)
 
 
 def prompt_block_hashes(
@@ -173,10 +258,11 @@ def prompt_block_hashes(
     *,
     lora_task_id: int | None = None,
     cache_salt: str | int | None = None,
-    hash_kind: str = "trtllm",
+    hash_kind: str = "sha256",
     for_reuse: bool = True,
-) -> list[int]:
-    """Chained hashes of a plain prompt's full blocks, as the ledger's events publish them.
+) -> list[bytes] | list[int]:
+    """Chained hashes of a plain prompt's full blocks, as a ledger with `event_hash=hash_kind`
+    publishes them in its events.
 
     A router calls this to look a request up in an index fed by events: block `i` of the result
     equals the `block_hash` a ledger emits for that block (same tokens, LoRA task and cache salt;
@@ -184,17 +270,18 @@ def prompt_block_hashes(
     can match are hashed: the last prompt token is always recomputed, so those are the full
     blocks of the first `len(tokens) - 1` tokens.
     """
-    if hash_kind not in HASH_KINDS:
-        raise ValueError(f"hash_kind must be one of {HASH_KINDS}, got {hash_kind!r}")
+    if hash_kind not in HASH_ALGORITHMS:
+        raise ValueError(f"hash_kind must be one of {HASH_ALGORITHMS}, got {hash_kind!r}")
     if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int) or tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+    hasher = BlockHasher(hash_kind)
     tokens = tuple(tokens)
     usable = max(len(tokens) - 1, 0) if for_reuse else len(tokens)
     salt = cache_salt_id(cache_salt)
-    out: list[int] = []
-    parent = 0
+    out = []
+    parent = hasher.root
     for start in range(0, usable // tokens_per_block * tokens_per_block, tokens_per_block):
         key = BlockKey(tokens[start : start + tokens_per_block], None, lora_task_id, salt, ())
-        parent = block_hash(key, parent)
+        parent = hasher.hash(key, parent)
         out.append(parent)
     return out

@@ -2,21 +2,23 @@
 and the multi-window algorithms that span them (admission with reuse, token growth, storing,
 release).
 
-Admission is two-phase so that it is atomic and batch-aware: `plan_admission` walks the tree
-(read-only) for every request and window, fixes the prepopulated length (the minimum over
-windows, shortened until every sliding window is safe), decides in-place versus copy for
-partial matches and checks capacity; only then does `commit_admission` claim, copy, onboard
-and allocate. A failed check raises before anything changed.
+Admission plans before it commits, so that it is atomic and batch-aware: `plan_sequence`
+walks the tree (read-only) for every request and window and fixes the prepopulated length
+(the minimum over windows, shortened until every sliding window is safe); `check_capacity`
+decides in-place versus copy for partial matches and counts what the batch takes
+(`window_need`, the count the scheduler queries share); only then does `commit_admission`
+claim, copy, onboard and allocate. A failed check raises before anything changed.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.errors import OutOfBlocksError
 from kvjax.ledger.block import PRIMARY, SECONDARY, Block
-from kvjax.ledger.block_key import BlockKey
+from kvjax.ledger.block_key import BlockHasher, BlockKey
 from kvjax.ledger.events import KVCacheEventManager
 from kvjax.ledger.radix_tree import UnifiedBlockTree
 from kvjax.ledger.sequence import Sequence
@@ -46,6 +48,32 @@ class WindowAdmission:
         return len(self.matched) + (self.partial is not None)
 
 
+class WindowNeed(NamedTuple):
+    """Free primary blocks an admission takes from one window, phase by phase.
+
+    `held`: free matched primary blocks taken out of the queues first (copy sources included);
+    `claims`: blocks phase A allocates (onboard targets, partial copies); `released`: held
+    copy sources that go back to the queues after phase A; `fresh`: blocks phase B allocates.
+    """
+
+    held: int
+    claims: int
+    released: int
+    fresh: int
+    in_place: dict
+
+    @property
+    def required(self) -> int:
+        """Free primary blocks the window must have: phase A draws on the unheld ones, phase B
+        on what is left plus the released copy sources."""
+        return self.held + max(self.claims, self.claims + self.fresh - self.released)
+
+    @property
+    def taken(self) -> int:
+        """How far `num_free_blocks` drops once the admission is committed."""
+        return self.held - self.released + self.claims + self.fresh
+
+
 @dataclasses.dataclass
 class Admission:
     seq: Sequence
@@ -59,7 +87,7 @@ class BlockManager:
     def __init__(self, config: CacheConfig, clock: Callable[[], float]) -> None:
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self.tree = UnifiedBlockTree(config.tokens_per_block)
+        self.tree = UnifiedBlockTree(config.tokens_per_block, BlockHasher(config.event_hash))
         self.recorder = TransferRecorder()
         self.events = KVCacheEventManager(config.event_buffer_max_size) if config.event_buffer_max_size > 0 else None
         self.windows = [
@@ -205,48 +233,62 @@ class BlockManager:
                     wa.matched[d] = None
         wa.coverage = length
 
+    def window_need(self, wm: WindowBlockManager, admissions: list[Admission]) -> WindowNeed:
+        """What committing `admissions` takes from `wm`'s free primary blocks, phase by phase
+        (see `commit_admission`): the one count both admission and the scheduler queries use."""
+        idx = wm.index
+        fresh = 0
+        partial: dict[Block, list[int]] = {}
+        for i, adm in enumerate(admissions):
+            wa = adm.windows[idx]
+            if wa.partial is not None:
+                partial.setdefault(wa.partial[0], []).append(i)
+            fresh += wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width
+        # Matched blocks that are free leave the free pool: primary ones are held, secondary
+        # ones need an onboard target (referenced blocks are always primary).
+        if len(admissions) == 1:
+            free_matched = [b for b in admissions[0].windows[idx].matched if b is not None and not b.ref_count]
+        else:
+            free_matched = list(
+                dict.fromkeys(b for adm in admissions for b in adm.windows[idx].matched if b is not None and not b.ref_count)
+            )
+        held = sum(1 for b in free_matched if b.level == PRIMARY)
+        claims = len(free_matched) - held  # onboard targets
+        released = 0
+        in_place: dict[Block, int | None] = {}
+        if partial:
+            full = {b for adm in admissions for b in adm.windows[idx].matched} if len(admissions) > 1 else ()
+            for blk, claimers in partial.items():
+                ok = blk not in full and blk.ref_count == 0 and wm.is_leaf(blk)
+                in_place[blk] = claimers[-1] if ok else None
+                claims += len(claimers) - ok  # copies
+                claims += ok and blk.level == SECONDARY  # onboard target
+                free_source = blk not in full and not blk.ref_count and blk.level == PRIMARY
+                held += free_source
+                released += free_source and not ok  # a copy source only: free again once copied
+        return WindowNeed(held, claims, released, fresh, in_place)
+
     def check_capacity(self, admissions: list[Admission]) -> dict[int, dict[Block, int | None]]:
         """Raise `OutOfBlocksError` unless every window can serve the whole batch; returns, per
         window, each partially matched block -> index of the request reusing it in place."""
         in_place_by_window: dict[int, dict[Block, int | None]] = {}
         for wm in self.windows:
-            idx = wm.index
-            need = 0
-            partial: dict[Block, list[int]] = {}
-            for i, adm in enumerate(admissions):
-                wa = adm.windows[idx]
-                if wa.partial is not None:
-                    partial.setdefault(wa.partial[0], []).append(i)
-                need += wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width
-            # Matched blocks that are free leave the free pool: primary ones are held, secondary
-            # ones need an onboard target (referenced blocks are always primary).
-            if len(admissions) == 1:
-                free_matched = [b for b in admissions[0].windows[idx].matched if b is not None and not b.ref_count]
-            else:
-                free_matched = list(
-                    dict.fromkeys(b for adm in admissions for b in adm.windows[idx].matched if b is not None and not b.ref_count)
-                )
-            held = sum(1 for b in free_matched if b.level == PRIMARY)
-            need += len(free_matched) - held
-            in_place: dict[Block, int | None] = {}
-            if partial:
-                full = {b for adm in admissions for b in adm.windows[idx].matched} if len(admissions) > 1 else ()
-                for blk, claimers in partial.items():
-                    ok = blk not in full and blk.ref_count == 0 and wm.is_leaf(blk)
-                    in_place[blk] = claimers[-1] if ok else None
-                    need += len(claimers) - ok  # copies
-                    need += ok and blk.level == SECONDARY  # onboard target
-                    held += blk not in full and not blk.ref_count and blk.level == PRIMARY
-            free = wm.num_free_primary - held
-            if need > free:
+            need = self.window_need(wm, admissions)
+            free = wm.num_free_primary
+            if need.required > free:
                 raise OutOfBlocksError(
-                    f"window {wm.window}: admission needs {need} free primary blocks, {free} available"
+                    f"window {wm.window}: admission needs {need.required} free primary blocks, {free} available"
                 )
-            in_place_by_window[idx] = in_place
+            in_place_by_window[wm.index] = need.in_place
         return in_place_by_window
 
     # ------------------------------------------------------------------ admission: commit
     def commit_admission(self, admissions: list[Admission], in_place_by_window: dict) -> None:
+        """Per window, in two phases over the whole batch: (A) claim every match, onboard
+        secondary ones, copy or claim partial matches; then copy sources nobody claimed go
+        back to the free queues, their content read by the copies the plan already holds;
+        (B) allocate every fresh block. So a copy source may be recycled by the same batch,
+        and what a batch takes is what `window_need` counted."""
         tpb = self.tokens_per_block
         reuse = self.reuse
         for wm in self.windows:
@@ -268,7 +310,7 @@ class BlockManager:
                 if wa.partial is not None and wa.partial[0].free_level >= 0:
                     take(wa.partial[0])
                     held.append(wa.partial[0])
-            for i, adm in enumerate(admissions):
+            for i, adm in enumerate(admissions):  # phase A: matches
                 seq = adm.seq
                 wa = adm.windows[widx]
                 sw = seq.windows[widx]
@@ -316,6 +358,17 @@ class BlockManager:
                         blk.ref_count += 1
                     c.reused_partial += 1
                     wm.extend_blocks(sw, [blk])
+                after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+                for k in range(4):
+                    adm.deltas[k] += after[k] - before[k]
+            for blk in held:  # copy sources nobody claimed: free again (the copies come first)
+                if blk.ref_count == 0 and blk.free_level < 0:
+                    policy.release(blk)
+            for adm in admissions:  # phase B: fresh blocks
+                seq = adm.seq
+                wa = adm.windows[widx]
+                sw = seq.windows[widx]
+                before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
                 first, stop = wa.num_matched_positions, wa.num_shared
                 if stop > first:
                     retention = None if seq.retention is None else [seq.block_priority(d, tpb) for d in range(first, stop)]
@@ -331,9 +384,6 @@ class BlockManager:
                 after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
                 for k in range(4):
                     adm.deltas[k] += after[k] - before[k]
-            for blk in held:
-                if blk.ref_count == 0:
-                    policy.release(blk)
         for adm in admissions:
             adm.seq.prepopulated = adm.prepopulated
 
@@ -361,14 +411,34 @@ class BlockManager:
                     wm.extend_blocks(sw, [blk], beam=b)
             wm.counters.gen_alloc += per_token
 
-    def detach_out_of_window(self, seq: Sequence) -> None:
-        """Sliding windows: release front blocks no future query can see."""
+    @staticmethod
+    def oldest_query(seq: Sequence) -> int:
+        """The oldest position the next forward may compute (so may query): the context
+        position during a chunked prefill, else the newest token less the request's draft
+        tokens (unverified drafts are computed by the next verify forward too)."""
+        if seq.context_position < seq.prompt_len:
+            return seq.context_position
+        return seq.num_tokens - 1 - seq.num_draft_tokens
+
+    def released_blocks_visible(self, seq: Sequence, query: int) -> list[int]:
+        """Windows in which a query at `query` would see a block already released."""
         tpb = self.tokens_per_block
-        n = seq.num_tokens
+        out = []
+        for wm in self.windows:
+            nfr = seq.windows[wm.index].num_front_removed
+            if nfr and nfr * tpb > query - wm.window + 1:
+                out.append(wm.window)
+        return out
+
+    def detach_out_of_window(self, seq: Sequence) -> None:
+        """Sliding windows: release front blocks that no query of the next forward (the oldest
+        one being `oldest_query`) and no later one can see."""
+        tpb = self.tokens_per_block
+        first_visible = self.oldest_query(seq) + 1  # + 1 - window, per window below
         for wm in self.windows:
             if wm.is_swa:
                 sw = seq.windows[wm.index]
-                while n - sw.num_front_removed * tpb >= wm.window + tpb:
+                while (sw.num_front_removed + 1) * tpb <= first_visible - wm.window:
                     wm.detach_front_block(sw)
 
     # ------------------------------------------------------------------ storing

@@ -4,6 +4,11 @@ Created (per window, at construction), Stored (consecutive new blocks under one 
 Removed (batched per window; flushed before that window's next Stored or at the iteration
 flush) and Updated (cache level or priority changes). Events collect in a pending list;
 `flush()` publishes them to a bounded queue that drops the oldest when full.
+
+Block hashes are `BlockHash` values: 32-byte `bytes` (SHA-256, the default) or an `int` in
+[0, 2**64) (`CacheConfig(event_hash="trtllm64")`), the two shapes vLLM's KV-event wire format
+carries (`ExternalBlockHash = bytes | int`; msgpack ints stop at 64 bits, so a 256-bit digest
+travels as bytes). See docs/semantics.md.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import time
 
 from kvjax.ledger.block_key import MmKey
 
+BlockHash = bytes | int
+
 
 @dataclasses.dataclass(frozen=True)
 class CreatedData:
@@ -23,7 +30,7 @@ class CreatedData:
 
 @dataclasses.dataclass(frozen=True)
 class StoredBlock:
-    block_hash: int
+    block_hash: BlockHash
     tokens: tuple
     lora_id: int | None
     cache_level: int
@@ -33,18 +40,18 @@ class StoredBlock:
 
 @dataclasses.dataclass(frozen=True)
 class StoredData:
-    parent_hash: int | None
+    parent_hash: BlockHash | None
     blocks: tuple[StoredBlock, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class RemovedData:
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdatedData:
-    block_hash: int
+    block_hash: BlockHash
     cache_level: tuple[int, int] | None = None
     priority: tuple[int, int] | None = None
 
@@ -61,7 +68,7 @@ class KVCacheEventManager:
         self.max_size = max_size
         self._ids = itertools.count()
         self._pending: collections.deque[KVCacheEvent] = collections.deque(maxlen=max_size)
-        self._removed: dict[int, list[int]] = {}
+        self._removed: dict[int, list[BlockHash]] = {}
         self._published: collections.deque[KVCacheEvent] = collections.deque(maxlen=max_size)
         self._cond = threading.Condition()
         self.dropped = 0
@@ -74,14 +81,14 @@ class KVCacheEventManager:
     def created(self, window: int, num_primary: int, num_secondary: int) -> None:
         self._enqueue(window, CreatedData((num_primary, num_secondary)))
 
-    def stored(self, window: int, parent_hash: int | None, blocks: list[StoredBlock]) -> None:
+    def stored(self, window: int, parent_hash: BlockHash | None, blocks: list[StoredBlock]) -> None:
         self._flush_removed(window)
         self._enqueue(window, StoredData(parent_hash, tuple(blocks)))
 
-    def removed(self, window: int, block_hash: int) -> None:
+    def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)
 
-    def updated(self, window: int, block_hash: int, cache_level=None, priority=None) -> None:
+    def updated(self, window: int, block_hash: BlockHash, cache_level=None, priority=None) -> None:
         self._enqueue(window, UpdatedData(block_hash, cache_level, priority))
 
     def _flush_removed(self, window: int) -> None:

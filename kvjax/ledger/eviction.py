@@ -4,6 +4,11 @@ Each level (primary, secondary) has 101 queues, one per retention priority. Free
 exactly one queue; the victim is the front of the lowest non-empty queue (a bitmask finds it in
 O(1)). Claim and release are O(1) (`OrderedDict` keyed by the block). Blocks with a retention
 duration expire through a min-heap: `refresh()` moves expired free blocks back to priority 35.
+
+The heap deletes lazily (claiming a block only invalidates its entry), so it would gain a stale
+entry per release with a duration; it is compacted whenever it outgrows twice the number of
+blocks (each block has at most one live entry), which keeps it bounded by the pool size at
+O(1) amortised cost per push.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ NUM_LEVELS = 2
 
 
 class LRUEvictionPolicy:
-    __slots__ = ("queues", "nonempty", "num_free", "offload_min_priority", "clock", "_heap", "_counter")
+    __slots__ = ("queues", "nonempty", "num_free", "offload_min_priority", "clock", "_heap", "_counter", "heap_limit")
 
     def __init__(self, blocks_per_level: list[list[Block]], offload_min_priority: int, clock: Callable[[], float]) -> None:
         self.queues: list[list[OrderedDict[Block, None]]] = [
@@ -33,6 +38,7 @@ class LRUEvictionPolicy:
         self.clock = clock
         self._heap: list[tuple[float, int, int, Block]] = []
         self._counter = itertools.count()
+        self.heap_limit = 2 * sum(len(b) for b in blocks_per_level) + 16  # compaction threshold
         for level, blocks in enumerate(blocks_per_level):
             for block in blocks:  # never-used blocks in id order, at the default priority
                 block.priority = DEFAULT_PRIORITY
@@ -114,6 +120,19 @@ class LRUEvictionPolicy:
             block.expiry = self.clock() + block.duration
             block.heap_token += 1
             heapq.heappush(self._heap, (block.expiry, next(self._counter), block.heap_token, block))
+            if len(self._heap) > self.heap_limit:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop the entries claims and re-releases invalidated (at most one per block stays)."""
+        heap = [e for e in self._heap if e[2] == e[3].heap_token and e[3].free_level != NOT_FREE]
+        heapq.heapify(heap)
+        self._heap = heap
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the expiry heap, stale ones included (bounded by `heap_limit`)."""
+        return len(self._heap)
 
     def requeue(self, block: Block) -> None:
         """Move a free block to the queues of its (new) cache level, keeping priority, position
@@ -136,6 +155,8 @@ class LRUEvictionPolicy:
                 block.expiry = self.clock() + block.duration
                 block.heap_token += 1
                 heapq.heappush(self._heap, (block.expiry, next(self._counter), block.heap_token, block))
+        if len(self._heap) > self.heap_limit:
+            self._compact()
 
     def refresh(self) -> int:
         """Move free blocks whose retention expired to the back of the default queue."""

@@ -94,6 +94,7 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
             if slots != list(range(count)):
                 _fail(f"window {w}: level-{level} slots are not a permutation of 0..{count - 1}")
     _verify_tree(bm)
+    _verify_bounds(bm)
 
 
 def _verify_tree(bm: BlockManager) -> None:
@@ -130,6 +131,18 @@ def _verify_tree(bm: BlockManager) -> None:
                 _fail(f"block {blk.block_id} of window {w} does not point back at its node")
     if count != tree.num_nodes:
         _fail(f"tree counts {tree.num_nodes} nodes, walk found {count}")
+
+
+def _verify_bounds(bm: BlockManager) -> None:
+    """What must stay bounded by the pools: the expiry heaps, and no live node may keep a
+    pruned one (and through it the rest of a dead run) alive."""
+    for wm in bm.windows:
+        if wm.policy.heap_size > wm.policy.heap_limit:
+            _fail(f"window {wm.window}: expiry heap holds {wm.policy.heap_size} entries, limit {wm.policy.heap_limit}")
+    for node in bm.tree.iter_nodes():
+        nxt = node.next_in_run
+        if nxt is not None and (not nxt.attached or nxt.parent is not node):
+            _fail(f"a tree node at depth {node.depth} links a pruned or foreign node as its run successor")
 
 
 def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:

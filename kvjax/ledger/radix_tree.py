@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvjax.ledger.block_key import BlockKey, block_hash, common_prefix_length, partial_index_key
+from kvjax.ledger.block_key import BlockHasher, BlockKey, common_prefix_length, partial_index_key
 
 if TYPE_CHECKING:
     from kvjax.ledger.block import Block
@@ -66,16 +66,6 @@ class RadixNode:
         self.next_in_run: RadixNode | None = None  # the child created right after it, same run
 
     @property
-    def hash(self) -> int:
-        """Chained block hash of this node (0 for the root), cached after the first use."""
-        h = self._hash
-        if h is None:
-            if self.parent is None:
-                return 0
-            h = self._hash = block_hash(self.key, self.parent.hash)
-        return h
-
-    @property
     def is_root(self) -> bool:
         return self.parent is None
 
@@ -87,10 +77,11 @@ class RadixNode:
 class UnifiedBlockTree:
     """The lookup tree. Blocks attach to nodes per window; the tree owns node lifetime."""
 
-    def __init__(self, tokens_per_block: int) -> None:
+    def __init__(self, tokens_per_block: int, hasher: BlockHasher | None = None) -> None:
         self.tokens_per_block = tokens_per_block
         self.root = RadixNode(None, None, 0, tokens_per_block)
         self.num_nodes = 0
+        self.hasher = BlockHasher() if hasher is None else hasher
 
     # ------------------------------------------------------------------ lookups
     @staticmethod
@@ -178,8 +169,31 @@ class UnifiedBlockTree:
                     if not bucket:
                         del parent.partial_index[bucket_key]
             node.attached = False
+            # Break the run links both ways: a live predecessor (always the parent) would
+            # keep the pruned node, its successors and their token run alive for good.
+            if parent.next_in_run is node:
+                parent.next_in_run = None
+            node.next_in_run = None
+            node.run = None
             self.num_nodes -= 1
             node = parent
+
+    # ------------------------------------------------------------------ block hashes
+    def node_hash(self, node: RadixNode) -> bytes | int:
+        """Chained block hash of `node` (`hasher.root` for the root), computed once per node,
+        iteratively (a deep path never hits the recursion limit)."""
+        h = node._hash
+        if h is not None:
+            return h
+        pending = []
+        while node._hash is None and node.parent is not None:
+            pending.append(node)
+            node = node.parent
+        h = self.hasher.root if node.parent is None else node._hash
+        link = self.hasher.hash
+        for n in reversed(pending):
+            h = n._hash = link(n.key, h)
+        return h
 
     # ------------------------------------------------------------------ inspection
     def iter_nodes(self) -> Iterator[RadixNode]:

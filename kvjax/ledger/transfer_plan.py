@@ -9,6 +9,10 @@ Semantics of entry i (slots are memory-pool indices, never block ids):
   ONBOARD  secondary[pool][src] -> primary[pool][dst]     (first num_tokens tokens)
   COPY     primary[pool][src]   -> primary[pool][dst]     (first num_tokens tokens)
 Applying a plan must equal applying its entries one by one, in order.
+
+`seq` numbers the plans one ledger hands out (1, 2, ...; 0 for a plan built by hand), so the
+ledger can be told which plan failed (`KVCacheManager.transfers_failed`) and can refuse a
+report that comes late, twice or out of order.
 """
 from __future__ import annotations
 
@@ -40,15 +44,20 @@ _FIELDS = ("kind", "pool", "src", "dst", "num_tokens")
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TransferPlan:
-    """Equal-length int32 arrays, one entry per op, in the order the ops must take effect."""
+    """Equal-length int32 arrays, one entry per op, in the order the ops must take effect, and
+    the plan's sequence number in its ledger (0: not from a ledger)."""
 
     kind: np.ndarray
     pool: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     num_tokens: np.ndarray
+    seq: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.seq, (bool, np.bool_)) or not isinstance(self.seq, (int, np.integer)) or self.seq < 0:
+            raise ValueError(f"TransferPlan.seq must be an int >= 0, got {self.seq!r}")
+        object.__setattr__(self, "seq", int(self.seq))
         n = None
         for name in _FIELDS:
             a = np.ascontiguousarray(getattr(self, name), dtype=np.int32)
@@ -98,12 +107,14 @@ class TransferPlan:
 
 
 class TransferRecorder:
-    """Append-only buffer the ledger writes ops into; `take()` drains it into a `TransferPlan`."""
+    """Append-only buffer the ledger writes ops into; `take()` drains it into a `TransferPlan`
+    and keeps the drained columns (`taken`) until the next take, for failure reports."""
 
-    __slots__ = ("_cols",)
+    __slots__ = ("_cols", "taken")
 
     def __init__(self) -> None:
         self._cols = tuple(array.array("i") for _ in _FIELDS)
+        self.taken = tuple(array.array("i") for _ in _FIELDS)
 
     def record(self, kind: int, pools: tuple[int, ...], src: int, dst: int, num_tokens: int) -> None:
         k, p, s, d, n = self._cols
@@ -124,7 +135,13 @@ class TransferRecorder:
         for c in self._cols:
             del c[mark:]
 
-    def take(self) -> TransferPlan:
-        plan = TransferPlan(*(np.frombuffer(c, dtype=np.int32).copy() if len(c) else np.zeros(0, np.int32) for c in self._cols))
+    def pending(self) -> list[tuple[int, int, int, int, int]]:
+        """The ops recorded since the last take, as (kind, pool, src, dst, num_tokens)."""
+        return list(zip(*self._cols))
+
+    def take(self, seq: int = 0) -> TransferPlan:
+        cols = self._cols
+        plan = TransferPlan(*(np.frombuffer(c, dtype=np.int32).copy() if len(c) else np.zeros(0, np.int32) for c in cols), seq=seq)
         self._cols = tuple(array.array("i") for _ in _FIELDS)
+        self.taken = cols
         return plan

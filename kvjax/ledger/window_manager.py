@@ -99,7 +99,7 @@ class WindowBlockManager:
         its descendants keep their own queue positions)."""
         node = block.node
         if self.events is not None:
-            self.events.removed(self.window, node.hash)
+            self.events.removed(self.window, self.tree.node_hash(node))
         del node.blocks[self.window]
         block.node = None
         if not node.blocks and not node.children:
@@ -128,7 +128,7 @@ class WindowBlockManager:
             c.offloaded += 1
             c.offload_bytes += self.block_bytes
             if self.events is not None:
-                self.events.updated(self.window, victim.node.hash, cache_level=(PRIMARY, SECONDARY))
+                self.events.updated(self.window, self.tree.node_hash(victim.node), cache_level=(PRIMARY, SECONDARY))
             block = spare
         else:
             self.drop_cached(victim)
@@ -158,7 +158,7 @@ class WindowBlockManager:
         c.onboarded += 1
         c.onboard_bytes += self.block_bytes
         if self.events is not None and block.node is not None:
-            self.events.updated(self.window, block.node.hash, cache_level=(SECONDARY, PRIMARY))
+            self.events.updated(self.window, self.tree.node_hash(block.node), cache_level=(SECONDARY, PRIMARY))
 
     def copy_prefix(self, src: Block, num_tokens: int, priority: int | None, duration: float | None) -> Block:
         """A fresh primary block holding the first `num_tokens` tokens of `src` (partial reuse)."""
@@ -174,7 +174,7 @@ class WindowBlockManager:
         """Re-prioritise a matched cached block (a request stating no priority keeps the block's
         own, so a high-priority system prompt stays high); emits an Updated event."""
         if self.events is not None and block.node is not None:
-            self.events.updated(self.window, block.node.hash, priority=(block.priority, priority))
+            self.events.updated(self.window, self.tree.node_hash(block.node), priority=(block.priority, priority))
         block.priority = priority
 
     # ------------------------------------------------------------------ sequence block lists
@@ -306,13 +306,14 @@ class WindowBlockManager:
         return stored
 
     def _emit_stored(self, parent: RadixNode, blocks: list[Block]) -> None:
-        parent_hash = None if parent.parent is None else parent.hash
+        node_hash = self.tree.node_hash
+        parent_hash = None if parent.parent is None else node_hash(parent)
         self.events.stored(
             self.window,
             parent_hash,
             [
                 StoredBlock(
-                    b.node.hash,
+                    node_hash(b.node),
                     b.node.key.tokens if b.node.key.extra_ids is None else tuple(zip(b.node.key.tokens, b.node.key.extra_ids)),
                     b.node.key.lora_task_id,
                     b.level,

@@ -149,7 +149,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
 
     policy = make_policy(config.policy, **dict(config.policy_options))
     router = Router(list(config.replicas), policy, tokens_per_block=config.tokens_per_block,
-                    hash_kind=config.hash_kind or "trtllm")
+                    hash_kind=config.hash_kind or "sha256")
     tokenizer = None if config.tokenizer is None else load_tokenizer(config.tokenizer)
     state: dict = {}
 

@@ -31,7 +31,7 @@ class Router:
         policy: RoutingPolicy,
         *,
         tokens_per_block: int | None,
-        hash_kind: str = "trtllm",
+        hash_kind: str = "sha256",
         index: PrefixIndex | None = None,
     ) -> None:
         """`tokens_per_block` None: not known yet (a front that learns it from the replicas

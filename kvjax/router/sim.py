@@ -304,7 +304,8 @@ def simulate(
     clock = VirtualClock()
     avoid = {it.eos_id for it in items if it.eos_id is not None}
     reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size, clock, avoid) for i in range(replicas)]
-    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block)
+    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block,
+                    hash_kind=cache_config.event_hash)
     children: dict[str, list[WorkItem]] = collections.defaultdict(list)
     heap: list[tuple] = []
     seq = 0

@@ -2,9 +2,9 @@
 a slot-content model that replays `TransferPlan`s op by op.
 
 Only public API plus the documented inspection handle `KVCacheManager.block(id, window)` is
-used to read results; free-queue order is read from the eviction policy because SPEC §3 pins
-it ("never-used before released, release to the back, last block first") and no public query
-exposes it.
+used to read results; free-queue order is read from the eviction policy because
+docs/semantics.md pins it ("never-used before released, release to the back, last block
+first") and no public query exposes it.
 """
 from __future__ import annotations
 
@@ -103,21 +103,30 @@ class SlotModel:
         self.secondary = {p.index: [[None] * self.tpb for _ in range(max(p.secondary_blocks, 0))] for p in config.pools}
 
     def apply(self, plan) -> None:
-        tpb = self.tpb
         for op in plan:
-            kind, pool, src, dst, n = TransferKind(op.kind), op.pool, op.src, op.dst, op.num_tokens
-            pspec = self.config.pools[pool]
-            assert 1 <= n <= tpb, op
-            if kind is TransferKind.OFFLOAD:
-                assert n == tpb, op
-                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.secondary_blocks, op
-                self.secondary[pool][dst] = list(self.primary[pool][src])
-            elif kind is TransferKind.ONBOARD:
-                assert 0 <= src < pspec.secondary_blocks and 0 <= dst < pspec.primary_blocks, op
-                self.primary[pool][dst] = list(self.secondary[pool][src][:n]) + [None] * (tpb - n)
-            else:
-                assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.primary_blocks and src != dst, op
-                self.primary[pool][dst] = list(self.primary[pool][src][:n]) + [None] * (tpb - n)
+            self.apply_op(op.kind, op.pool, op.src, op.dst, op.num_tokens)
+
+    def apply_op(self, kind: int, pool: int, src: int, dst: int, n: int) -> None:
+        """One plan entry (`apply` is these in order)."""
+        tpb, op = self.tpb, (kind, pool, src, dst, n)
+        kind = TransferKind(kind)
+        pspec = self.config.pools[pool]
+        assert 1 <= n <= tpb, op
+        if kind is TransferKind.OFFLOAD:
+            assert n == tpb, op
+            assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.secondary_blocks, op
+            self.secondary[pool][dst] = list(self.primary[pool][src])
+        elif kind is TransferKind.ONBOARD:
+            assert 0 <= src < pspec.secondary_blocks and 0 <= dst < pspec.primary_blocks, op
+            self.primary[pool][dst] = list(self.secondary[pool][src][:n]) + [None] * (tpb - n)
+        else:
+            assert 0 <= src < pspec.primary_blocks and 0 <= dst < pspec.primary_blocks and src != dst, op
+            self.primary[pool][dst] = list(self.primary[pool][src][:n]) + [None] * (tpb - n)
+
+    def lose(self, kind: int, pool: int, dst: int, n: int, garbage=("lost",)) -> None:
+        """A failed plan entry: its destination's first `n` positions hold garbage."""
+        store = self.secondary if TransferKind(kind) is TransferKind.OFFLOAD else self.primary
+        store[pool][dst] = [garbage] * n + list(store[pool][dst][n:])
 
     def write(self, window: int, slot: int, offset: int, value) -> None:
         for p in self.config.pools:
@@ -137,3 +146,34 @@ class SlotModel:
 
 def salt(s):
     return cache_salt_id(s)
+
+
+def busy_manager() -> KVCacheManager:
+    """A ledger with a bit of everything: live sequences (one with two beams), cached, offloaded
+    and onboarded blocks, pinned blocks of a removed request, an armed retention expiry, pending
+    and published events, and an open one-op transfer plan (a partial-reuse copy)."""
+    from kvjax import Request, RetentionConfig, TokenRangeRetention
+
+    clock = FakeClock()
+    m = make_manager(clock=clock, primary_blocks=14, secondary_blocks=2, max_beam_width=2, event_buffer_max_size=256)
+    keep = RetentionConfig((TokenRangeRetention(0, None, 60, 100.0),))
+    m.add_sequence(Request("seed", list(range(9)), retention=keep))
+    m.remove_sequence("seed")  # blocks of [0..8) cached at priority 60, expiry armed
+    m.add_sequence(Request("big", list(range(500, 552))))  # 13 blocks: offloads the seed chain
+    m.remove_sequence("big", store_for_reuse=False)
+    m.add_sequence(Request("a", list(range(13)), max_new_tokens=6))  # onboards the seed chain
+    m.add_token("a", 13)
+    m.add_token("a", 14)
+    m.add_sequence(Request("b", list(range(100, 106)), max_new_tokens=4, beam_width=2))
+    m.add_sequence(Request("p", list(range(200, 205))))
+    m.pin_blocks("p")
+    m.remove_sequence("p")
+    m.store_context_blocks("a")
+    m.flush_iteration_events()
+    m.take_transfers()
+    m.add_sequence(Request("c", [0, 1, 2, 3, 4, 5, 99, 98]))  # block [4..8) of "a" copied: 2 tokens
+    plan = m.take_transfers()
+    assert len(plan) == 1 and TransferKind(int(plan.kind[0])) is TransferKind.COPY, plan_ops
+    m.store_context_blocks("b")  # a pending Stored event
+    m.verify_integrity()
+    return m

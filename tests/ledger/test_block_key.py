@@ -1,12 +1,14 @@
-"""BlockKey: equality, num_matching_tokens, partial matching rules, the chained 64-bit block
-hash (TensorRT-LLM's BlockKeyHasher, trtllm.md §1.4) and cache-salt ids."""
+"""BlockKey: equality, num_matching_tokens, partial matching rules, TensorRT-LLM's chained 64-bit
+block hash (`trtllm64_block_hash`, BlockKeyHasher, trtllm.md §1.4) and cache-salt ids. The
+default SHA-256 hash is tested in test_event_hashes.py."""
 import ctypes
 import subprocess
 import sys
 
 import pytest
 
-from kvjax.ledger.block_key import BlockKey, MmKey, block_hash, cache_salt_id, common_prefix_length, partial_index_key
+from kvjax.ledger.block_key import BlockKey, MmKey, cache_salt_id, common_prefix_length, partial_index_key
+from kvjax.ledger.block_key import trtllm64_block_hash as block_hash
 
 MM_A = MmKey(bytes(range(32)), 0)
 MM_B = MmKey(bytes(range(1, 33)), 0)
@@ -172,8 +174,8 @@ def test_hash_known_values_pin_cross_process_stability():
 
 def test_hash_stable_in_another_process():
     code = (
-        "from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id;"
-        "print(block_hash(BlockKey((1,2,3,4), cache_salt_id=cache_salt_id('abc')), 0))"
+        "from kvjax.ledger.block_key import BlockKey, trtllm64_block_hash, cache_salt_id;"
+        "print(trtllm64_block_hash(BlockKey((1,2,3,4), cache_salt_id=cache_salt_id('abc')), 0))"
     )
     env = {"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

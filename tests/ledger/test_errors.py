@@ -147,7 +147,11 @@ def test_not_a_request(m):
 
 
 def test_unhashable_request_id(m):
-    unchanged(m, InvalidRequestError, m.add_sequence, Request(["x"], [1, 2]))
+    with pytest.raises(InvalidRequestError):
+        Request(["x"], [1, 2])
+    r = Request("ok", [1, 2])
+    r.request_id = ["x"]  # a Request is mutable: admission checks again
+    unchanged(m, InvalidRequestError, m.add_sequence, r)
 
 
 def test_prompt_exactly_max_seq_len_is_fine(m):
@@ -291,11 +295,13 @@ def test_rewind_copy_needs_a_free_block():
     m.add_sequence(Request("a", list(R(8)), max_new_tokens=8))
     for t in R(8, 11):
         m.add_token("a", t)  # blocks 0, 1, 2: the pool is full
-    m.store_blocks_for_reuse("a", pin=True)  # 10 tokens: block 2 cached as [8, 9], pinned
-    # rewinding to 9 tokens rewrites position 9 of block 2, which a pin protects: a copy is
-    # needed and no block is free (the rewind releases none)
+    m.store_blocks_for_reuse("a", pin=True)  # 11 tokens: block 2 cached as [8, 9], pinned
+    # rewinding to 9 or 10 tokens rewrites positions of block 2, which a pin protects: a copy
+    # is needed and no block is free (the rewind releases none)
     unchanged(m, OutOfBlocksError, m.rewind, "a", 2)
-    m.rewind("a", 1)  # position 10 is not part of the cached key: no copy needed
+    unchanged(m, OutOfBlocksError, m.rewind, "a", 1)  # position 10 may hold KV (a verified draft)
+    m.rewind("a", 3)  # 8 tokens: block 2 leaves the sequence whole (the pin keeps it), no copy
+    assert m.block_ids("a") == [[0, 1]] and m.block(2).ref_count == 1
     m.verify_integrity()
 
 
@@ -305,7 +311,7 @@ def test_bad_token(m, token):
     unchanged(m, InvalidRequestError, m.add_token, "a", token)
 
 
-@pytest.mark.parametrize("token", [[1], [1, 2, 3], [1, -1], 5, [1.5, 2]])
+@pytest.mark.parametrize("token", [[1], [1, 2, 3], [1, -1], -5, [1.5, 2]])
 def test_bad_beam_tokens(m, token):
     unchanged(m, InvalidRequestError, m.add_token, "b", token)
 

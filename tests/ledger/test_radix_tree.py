@@ -1,7 +1,7 @@
 """UnifiedBlockTree: one radix tree shared by all windows (trtllm.md §1.5: auto-prune,
 re-attach clears the old slot, attach never overwrites, partial child lookup)."""
 from kvjax.ledger.block import PRIMARY, Block
-from kvjax.ledger.block_key import BlockKey, MmKey, block_hash
+from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockHasher, BlockKey, MmKey, sha256_block_hash, trtllm64_block_hash
 from kvjax.ledger.radix_tree import UnifiedBlockTree
 
 TPB = 4
@@ -32,9 +32,14 @@ def test_get_or_create_child_and_hash_chain():
     assert t.num_nodes == 2
     assert (n1.depth, n2.depth) == (1, 2)
     assert n1.is_full and not n2.is_full
-    assert t.root.hash == 0
-    assert n1.hash == block_hash(K(1, 2, 3, 4), 0)
-    assert n2.hash == block_hash(K(5, 6), n1.hash)  # h_i = H(key_i, h_{i-1})
+    assert t.node_hash(t.root) == SHA256_ROOT_HASH  # SHA-256 by default
+    assert t.node_hash(n1) == sha256_block_hash(K(1, 2, 3, 4), SHA256_ROOT_HASH)
+    assert t.node_hash(n2) == sha256_block_hash(K(5, 6), t.node_hash(n1))  # h_i = H(key_i, h_{i-1})
+    t64 = UnifiedBlockTree(TPB, BlockHasher("trtllm64"))
+    m1 = t64.get_or_create_child(t64.root, K(1, 2, 3, 4))
+    m2 = t64.get_or_create_child(m1, K(5, 6))
+    assert t64.node_hash(t64.root) == 0
+    assert t64.node_hash(m2) == trtllm64_block_hash(K(5, 6), trtllm64_block_hash(K(1, 2, 3, 4), 0))
     assert t.path_keys(n2) == [K(1, 2, 3, 4), K(5, 6)]
     assert t.child(t.root, K(1, 2, 3, 4)) is n1 and t.child(t.root, K(1, 2, 3, 5)) is None
 
@@ -44,7 +49,7 @@ def test_attach_detach_and_prune_to_root():
     b0, b1, b2 = blk(0), blk(1), blk(2)
     leaf = chain(t, [K(1, 2, 3, 4), K(5, 6, 7, 8), K(9)], [b0, b1, b2])
     assert b2.node is leaf and leaf.blocks == {W: b2}
-    assert b0.is_cached and b0.key == K(1, 2, 3, 4) and b0.hash == leaf.parent.parent.hash
+    assert b0.is_cached and b0.key == K(1, 2, 3, 4) and b0.node is leaf.parent.parent
     # detaching a value that still has children does not prune
     t.detach(b1)
     assert b1.node is None and t.num_nodes == 3

@@ -16,7 +16,7 @@ def R(a, b=None):
 
 def stored_hashes(m, window=None):
     wm = m._bm.windows[0] if window is None else m._bm.windows[m._bm.window_index[window]]
-    return {b.block_id: b.hash for b in wm.blocks if b.node is not None}
+    return {b.block_id: m._bm.tree.node_hash(b.node) for b in wm.blocks if b.node is not None}
 
 
 def removed_hashes(events):

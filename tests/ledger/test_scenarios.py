@@ -1,6 +1,6 @@
 """Scenario tests pinning the ledger's exact behaviour on tiny pools (tokens_per_block 4).
 
-Every number is derived by hand from SPEC §3 / trtllm.md and the design decisions of issue 2:
+Every number is derived by hand from docs/semantics.md / trtllm.md and the design decisions of issue 2:
 fresh blocks come in ascending id order, never-used before released; release goes to the back
 of the block's priority queue, last block of a sequence first; rewind releases to the front; a
 cached block is one attached to the radix tree; the eviction victim is the front of the lowest
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvjax import (
+    InvalidRequestError,
     KVCacheManager,
     MultimodalItem,
     Request,
@@ -18,7 +19,8 @@ from kvjax import (
     TransferKind,
 )
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredBlock, StoredData, UpdatedData
-from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id
+from kvjax.ledger.block_key import BlockKey, cache_salt_id
+from kvjax.ledger.block_key import sha256_block_hash as block_hash
 from kvjax.offsets import kvcache_index_offsets
 from ledger_helpers import (
     FakeClock,
@@ -101,7 +103,7 @@ def test_last_prompt_token_never_reused():
     m = make_manager()
     stored_chain(m, 13)
     # 12-token prompt identical to the cached 12 tokens: usable = 11, so block 2 matches only
-    # 3 tokens; it is a free leaf, reused in place (partial match, SPEC §3)
+    # 3 tokens; it is a free leaf, reused in place (partial match, docs/semantics.md)
     assert m.add_sequence(Request("b", list(R(12)))) == 11
     assert m.block_ids("b") == [[0, 1, 2]]
     assert 2 not in cached_ids(m)  # in-place partial reuse detaches the block from the tree
@@ -336,7 +338,7 @@ def test_request_without_retention_keeps_cached_priority():
     assert [m.priority_of_block(i) for i in (0, 1)] == [50, 50]
     m.flush_iteration_events()
     updates = [e.data for e in m.get_latest_events() if isinstance(e.data, UpdatedData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert updates == [UpdatedData(h0, None, (80, 50)), UpdatedData(h1, None, (80, 50))]
 
@@ -449,7 +451,7 @@ def test_secondary_victim_is_evicted_when_secondary_is_full():
     assert plan_ops(m) == [("OFFLOAD", 0, 1, 0, 4), ("OFFLOAD", 0, 0, 0, 4)]
     assert cached_ids(m) == {0} and m.block(0).level == 1
     m.flush_iteration_events()
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     ev = [e.data for e in m.get_latest_events()]
     assert ev == [UpdatedData(h1, (0, 1), None), UpdatedData(h0, (0, 1), None), RemovedData((h1,))]
@@ -677,6 +679,26 @@ def test_beam_search_blocks():
     # released last position first, beams from the last: 5, 4, 3, 2, 1, 0
     assert free_order(m) == [6, 7, 5, 4, 3, 2, 1, 0]
     m.verify_integrity()
+
+
+def test_beam_search_one_int_token_goes_to_every_beam():
+    """`add_token(rid, int)` on a multi-beam request appends the token to every beam, exactly
+    as passing it once per beam does (numpy integers too)."""
+    ms = [make_manager(max_beam_width=2) for _ in range(2)]
+    for m in ms:
+        m.add_sequence(Request("a", list(R(10)), max_new_tokens=8, beam_width=2))
+    for t in (10, np.int64(11), 12):
+        ms[0].add_token("a", t)
+        ms[1].add_token("a", [int(t), int(t)])
+    assert ms[0].snapshot() == ms[1].snapshot()
+    assert ms[0].block_ids("a") == [[0, 1, 2, 4], [0, 1, 3, 5]]
+    before = ms[0].snapshot()
+    with pytest.raises(InvalidRequestError):
+        ms[0].add_token("a", [13])  # a list must still give one token per beam
+    with pytest.raises(InvalidRequestError):
+        ms[0].add_token("a", -1)
+    assert ms[0].snapshot() == before
+    ms[0].verify_integrity()
 
 
 def test_beam_search_full_last_block():
@@ -940,7 +962,7 @@ def test_rewind_into_a_stored_block_drops_it_from_the_tree():
     assert free_order(m) == [3, 4, 5, 6, 7]
     m.flush_iteration_events()
     removed = [e.data for e in m.get_latest_events() if isinstance(e.data, RemovedData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert removed == [RemovedData((block_hash(BlockKey((8, 9, 10, 11)), h1),))]
     # generating again re-stores the new content
@@ -1001,7 +1023,7 @@ def test_set_context_position_and_store_context_blocks():
     assert cached_ids(m) == {0, 1, 2}
     m.flush_iteration_events()
     stored = [e.data for e in m.get_latest_events() if isinstance(e.data, StoredData)]
-    h0 = block_hash(BlockKey((0, 1, 2, 3)), 0)
+    h0 = block_hash(BlockKey((0, 1, 2, 3)))
     h1 = block_hash(BlockKey((4, 5, 6, 7)), h0)
     assert [s.parent_hash for s in stored] == [None, h0]
     assert [[b.block_hash for b in s.blocks] for s in stored] == [[h0], [h1, block_hash(BlockKey((8, 9, 10, 11)), h1)]]
@@ -1284,7 +1306,7 @@ def test_vswa_stats_sum_windows():
 # =========================================================================== events
 def H(*keys):
     """Chained hashes of consecutive keys from the root."""
-    out, parent = [], 0
+    out, parent = [], None
     for k in keys:
         parent = block_hash(BlockKey(tuple(k)), parent)
         out.append(parent)
@@ -1356,7 +1378,7 @@ def test_stored_event_fields_lora_extra_ids_mm():
     (e,) = events(m)
     (blk,) = e.data.blocks
     key = BlockKey((0, 1, 2, 3), (1, 2, 3, 4), 9, cache_salt_id("s"), (MmKey(item.hash, 0),))
-    assert blk == StoredBlock(block_hash(key, 0), ((0, 1), (1, 2), (2, 3), (3, 4)), 9, 0, 35, (MmKey(item.hash, 0),))
+    assert blk == StoredBlock(block_hash(key), ((0, 1), (1, 2), (2, 3), (3, 4)), 9, 0, 35, (MmKey(item.hash, 0),))
 
 
 def test_removed_events_batched_until_next_stored_of_the_window():

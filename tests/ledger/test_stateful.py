@@ -1,9 +1,10 @@
-"""Hypothesis stateful test of the whole ledger on tiny pools (issue 2 quality bar).
+"""Hypothesis stateful test of the whole ledger on tiny pools (issue 2 quality bar, issue 7).
 
-Random operation sequences (add, add batch, add token, rewind, store, remove, pin/unpin,
-refresh with a fake clock, take_transfers, scheduler queries) run against pools of 6-12 blocks
-(tokens_per_block 2 or 4, 0-4 secondary blocks, optionally a second, sliding window and beam
-width 2), so eviction, offload, onboard, partial reuse and copies happen all the time.
+Random operation sequences (add, add batch, add token, speculative steps with draft tokens and
+rejections, rewind, store, remove, pin/unpin, refresh with a fake clock, take_transfers,
+scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4, 0-4 secondary
+blocks, optionally a second, sliding window and beam width 2), so eviction, offload, onboard,
+partial reuse, copies, sliding-window detach and rewinds happen all the time.
 
 After every step: `verify_integrity()`, count and table invariants, and a data check. The test
 keeps a model of every memory slot's content (one tag per token position, a tag naming the
@@ -13,10 +14,19 @@ writes each sequence's new tokens into the slots its block table names. Then:
   * every live sequence's block table points at slots holding exactly its own tokens, for
     every position it has written (prepopulated positions included), placeholders aside;
   * every block in the radix tree holds the tokens its tree path spells (primary or secondary);
-  * blocks pinned by removed sequences keep their content until unpinned.
-So reuse, partial copy, offload and onboard can never serve another request's KV unnoticed.
+  * pinned blocks (of live or removed sequences) keep every position they held when pinned
+    until unpinned, through rewinds too;
+  * no sliding window shows a placeholder inside the window of a sequence's newest position,
+    and a speculative step's verify forward reads, for every query position (the newest token
+    and each draft), only real blocks holding exactly this request's tokens;
+  * scheduler queries agree with admission: a probe that `needed_blocks_one_step` says fits
+    is admitted (on a copy of the ledger), and the query is exact (docs/semantics.md).
+So reuse, partial copy, offload, onboard, rewinds and pins can never serve another request's
+KV unnoticed.
 """
 from __future__ import annotations
+
+import copy
 
 import hypothesis.strategies as st
 from hypothesis import event, settings
@@ -66,7 +76,7 @@ class LedgerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ set-up
     # A family of configurations per TestCase (below), so every family is explored whatever
     # the derandomized draws favour: (tokens_per_block, secondary, sliding window, beams).
-    FAMILY = dict(tpb=[4, 2], secondary=[0, 1, 2, 4], swa=[False, True], beams=[False, True])
+    FAMILY = dict(tpb=[4, 2], secondary=[0, 1, 2, 4], swa=[False, True], beams=[False, True], event_hash=["sha256"])
 
     @initialize(data=st.data(), primary=st.integers(6, 12))
     def init(self, data, primary):
@@ -77,6 +87,7 @@ class LedgerMachine(RuleBasedStateMachine):
             secondary=data.draw(st.sampled_from(f["secondary"]), label="secondary"),
             swa=data.draw(st.sampled_from(f["swa"]), label="swa"),
             beams=data.draw(st.sampled_from(f["beams"]), label="beams"),
+            event_hash=data.draw(st.sampled_from(f.get("event_hash", ["sha256"])), label="event hash"),
             policy=data.draw(
                 st.sampled_from(
                     [
@@ -90,7 +101,7 @@ class LedgerMachine(RuleBasedStateMachine):
             ),
         )
 
-    def setup(self, tpb, primary, secondary, swa, beams, policy):
+    def setup(self, tpb, primary, secondary, swa, beams, policy, event_hash="sha256"):
         self.tpb = tpb
         self.max_seq_len = 8 * tpb
         kw = dict(
@@ -100,6 +111,7 @@ class LedgerMachine(RuleBasedStateMachine):
             secondary_blocks=secondary,
             max_beam_width=2 if beams else 1,
             event_buffer_max_size=100_000,  # never drops: the router mirror below needs every event
+            event_hash=event_hash,
             **policy,
         )
         if swa:  # a full-attention layer and a sliding-window layer (window not a multiple of tpb)
@@ -112,11 +124,11 @@ class LedgerMachine(RuleBasedStateMachine):
         self.model = SlotModel(self.config)
         self.live: dict = {}  # rid -> dict(beams=[token lists], lora, salt, prompt_len)
         self.pins: list = []  # block ids to unpin (list, or dict window -> list)
-        self.pinned_content: dict = {}  # (window, block id) -> content at removal
+        self.pinned_content: dict = {}  # (window, block id) -> [content when pinned, ...]
         self.next_id = 0
         self.router: dict = {}  # window -> {block hash: cache level}, rebuilt from events only
         self.multi = len(self.config.windows) > 1
-        event(f"config: tpb {tpb}, secondary {secondary}, swa {swa}, beams {beams}")
+        event(f"config: tpb {tpb}, secondary {secondary}, swa {swa}, beams {beams}, hash {event_hash}")
 
     # ------------------------------------------------------------------ model helpers
     def _engine_step(self):
@@ -165,6 +177,7 @@ class LedgerMachine(RuleBasedStateMachine):
         ret = data.draw(retentions(self.tpb), label="retention")
         extra = data.draw(st.sampled_from([None, None, None, None, 0, 1]), label="extra ids")
         extra_ids = None if extra is None else [extra] * len(prompt)
+        drafts = data.draw(st.sampled_from([0, 0, 1, 3]), label="drafts") if beam == 1 else 0
         return Request(
             rid,
             prompt,
@@ -174,6 +187,7 @@ class LedgerMachine(RuleBasedStateMachine):
             cache_salt=cache_salt,
             retention=ret,
             extra_ids=extra_ids,
+            num_draft_tokens=drafts,
         )
 
     def _admitted(self, req, prepopulated):
@@ -185,7 +199,37 @@ class LedgerMachine(RuleBasedStateMachine):
             salt=salt(req.cache_salt),
             prompt_len=len(req.prompt),
             extra=None if req.extra_ids is None else list(req.extra_ids),
+            drafts=req.num_draft_tokens,
+            longest=len(req.prompt),  # most tokens held so far (sliding windows detach against it)
         )
+
+    def _check_query_windows(self, rid, first, last):
+        """Queries at positions first..last read only real blocks in every sliding window (their
+        content is checked by `_check_seq_content`)."""
+        tpb = self.tpb
+        for w in self.config.windows:
+            ids = self._rows(rid, w)
+            for q in range(first, last + 1):
+                for i in range(max(0, q - w + 1), q + 1):
+                    for b, beam in enumerate(ids):
+                        assert beam[i // tpb] != PLACEHOLDER_BLOCK_ID, (
+                            f"request {rid} window {w} beam {b}: query {q} sees a placeholder at position {i}"
+                        )
+
+    def _record_pins(self, rid, rows=None):
+        """Remember what every pinned block of request `rid` (`rows`: its block ids per window,
+        taken before a removal) holds at the positions the request wrote; later positions of
+        a slot may hold stale KV of rewound tokens."""
+        tpb, n = self.tpb, len(self.live[rid]["beams"][0])
+        rows = rows or {w: self._rows(rid, w) for w in self.config.windows}
+        for w, beams in rows.items():
+            for beam in beams:
+                for d, bid in enumerate(beam):
+                    blk = None if bid == PLACEHOLDER_BLOCK_ID else self.m.block(bid, w if self.multi else None)
+                    if blk is not None and blk.pin_count:
+                        valid = min(tpb, n - d * tpb)
+                        content = list(self.model.read(w, blk.level, blk.slot))
+                        self.pinned_content.setdefault((w, bid), []).append(content[:valid] + [None] * (tpb - valid))
 
     def _new_id(self):
         self.next_id += 1
@@ -218,6 +262,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._engine_step()
         self._admitted(req, p)
         self._check_seq_content(req.request_id, p)  # reused KV is this request's own
+        self._check_query_windows(req.request_id, p, len(req.prompt) - 1)  # the prefill's queries
         self._write(req.request_id, range(p, len(req.prompt)))
 
     @precondition(lambda self: len(self.live) < 3)
@@ -236,6 +281,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for req, p in zip(reqs, ps):
             self._admitted(req, p)
             self._check_seq_content(req.request_id, p)
+            self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
         for req, p in zip(reqs, ps):
             self._write(req.request_id, range(p, len(req.prompt)))
 
@@ -248,17 +294,21 @@ class LedgerMachine(RuleBasedStateMachine):
         if n >= self.max_seq_len:
             return
         toks = [data.draw(st.integers(0, 3), label="token") for _ in info["beams"]]
+        if len(toks) > 1 and data.draw(st.booleans(), label="one int for every beam"):
+            toks = [toks[0]] * len(toks)
         before = self.m.snapshot()
         try:
-            self.m.add_token(rid, toks[0] if len(toks) == 1 else toks)
+            self.m.add_token(rid, toks[0] if len(toks) == 1 or len(set(toks)) == 1 else toks)
         except OutOfBlocksError:
             assert self.m.snapshot() == before
             return
         for beam, t in zip(info["beams"], toks):
             beam.append(t)
+        info["longest"] = max(info["longest"], n + 1)
         if info["extra"] is not None:
-            info["extra"].append(0)  # generated tokens carry extra id 0 (SPEC §4)
+            info["extra"].append(0)  # generated tokens carry extra id 0 (docs/semantics.md)
         self._engine_step()
+        self._check_query_windows(rid, n, n)
         self._write(rid, [n])
 
     @precondition(lambda self: self.live)
@@ -274,8 +324,9 @@ class LedgerMachine(RuleBasedStateMachine):
         try:
             self.m.rewind(rid, k)
         except (OutOfBlocksError, InvalidRequestError) as e:
-            if isinstance(e, InvalidRequestError):
-                assert "released" in str(e)  # only a sliding window's released blocks may refuse
+            if isinstance(e, InvalidRequestError):  # only a sliding window's released blocks may refuse,
+                # and only below what the request's draft count keeps
+                assert "released" in str(e) and len(info["beams"][0]) - k < info["longest"] - info["drafts"]
             assert self.m.snapshot() == before
             return
         del info["beams"][0][-k:]
@@ -283,13 +334,17 @@ class LedgerMachine(RuleBasedStateMachine):
             del info["extra"][-k:]
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), k=st.integers(1, 4), op=st.sampled_from(["none", "new", "reuse", "reuse_pin"]))
-    def speculate(self, data, k, op):
-        """Draft tokens: add k tokens, maybe store them, then reject some (rewind into them)."""
+    @rule(data=st.data(), op=st.sampled_from(["none", "new", "reuse", "reuse_pin"]))
+    def speculate(self, data, op):
+        """One speculative step: the newest token plus up to `num_draft_tokens` drafts (up to
+        three for requests that declared none), one verify forward over all of them (every
+        query's window checked), maybe a store or pin, then the rejected drafts rewound."""
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
         info = self.live[rid]
         if len(info["beams"]) != 1:
             return
+        k = data.draw(st.integers(1, 1 + (info["drafts"] or 3)), label="step tokens")
+        first = len(info["beams"][0])
         added = 0
         for _ in range(k):
             if len(info["beams"][0]) >= self.max_seq_len:
@@ -301,27 +356,37 @@ class LedgerMachine(RuleBasedStateMachine):
             except OutOfBlocksError:
                 assert self.m.snapshot() == before
                 break
-            n = len(info["beams"][0])
             info["beams"][0].append(t)
+            info["longest"] = max(info["longest"], len(info["beams"][0]))
             if info["extra"] is not None:
                 info["extra"].append(0)
-            self._engine_step()
-            self._write(rid, [n])
             added += 1
+        if not added:
+            return
+        # the verify forward: queries at every added position, KV written afterwards. The
+        # ledger keeps what the newest token and num_draft_tokens drafts see (a request
+        # without drafts that speculates anyway breaks that contract: its step is checked
+        # from the newest token back over its declared drafts only)
+        self._engine_step()
+        self._check_seq_content(rid, first)
+        last = first + added - 1
+        self._check_query_windows(rid, max(first, last - info["drafts"]), last)
+        self._write(rid, range(first, first + added))
         if op == "new":
             self.m.store_new_block(rid)
         elif op != "none":
             ids = self.m.store_blocks_for_reuse(rid, pin=op == "reuse_pin")
             if op == "reuse_pin":
                 self.pins.append(ids)
-        generated = len(info["beams"][0]) - info["prompt_len"]
-        j = data.draw(st.integers(0, generated), label="rejected")
+                self._record_pins(rid)
+        j = data.draw(st.integers(0, added - 1), label="rejected")  # the first token is not a draft
         before = self.m.snapshot()
         try:
             self.m.rewind(rid, j)
         except (OutOfBlocksError, InvalidRequestError) as e:
             if isinstance(e, InvalidRequestError):
-                assert "released" in str(e)
+                # rejecting drafts is refused only past what the request's draft count keeps
+                assert "released" in str(e) and len(info["beams"][0]) - j < info["longest"] - info["drafts"]
             assert self.m.snapshot() == before
             return
         if j:
@@ -338,7 +403,12 @@ class LedgerMachine(RuleBasedStateMachine):
             self.m.store_context_blocks(rid)
         elif op == "chunk":
             pos = data.draw(st.integers(0, len(self.live[rid]["beams"][0])), label="pos")
-            self.m.set_context_position(rid, pos)
+            before = self.m.snapshot()
+            try:
+                self.m.set_context_position(rid, pos)
+            except InvalidRequestError as e:  # a chunk that would see released blocks
+                assert "released" in str(e) and self.m.snapshot() == before
+                return
             self.m.store_context_blocks(rid)
         elif op == "new":
             self.m.store_new_block(rid)
@@ -350,21 +420,19 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert sorted(ids) == self._seq_block_ids(rid)
             if op == "reuse_pin":
                 self.pins.append(ids)
+                self._record_pins(rid)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), store=st.booleans(), pin=st.sampled_from([False, False, True]))
     def remove(self, data, store, pin):
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
         ids = self._seq_block_ids(rid)
+        rows = {w: self._rows(rid, w) for w in self.config.windows}
         self.m.remove_sequence(rid, store_for_reuse=store, pin=pin)
         if pin:
             self.pins.append(ids)
+            self._record_pins(rid, rows)
         del self.live[rid]
-        for w, bids in (ids.items() if self.multi else [(self.config.windows[0], ids)]):
-            for bid in bids:
-                blk = self.m.block(bid, w if self.multi else None)
-                if blk.pin_count:
-                    self.pinned_content[(w, bid)] = list(self.model.read(w, blk.level, blk.slot))
 
     @rule(data=st.data(), k=st.integers(1, 2))
     def churn(self, data, k):
@@ -387,6 +455,7 @@ class LedgerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
         self.m.pin_blocks(rid)
         self.pins.append(self._seq_block_ids(rid))
+        self._record_pins(rid)
 
     @rule(op=st.sampled_from(["refresh", "transfers"]), dt=st.sampled_from([0.5, 1.0, 3.0, 10.0]))
     def housekeeping(self, op, dt):
@@ -420,6 +489,24 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.m.scheduling_has_free_blocks(0)
         self.m.iteration_stats()
         assert self.m.snapshot() == before  # queries and dry runs change nothing
+        # the query agrees with admission: "fits" -> admitted; without drafts, exactly
+        fits = all(self.m.needed_blocks_one_step(req, window=w) <= self.m.num_free_blocks(w) for w in windows)
+        if len(self.live) >= 4:
+            return
+        req.request_id = self._new_id()
+        try:
+            p = self.m.add_sequence(req)
+        except OutOfBlocksError:
+            assert not fits, "needed_blocks_one_step said the request fits, admission failed"
+            assert self.m.snapshot() == before
+            return
+        assert fits or req.num_draft_tokens, "a request the query said does not fit was admitted"
+        event("scheduler probe admitted")
+        self._engine_step()
+        self._admitted(req, p)
+        self._check_seq_content(req.request_id, p)
+        self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
+        self._write(req.request_id, range(p, len(req.prompt)))
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -460,7 +547,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if isinstance(d, CreatedData):
                 assert view == {}
             elif isinstance(d, StoredData):
-                assert d.parent_hash is None or d.parent_hash != 0
+                assert d.parent_hash is None or d.parent_hash not in (0, self.m._bm.tree.hasher.root)
                 for b in d.blocks:
                     assert b.block_hash not in view, f"Stored twice without Removed: {b}"
                     view[b.block_hash] = b.cache_level
@@ -473,7 +560,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert view.get(d.block_hash) == old, f"Updated {d} but router has {view.get(d.block_hash)}"
                 view[d.block_hash] = new
         for wm in self.m._bm.windows:
-            truth = {b.node.hash: b.level for b in wm.blocks if b.node is not None}
+            truth = {self.m._bm.tree.node_hash(b.node): b.level for b in wm.blocks if b.node is not None}
             assert self.router.get(wm.window, {}) == truth
 
     @invariant()
@@ -498,19 +585,27 @@ class LedgerMachine(RuleBasedStateMachine):
                 for j in range(len(node.key.tokens)):
                     want = tag(node.key.lora_task_id, node.key.cache_salt_id, toks, offset + j, extra)
                     assert content[j] == want, f"cached block {blk.block_id} (window {w}) position {j}: {content[j]} != {want}"
-        # blocks pinned by removed sequences keep their KV
-        for (w, bid), want in list(self.pinned_content.items()):
+        # pinned blocks keep every position they held when pinned (new positions may fill in)
+        for (w, bid), records in list(self.pinned_content.items()):
             blk = self.m.block(bid, w if self.multi else None)
             if blk.pin_count == 0:
                 del self.pinned_content[(w, bid)]
                 continue
-            assert blk.level == 0 and self.model.read(w, 0, blk.slot) == want
+            now = self.model.read(w, 0, blk.slot)
+            assert blk.level == 0
+            for want in records:
+                for j, v in enumerate(want):
+                    assert v is None or now[j] == v, f"pinned block {bid} (window {w}) position {j}: {now[j]} != {v}"
+        # no sliding window hides a position the newest token's query sees
+        for rid, info in self.live.items():
+            n = len(info["beams"][0])
+            self._check_query_windows(rid, n - 1, n - 1)
 
 
 class OffloadMachine(LedgerMachine):
-    """Secondary memory: offload, onboard, partial onboard copies."""
+    """Secondary memory: offload, onboard, partial onboard copies (events with both hashes)."""
 
-    FAMILY = dict(tpb=[4, 2], secondary=[2, 4, 1], swa=[False], beams=[False], two_pools=True)
+    FAMILY = dict(tpb=[4, 2], secondary=[2, 4, 1], swa=[False], beams=[False], two_pools=True, event_hash=["sha256", "trtllm64"])
 
 
 class SlidingWindowMachine(LedgerMachine):

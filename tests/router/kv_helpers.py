@@ -30,7 +30,7 @@ def ledger_view(ledger: KVCacheManager) -> dict[tuple[int, str], set]:
         if node.key.num_tokens != tpb:
             continue
         for window, blk in node.blocks.items():
-            out[(group[window], MEDIA[blk.level])].add(node.hash)
+            out[(group[window], MEDIA[blk.level])].add(ledger._bm.tree.node_hash(node))
     return dict(out)
 
 

@@ -6,22 +6,24 @@ import pytest
 
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
-from kvjax.ledger.block_key import BlockKey, block_hash, cache_salt_id, prompt_block_hashes
+from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockKey, cache_salt_id, prompt_block_hashes, sha256_block_hash, trtllm64_block_hash
 from kvjax.router import KVAwarePolicy, PrefixIndex, RoundRobinPolicy, Router
 
 from kv_helpers import RandomDriver, small_config
 
 
-def test_prompt_block_hashes_chain():
+@pytest.mark.parametrize("kind, block_hash, root", [("sha256", sha256_block_hash, SHA256_ROOT_HASH),
+                                                     ("trtllm64", trtllm64_block_hash, 0)])
+def test_prompt_block_hashes_chain(kind, block_hash, root):
     toks = list(range(1, 14))  # 13 tokens, 4 per block
     salt = cache_salt_id("t")
-    h0 = block_hash(BlockKey(tuple(toks[0:4]), None, 3, salt), 0)
+    h0 = block_hash(BlockKey(tuple(toks[0:4]), None, 3, salt), root)
     h1 = block_hash(BlockKey(tuple(toks[4:8]), None, 3, salt), h0)
     h2 = block_hash(BlockKey(tuple(toks[8:12]), None, 3, salt), h1)
-    assert prompt_block_hashes(toks, 4, lora_task_id=3, cache_salt="t") == [h0, h1, h2]
+    assert prompt_block_hashes(toks, 4, lora_task_id=3, cache_salt="t", hash_kind=kind) == [h0, h1, h2]
     # the last token is recomputed by admission: a 12-token prompt can reuse 2 blocks only
-    assert prompt_block_hashes(toks[:12], 4, lora_task_id=3, cache_salt="t") == [h0, h1]
-    assert prompt_block_hashes(toks[:12], 4, lora_task_id=3, cache_salt="t", for_reuse=False) == [h0, h1, h2]
+    assert prompt_block_hashes(toks[:12], 4, lora_task_id=3, cache_salt="t", hash_kind=kind) == [h0, h1]
+    assert prompt_block_hashes(toks[:12], 4, lora_task_id=3, cache_salt="t", for_reuse=False, hash_kind=kind) == [h0, h1, h2]
     assert prompt_block_hashes(toks[:3], 4) == [] and prompt_block_hashes([], 4) == []
     assert prompt_block_hashes(toks, 4) != prompt_block_hashes(toks, 4, cache_salt="t")
     with pytest.raises(ValueError, match="hash_kind"):

@@ -28,8 +28,9 @@ from serve_helpers import metric_value, wait_for
 class FakeReplica:
     """A scripted replica: `mode` decides how /v1/completions answers."""
 
-    def __init__(self, name: str, tokens_per_block: int = 4) -> None:
+    def __init__(self, name: str, tokens_per_block: int = 4, hash_kind: str = "sha256") -> None:
         self.name = name
+        self.hash_kind = hash_kind
         self.mode = "ok"
         self.instance_id = uuid.uuid4().hex
         self.tokens_per_block = tokens_per_block
@@ -45,7 +46,7 @@ class FakeReplica:
     def app(self) -> Starlette:
         async def info(request):
             return JSONResponse({"instance_id": self.instance_id, "status": "ok", "model": "m", "max_seq_len": 64,
-                                 "tokens_per_block": self.tokens_per_block, "hash_kind": "trtllm", "kv_events": None,
+                                 "tokens_per_block": self.tokens_per_block, "hash_kind": self.hash_kind, "kv_events": None,
                                  "tokenizer": None})
 
         async def completions(request: Request):
@@ -184,12 +185,14 @@ def test_a_client_that_leaves_closes_the_replicas_request(fakes):
 
 
 def test_incompatible_replicas_are_not_used_and_restarts_are_noticed(fakes):
-    a, b = fakes(2)
+    a, b, c = fakes(3)
     b.tokens_per_block = 8
-    with router_over([a, b], health_interval=0.1) as router:
-        assert router.router.tokens_per_block == 4  # learned from the first replica
-        rb = router.replicas.replicas[b.url]
+    c.hash_kind = "trtllm64"
+    with router_over([a, b, c], health_interval=0.1) as router:
+        assert (router.router.tokens_per_block, router.router.hash_kind) == (4, "sha256")  # learned from a replica
+        rb, rc = router.replicas.replicas[b.url], router.replicas.replicas[c.url]
         assert not rb.available and "incompatible" in rb.problem and "8 tokens" in rb.problem
+        assert not rc.available and "'trtllm64' hash" in rc.problem
         assert all(post(router, BODY).headers[REPLICA_HEADER] == a.url for _ in range(3))
         a.instance_id = uuid.uuid4().hex  # a new process behind the same URL
         wait_for(lambda: router.replicas.replicas[a.url].restarts == 1, 5, "the restart to be noticed")

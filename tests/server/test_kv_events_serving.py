@@ -2,6 +2,7 @@
 traffic rebuilds exactly the full blocks the serving ledger caches (per medium), the stream
 starts with `AllBlocksCleared`, `/kv_events_info` says where to connect and how to hash, and
 shutdown closes the sockets. `kvjax serve`'s --kv-events-* flags reach the engine."""
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -11,9 +12,8 @@ import pytest
 import zmq
 
 import kvjax.server
-from conftest import MODEL
-from kvjax.cli import main
 from kvjax import Request
+from kvjax.cli import main
 from kvjax.engine import KVEventsConfig, LLMEngine
 from kvjax.kv_events import AllBlocksCleared, KVEventSubscriber
 from kvjax.ledger.block_key import prompt_block_hashes
@@ -26,16 +26,18 @@ ANY = "tcp://127.0.0.1:*"
 MODEL = "micro"
 
 
-def test_subscriber_rebuilds_the_serving_ledgers_blocks(stack):
+@pytest.mark.parametrize("event_hash", ["sha256", "trtllm64"])
+def test_subscriber_rebuilds_the_serving_ledgers_blocks(stack, event_hash):
     plain = stack.engine()  # the stack's engine settings, with publishing on:
-    engine = LLMEngine(plain.engine, plain.core.cache_config, tokenizer=stack.tokenizer,
+    cc = dataclasses.replace(plain.core.cache_config, event_hash=event_hash)
+    engine = LLMEngine(plain.engine, cc, tokenizer=stack.tokenizer,
                        kv_events=KVEventsConfig(ANY, replay_endpoint=ANY, topic="micro@0", data_parallel_rank=3))
     assert engine.core.cache_config.event_buffer_max_size > 0  # turned on for publishing
     srv = stack.server(engine).start()
     try:
         http = httpx.Client(timeout=60)
         info = http.get(srv.url + "/kv_events_info").json()
-        assert info["tokens_per_block"] == 8 and info["hash_kind"] == "trtllm" and info["status"] == "ok"
+        assert info["tokens_per_block"] == 8 and info["hash_kind"] == event_hash and info["status"] == "ok"
         ev = info["kv_events"]
         assert ev["endpoint"].startswith("tcp://127.0.0.1:") and ev["replay_endpoint"] != ev["endpoint"]
         assert ev["topic"] == "micro@0" and ev["data_parallel_rank"] == 3
@@ -59,7 +61,7 @@ def test_subscriber_rebuilds_the_serving_ledgers_blocks(stack):
                 index.apply("r", b)
         ledger = engine.core.ledger
         assert index_view(index, "r", 1) == ledger_view(ledger)
-        hashes = prompt_block_hashes(system[:24] + [7], 8)
+        hashes = prompt_block_hashes(system[:24] + [7], 8, hash_kind=info["hash_kind"])
         assert index.match(hashes, ["r"])["r"].blocks == ledger.analyze_prefix_reuse(
             Request("q", system[:24] + [7])).reusable_blocks_all > 0
     finally:
@@ -83,12 +85,13 @@ def test_serve_kv_events_flags(monkeypatch, capsys):
     monkeypatch.setattr(kvjax.server, "serve", fake_serve)
     code = main(["serve", MODEL, "--tokens-per-block", "8", "--max-seq-len", "128", "--primary-blocks", "16",
                  "--kv-events-endpoint", ANY, "--kv-events-replay-endpoint", ANY, "--kv-events-topic", "t",
-                 "--data-parallel-rank", "2"])
+                 "--data-parallel-rank", "2", "--option", 'event_hash="trtllm64"'])
     assert code == 0, capsys.readouterr().err
     info = seen["engine"].kv_events_info()
     assert info["endpoint"].startswith("tcp://127.0.0.1:") and info["topic"] == "t" and info["data_parallel_rank"] == 2
     assert seen["engine"].core.events.publisher._closed  # closed when serve returned
     assert seen["config"].tokenizer_source == MODEL
+    assert seen["engine"].core.cache_config.event_hash == "trtllm64"  # the hash kind a router must use
     assert "KV events on tcp://127.0.0.1:" in capsys.readouterr().err
 
 

@@ -1,0 +1,52 @@
+"""The ledger's thread contract: one writer thread, any number of reader threads.
+
+Every mutating method runs under the manager's re-entrant lock (`writer`), and so does every
+method documented as safe from other threads (`reader`), so a reader sees the ledger between
+two whole operations, never in the middle of one. The one exception is `add_token`'s fast path
+(a token that neither starts a block nor slides a window out): it appends to the sequence's
+token list and bumps its length without the lock, because a lock there would cost more than the
+append. No block, slot, count or tree link changes on that path, so only token lists can move
+under a reader; `snapshot()` closes that gap itself (see `KVCacheManager.snapshot`).
+
+`writer` also counts completed mutations (`_version`), which lets a scheduling dry run notice
+that the ledger changed under it.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+def writer(fn: F) -> F:
+    """Run a mutating method under the manager's lock; count it once it succeeded."""
+
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        lock = self._lock
+        lock.acquire()
+        try:
+            out = fn(self, *args, **kwargs)
+            self._version += 1
+            return out
+        finally:
+            lock.release()
+
+    return locked  # type: ignore[return-value]
+
+
+def reader(fn: F) -> F:
+    """Run a read under the manager's lock, so other threads see whole operations only."""
+
+    @functools.wraps(fn)
+    def locked(self, *args, **kwargs):
+        lock = self._lock
+        lock.acquire()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            lock.release()
+
+    return locked  # type: ignore[return-value]

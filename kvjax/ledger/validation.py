@@ -1,0 +1,108 @@
+"""Argument checks of `KVCacheManager`'s entry points (the rules live in `kvjax.validation`).
+
+Each function raises a typed `KVCacheError` before the manager touches any state, and returns
+the argument normalised (numpy integers as `int`, id collections as lists).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping
+
+import numpy as np
+
+from kvjax.config import CacheConfig
+from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError
+from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
+
+
+def check_window(window: object) -> None:
+    """None (the only window) or an int window size; a float or bool would alias an int key."""
+    if window is not None and not is_int(window):
+        raise InvalidArgumentError(f"window must be an int window size or None, got {window!r} ({type(window).__name__})")
+
+
+def max_table_width(config: CacheConfig) -> int:
+    """Widest block table a caller may ask for: the power-of-two bucket of the widest row any
+    sequence can have. A wider table can only be a mistake (and could be gigabytes)."""
+    n = config.max_blocks_per_seq
+    return 1 << (n - 1).bit_length()
+
+
+def check_max_blocks(config: CacheConfig, max_blocks: object) -> int | None:
+    if max_blocks is None:
+        return None
+    return check_int("max_blocks", max_blocks, 0, max_table_width(config))
+
+
+def check_table_ids(request_ids: object) -> list[Hashable]:
+    """Request ids of a block table: a collection, each id once (a repeated row would make a
+    forward write the same positions twice)."""
+    ids = check_id_list("request_ids", request_ids)
+    try:
+        unique = len(set(ids)) == len(ids)
+    except TypeError:  # an unhashable id: the lookup reports it as unknown
+        return ids
+    if not unique:
+        seen: set = set()
+        for rid in ids:
+            if rid in seen:
+                raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
+            seen.add(rid)
+    return ids
+
+
+def check_flag(name: str, value: object) -> bool:
+    return check_bool(name, value)
+
+
+def check_timeout(timeout: object) -> float | None:
+    """None (do not wait) or a finite number of seconds threading can wait for."""
+    if timeout is None:
+        return None
+    return check_real("timeout", timeout, 0.0, threading.TIMEOUT_MAX)
+
+
+def check_token_arg(token: object) -> int | list[int]:
+    """`add_token`'s token: one int, or a list/tuple/1-D integer array of ints (one per beam)."""
+    if is_int(token):
+        return int(token)
+    if isinstance(token, np.ndarray):
+        if token.ndim != 1 or token.dtype.kind not in "iu":
+            raise InvalidRequestError(f"token must be an int or a 1-D integer array, got {token.dtype} {token.shape}")
+        token = token.tolist()
+    if not isinstance(token, (list, tuple)):
+        raise InvalidRequestError(f"token must be an int or one int per beam, got {token!r} ({type(token).__name__})")
+    return [check_int("token", t, 0, INT32_MAX, error=InvalidRequestError) for t in token]
+
+
+def check_unpin_ids(block_ids: object) -> None:
+    """A list/tuple/1-D array of block ids, or a dict window -> such a list."""
+    groups = block_ids.values() if isinstance(block_ids, Mapping) else [block_ids]
+    if isinstance(block_ids, Mapping):
+        for w in block_ids:
+            check_window(w)
+    for ids in groups:
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise InvalidArgumentError(f"block ids must be one-dimensional, got shape {ids.shape}")
+        if not isinstance(ids, (list, tuple, range, np.ndarray)):
+            raise InvalidArgumentError(f"block_ids must be a list of ints (or a dict window -> list), got {ids!r}")
+
+
+def check_op_indices(op_indices: object, num_ops: int) -> set[int]:
+    """The failed ops of a plan: None (all of them) or distinct indices into the plan."""
+    if op_indices is None:
+        return set(range(num_ops))
+    if isinstance(op_indices, np.ndarray):
+        if op_indices.ndim != 1:
+            raise InvalidArgumentError(f"op_indices must be one-dimensional, got shape {op_indices.shape}")
+        op_indices = op_indices.tolist()
+    if not isinstance(op_indices, (list, tuple, range, set, frozenset)):
+        raise InvalidArgumentError(f"op_indices must be a list of op indices or None, got {op_indices!r}")
+    out = [check_int("op index", i, 0, num_ops - 1) for i in op_indices] if num_ops else list(op_indices)
+    if op_indices and not num_ops:
+        raise InvalidArgumentError("the plan has no ops")
+    if len(set(out)) != len(out):
+        raise InvalidArgumentError(f"op_indices lists an op twice: {sorted(out)}")
+    if not out:
+        raise InvalidArgumentError("op_indices is empty: report a plan that applied with transfers_applied")
+    return set(out)
