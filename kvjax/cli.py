@@ -228,7 +228,9 @@ def cmd_capacity(args) -> int:
     shares = C.window_size_shares(config.window_to_layers, per_token)
     gib = 2**30
     print(f"model            {spec.name}  ({config.num_layers} layers, kv heads {config.num_kv_heads}, head dim {config.head_dim}, {config.dtype})")
-    print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V)")
+    scale_bytes = sum(config.kv_scale_bytes_per_token.values())
+    scales = f"; {_int(scale_bytes)} of them FP8 block scales" if scale_bytes else ""
+    print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V{scales})")
     print(f"weights          {_gib(weights)} ({weights_from})")
     print(f"activations      {_gib(reserve)} ({reserve_from})")
     print(f"primary budget   {args.fraction:g} x {_gib(args.gpu_memory)} - weights - activations = {primary} bytes "

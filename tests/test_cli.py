@@ -106,8 +106,9 @@ def test_capacity_multi_query_fp8(capsys):
     code, out, _ = run_cli(capsys, "capacity", "--model", "falcon-7b", "--gpu-memory", "80GB",
                            "--fraction", "0.5", "--dtype", "float8_e4m3fn", "--tokens-per-block", "64", "--activation-reserve", "0")
     assert code == 0
-    per_token = 2 * 32 * 1 * 64 * 1  # one kv head (multi-query), head dim 64, 1 byte
-    assert f"KV bytes/token   {per_token}" in out
+    scales = 2 * 32 * 1 * 4 // 64  # a float32 scale per (block, layer, K/V, kv head), over 64 tokens
+    per_token = 2 * 32 * 1 * 64 * 1 + scales  # one kv head (multi-query), head dim 64, 1 byte
+    assert f"KV bytes/token   {per_token} (all layers, K and V; {scales} of them FP8 block scales)" in out
     blocks = math.ceil((int(0.5 * 80e9) - 2 * 6_921_570_752) // per_token / 64)  # after 6.92B bf16 weights
     assert table_rows(out)[2048][4] == str(blocks)
 
