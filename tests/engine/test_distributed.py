@@ -139,3 +139,31 @@ def test_rank_digest_checks_at_its_interval(monkeypatch):
     a.update(1, "x", np.array([1, 2]))
     b.update(1, "x", np.array([1, 3]))
     assert a.digest() != b.digest()
+
+
+# ---------------------------------------------------------------------- one process, several devices
+def test_tensor_parallel_in_one_process_matches_one_device(micro):
+    """The same engine code with a mesh of local devices: weights and pools sharded over the KV
+    heads (offload / onboard through a tight pool included), no rank checks, the same tokens."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from kvjax.engine import ChatWorkload, Engine
+    from kvjax.models import Transformer
+
+    from engine_helpers import TIGHT, cache, engine_config
+
+    items = ChatWorkload(users=6, turns=3, system_prompts=2, system_prompt_tokens=(36, 44), user_tokens=(4, 20),
+                         max_new_tokens=(4, 10), arrival_interval=1, think_steps=1, priority=80,
+                         seed=7).build(micro.model.spec.vocab_size)
+    ref = micro.engine().run(items, cache(micro.model, primary=TIGHT))
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    model = Transformer.from_spec("micro", seed=0)  # its own copy: sharding is in place
+    engine = Engine(model, engine_config(), mesh=mesh)
+    res = engine.run(items, cache(model, primary=TIGHT))
+    assert res.outputs == ref.outputs
+    s = res.metrics.summary()
+    assert s["blocks_offloaded"] > 0 and s["prefill_reused_tokens"] == ref.metrics.summary()["prefill_reused_tokens"] > 0
+    assert model.blocks[0].attn.wk[...].sharding.spec == P(None, "tp", None)
+    core = engine.core(cache(model))
+    assert core.rank_digest is None and core.pools.primary[0].sharding.spec[3] == "tp"
