@@ -23,6 +23,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+#: `--kv-cache-dtype` values (the keys of `kvjax.engine.config.KV_CACHE_DTYPES`, listed here so
+#: that parsing flags imports no engine code).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGTP]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1}
 for _i, _p in enumerate("KMGTP", start=1):
@@ -106,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--secondary-blocks", type=_nonneg_int)
         sp.add_argument("--tokens-per-block", type=_positive_int)
         sp.add_argument("--max-seq-len", type=_positive_int)
+        sp.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="KV pool dtype (default auto: the model's; fp8 = float8_e4m3fn with per-block scales)")
         sp.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
         sp.add_argument("--max-batch-size", type=_positive_int)
         sp.add_argument("--max-num-tokens", type=_positive_int, help="token budget per step (prefill chunk size)")
@@ -155,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--secondary-blocks", type=_nonneg_int)
     sv.add_argument("--tokens-per-block", type=_positive_int)
     sv.add_argument("--max-seq-len", type=_positive_int)
+    sv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
+                    help="KV pool dtype (default auto: the model's; fp8 = float8_e4m3fn with per-block scales)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
     sv.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
     sv.add_argument("--queue-policy", choices=["fcfs", "lpm"], help="waiting-queue order (default fcfs)")
@@ -302,7 +309,8 @@ def _setup(args, *, demo: bool) -> _Setup:
     checkpoint = None if checkpoint is None else str(checkpoint)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
-                      ("tokens_per_block", "tokens_per_block"), ("max_seq_len", "max_seq_len")):
+                      ("tokens_per_block", "tokens_per_block"), ("max_seq_len", "max_seq_len"),
+                      ("kv_cache_dtype", "kv_cache_dtype")):
         if getattr(args, flag) is not None:
             cache[key] = getattr(args, flag)
     if args.no_partial_reuse:
@@ -524,8 +532,8 @@ def serve_options(args) -> dict[str, Any]:
             raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         options[key.strip()] = _parse_value(value.strip())
-    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "policy", "queue_policy",
-                 "max_wait_steps", "max_batch_size", "max_num_tokens"):
+    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "kv_cache_dtype", "policy",
+                 "queue_policy", "max_wait_steps", "max_batch_size", "max_num_tokens"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
     if args.no_prefix_caching:

@@ -51,7 +51,6 @@ _NAMES = {
     "WorkloadFile": "kvjax.engine.workloads",
     "build_batch": "kvjax.engine.batching",
     "cache_config": "kvjax.engine.config",
-    "device_config": "kvjax.engine.config",
     "format_table": "kvjax.engine.metrics",
     "identical_outputs": "kvjax.engine.engine",
     "key_seed": "kvjax.engine.sampling",

@@ -7,7 +7,9 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
          enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse, onboard_blocks,
          secondary_offload_min_priority, event_buffer_max_size (the ledger's KV-event queue;
          0 = events off unless the engine publishes them, which sizes it itself), event_hash
-         (the events' block hashes: "sha256" or TensorRT-LLM's "trtllm64")
+         (the events' block hashes: "sha256" or TensorRT-LLM's "trtllm64"), kv_cache_dtype
+         ("auto": the model's dtype; "float32", "bfloat16", "float16", or "float8_e4m3fn" /
+         "fp8" for FP8 pools with per-block scales, "float8_e5m2")
 [engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
          "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
          prefill_rows, max_steps, rank_check_interval (steps between two comparisons of the
@@ -35,8 +37,12 @@ CACHE_DEFAULTS: dict[str, Any] = {
     "secondary_offload_min_priority": 30,
     "event_buffer_max_size": 0,
     "event_hash": "sha256",
+    "kv_cache_dtype": "auto",
 }
-_STR_KEYS = {"policy", "queue_policy", "event_hash"}
+_STR_KEYS = {"policy", "queue_policy", "event_hash", "kv_cache_dtype"}
+#: `kv_cache_dtype` values: "auto" keeps the model's dtype; "fp8" names e4m3 (as vLLM's flag does).
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "float32": "float32", "bfloat16": "bfloat16",
+                   "float16": "float16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
 _BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
 
 
@@ -105,6 +111,9 @@ def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int |
     """
     _check_keys("cache", values, CACHE_DEFAULTS, source)
     v = {**CACHE_DEFAULTS, **values}
+    if v["kv_cache_dtype"] not in KV_CACHE_DTYPES:
+        raise ValueError(f"{source}: [cache] kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {v['kv_cache_dtype']!r}")
     try:
         return model_spec.cache_config(
             primary_blocks=v["primary_blocks"],
@@ -118,24 +127,8 @@ def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int |
             secondary_offload_min_priority=v["secondary_offload_min_priority"],
             event_buffer_max_size=v["event_buffer_max_size"],
             event_hash=v["event_hash"],
+            dtype=KV_CACHE_DTYPES[v["kv_cache_dtype"]],
             max_num_tokens=max_num_tokens,
         )
     except ValueError as e:
         raise ValueError(f"{source}: [cache] {e}") from None
-
-
-def device_config(config: CacheConfig) -> CacheConfig:
-    """`config` with its policy fields at their defaults: only the geometry matters to the
-    device, and jit specialises on the pools' config, so runs that differ only in policy
-    (reuse on / off, offload threshold) share compiled executables."""
-    return dataclasses.replace(
-        config,
-        enable_block_reuse=True,
-        enable_partial_reuse=True,
-        copy_on_partial_reuse=True,
-        onboard_blocks=True,
-        secondary_offload_min_priority=30,
-        event_buffer_max_size=0,
-        event_hash="sha256",
-        max_num_tokens=None,
-    )

@@ -37,7 +37,6 @@ from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from kvjax.ledger.transfer_plan import TransferKind
 from kvjax.engine.batching import Row
-from kvjax.engine.config import device_config
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
@@ -120,7 +119,7 @@ class EngineCore:
             self.rank_digest = RankDigest(self.cfg.rank_check_interval)
         self.cache_config = cache_config
         self.ledger = KVCacheManager(cache_config)
-        self.pools = engine.runner.allocate_pools(device_config(cache_config))
+        self.pools = engine.runner.allocate_pools(cache_config)
         self.events: EventPublishing | None = None
         if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
             self.events = EventPublishing(kv_events, cache_config)

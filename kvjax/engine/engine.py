@@ -39,7 +39,8 @@ class RunResult:
 
 class Engine:
     """Serves workloads with one model; `run` builds a fresh ledger and pools per call, and
-    runs share compiled executables (see `device_config`). `core(cache_config)` starts a
+    runs share compiled executables (pools keep only their geometry, so runs that differ in ledger
+    policy alone compile nothing new). `core(cache_config)` starts a
     step-wise `EngineCore` on the same model and runner."""
 
     def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None,
