@@ -51,11 +51,8 @@ class WindowBlockManager:
         self.null_slot = self.num_primary
         self.max_token_num = config.max_token_num(window)
         self.temporary_window = config.temporary_window(window)
-        self.block_bytes = sum(
-            int(p.num_layers * config.kv_factor * p.num_kv_heads * p.head_dim * config.tokens_per_block * config.dtype_bytes)
-            for p in config.pools
-            if p.window == window
-        )
+        # every layer's K and V of one block in this window, FP8 block scales included
+        self.block_bytes = round(config.cache_size_per_token[window] * config.tokens_per_block)
         self.tree = tree
         self.recorder = recorder
         self.events = events

@@ -567,6 +567,19 @@ def test_multi_pool_window_one_plan_entry_per_pool():
     assert it.offloaded_blocks == 2 and it.offload_bytes == 2 * block_bytes
 
 
+def test_fp8_transfer_bytes_count_the_block_scales():
+    # the multi-pool geometry in float8: 1 byte per value, plus one float32 scale per
+    # (layer, K/V, kv head) of each block (heads 1, 2, 1: 2 * (1 + 2 + 1) * 4 bytes)
+    m = make_manager(num_layers=3, num_kv_heads=(1, 2, 1), primary_blocks=4, secondary_blocks=2, dtype="float8_e4m3fn")
+    stored_chain(m, 9)
+    m.take_transfers()
+    m.add_sequence(Request("b", list(R(100, 116))))
+    block_bytes = (2 * 2 * 1 * 8 * 4) + (1 * 2 * 2 * 8 * 4) + 2 * (1 + 2 + 1) * 4
+    it = m.iteration_stats()
+    assert it.offloaded_blocks == 2 and it.offload_bytes == 2 * block_bytes
+    m.verify_integrity()
+
+
 def test_transfer_plan_arrays():
     m = make_manager()
     m.add_sequence(Request("a", list(R(13))))
