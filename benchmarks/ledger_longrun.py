@@ -129,7 +129,7 @@ def families(tpb: int) -> list[Family]:
 class Episode:
     """One manager, one configuration, a few thousand operations."""
 
-    def __init__(self, run: "LongRun", family: Family, seed: int, long_retention: bool = False) -> None:
+    def __init__(self, run: LongRun, family: Family, seed: int, long_retention: bool = False) -> None:
         self.run = run
         self.long_retention = long_retention  # every request retained for an hour (memory run)
         self.rng = random.Random(seed)

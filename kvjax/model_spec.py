@@ -75,7 +75,7 @@ class RopeScaling:
             _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})")
 
     @classmethod
-    def from_dict(cls, data: Any, source: str) -> "RopeScaling":
+    def from_dict(cls, data: Any, source: str) -> RopeScaling:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: field 'rope_scaling': expected a table, got {data!r}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -151,7 +151,7 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         """Build from a mapping of TOML keys; errors name `source` and the offending field."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a table of model fields, got {type(data).__name__}")
@@ -180,7 +180,7 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> "ModelSpec":
+    def from_toml(cls, path: str | Path) -> ModelSpec:
         """Load one model file."""
         path = Path(path)
         try:
@@ -194,7 +194,7 @@ class ModelSpec:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def load(cls, name_or_path: str | Path) -> "ModelSpec":
+    def load(cls, name_or_path: str | Path) -> ModelSpec:
         """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
         checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
         text = str(name_or_path)

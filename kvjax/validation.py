@@ -10,7 +10,7 @@ finite non-negative reals. Flags are `bool` (or `numpy.bool_`). Every check rais
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 

@@ -12,7 +12,6 @@ takes FP8 pools with their `scales` and dequantises each page as it loads it.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

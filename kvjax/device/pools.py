@@ -100,10 +100,10 @@ class KVPools:
     def meta(self) -> PoolMeta:
         return PoolMeta(self.geometry, self.mesh, self.kv_axes)
 
-    def replace(self, **kw) -> "KVPools":
+    def replace(self, **kw) -> KVPools:
         return dataclasses.replace(self, **kw)
 
-    def with_primary(self, index: int, array: jax.Array, scales: jax.Array | None = None) -> "KVPools":
+    def with_primary(self, index: int, array: jax.Array, scales: jax.Array | None = None) -> KVPools:
         prim = list(self.primary)
         prim[index] = array
         if scales is None:
@@ -122,7 +122,7 @@ class KVPools:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _allocator(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> callable:
     # One jitted zeros per (shape, dtype, sharding): the array is born with its final
     # sharding. Host arrays go through an explicit device_put inside the jit: an array whose

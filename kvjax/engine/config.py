@@ -72,7 +72,7 @@ class EngineConfig:
             raise ValueError(f"rank_check_interval must be a positive int, got {v!r}")
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> "EngineConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> EngineConfig:
         _check_keys("engine", values, cls.KEYS, source)
         v = dict(values)
         try:

@@ -67,7 +67,7 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
-                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> "LLMEngine":
+                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> LLMEngine:
         """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.llm.load_model`
         takes: a built-in model name or a checkpoint directory) with `options` (see above);
         `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""

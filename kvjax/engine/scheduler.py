@@ -51,7 +51,7 @@ class QueuePolicy(str, enum.Enum):
     LPM = "lpm"
 
     @classmethod
-    def parse(cls, value: "str | QueuePolicy") -> "QueuePolicy":
+    def parse(cls, value: str | QueuePolicy) -> QueuePolicy:
         if isinstance(value, cls):
             return value
         text = str(value).strip().lower()
@@ -66,7 +66,7 @@ class SchedulerPolicy(str, enum.Enum):
     MAX_UTILIZATION = "max_utilization"
 
     @classmethod
-    def parse(cls, value: "str | SchedulerPolicy") -> "SchedulerPolicy":
+    def parse(cls, value: str | SchedulerPolicy) -> SchedulerPolicy:
         if isinstance(value, cls):
             return value
         text = str(value).strip().lower().replace("-", "_")

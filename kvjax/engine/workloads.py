@@ -206,7 +206,7 @@ class Workload(abc.ABC):
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
 
-def _check_zipf(workload: "Workload") -> None:
+def _check_zipf(workload: Workload) -> None:
     z = workload.zipf
     if isinstance(z, bool) or not isinstance(z, (int, float)) or z < 0:
         raise ValueError(f"workload {workload.name!r}: zipf must be a number >= 0, got {z!r}")

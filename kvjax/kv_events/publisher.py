@@ -167,7 +167,7 @@ class ZmqEventPublisher:
             return  # its sockets are still in use: leave them to the daemon thread
         self._close_sockets()
 
-    def __enter__(self) -> "ZmqEventPublisher":
+    def __enter__(self) -> ZmqEventPublisher:
         return self
 
     def __exit__(self, *exc) -> None:

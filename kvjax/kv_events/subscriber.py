@@ -237,7 +237,7 @@ class KVEventSubscriber:
         self._dealer = None
         self._ctx.term()
 
-    def __enter__(self) -> "KVEventSubscriber":
+    def __enter__(self) -> KVEventSubscriber:
         return self
 
     def __exit__(self, *exc) -> None:

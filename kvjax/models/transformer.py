@@ -104,7 +104,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> "Transformer":
+    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> Transformer:
         """Build from a spec (or a model name / TOML path) with random weights; same seed, same weights."""
         if not isinstance(spec, ModelSpec):
             spec = ModelSpec.load(spec)

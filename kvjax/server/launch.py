@@ -56,7 +56,7 @@ class ServerThread:
     def engine_loop(self):
         return self.app.state.engine_loop
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout
         while not self.server.started:
@@ -72,7 +72,7 @@ class ServerThread:
             self.server.force_exit = True
             self._thread.join(5)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import CacheConfig
-from kvjax.device import allocate_pools
 from kvjax.device.pools import KVPools
 
 DTYPES = ("float32", "bfloat16")

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kvjax import InvalidRequestError, KVCacheManager, OutOfBlocksError, Request
-from ledger_helpers import SlotModel, make_config, plan_ops, tag
+from ledger_helpers import SlotModel, make_config, tag
 
 R = range
 

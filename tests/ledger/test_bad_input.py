@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from kvjax import (
-    CacheConfig,
     DuplicateRequestError,
     InvalidArgumentError,
     InvalidRequestError,

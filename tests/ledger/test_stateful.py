@@ -26,7 +26,6 @@ KV unnoticed.
 """
 from __future__ import annotations
 
-import copy
 
 import hypothesis.strategies as st
 from hypothesis import event, settings

@@ -7,7 +7,7 @@ import pytest
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
 from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockKey, cache_salt_id, prompt_block_hashes, sha256_block_hash, trtllm64_block_hash
-from kvjax.router import KVAwarePolicy, PrefixIndex, RoundRobinPolicy, Router
+from kvjax.router import KVAwarePolicy, RoundRobinPolicy, Router
 
 from kv_helpers import RandomDriver, small_config
 
