@@ -15,6 +15,7 @@ Pure numpy (no JAX): `kvjax capacity` sizes weights from the headers alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import struct
@@ -114,7 +115,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes up to {base + end} but the file has {size}")
         out[name] = TensorInfo(name, dtype, shape, file, base + start, base + end)
     spans = sorted((t.start, t.end, t.name) for t in out.values() if t.nbytes)
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise CheckpointError(f"{file}: tensors {a!r} and {b!r} overlap")
     return out

@@ -170,7 +170,10 @@ class CacheConfig:
                 set_(name, value)
             else:
                 set_(name, check_int(name, value, minimum, maximum))
-        set_("secondary_offload_min_priority", check_int("secondary_offload_min_priority", self.secondary_offload_min_priority, MIN_PRIORITY, MAX_PRIORITY + 1))
+        set_(
+            "secondary_offload_min_priority",
+            check_int("secondary_offload_min_priority", self.secondary_offload_min_priority, MIN_PRIORITY, MAX_PRIORITY + 1),
+        )
         set_("sink_token_length", check_int("sink_token_length", self.sink_token_length))
         set_("event_buffer_max_size", check_int("event_buffer_max_size", self.event_buffer_max_size))
         set_("max_num_tokens", check_opt_int("max_num_tokens", self.max_num_tokens, 1))

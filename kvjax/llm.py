@@ -125,7 +125,9 @@ class LLM:
     def _prompt_list(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         eng = self.llm_engine
         if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
         ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -156,10 +158,12 @@ class LLM:
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n})")
         return params
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = [str(next(self._ids)) for _ in items]
-        for rid, (_, toks), p in zip(ids, items, params):
+        for rid, (_, toks), p in zip(ids, items, params, strict=True):
             eng.check_request(rid, toks, p)  # all or nothing
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -168,7 +172,7 @@ class LLM:
 
             bar = tqdm(total=len(items), desc="generate", unit="req")
         try:
-            for rid, (text, toks), p in zip(ids, items, params):
+            for rid, (text, toks), p in zip(ids, items, params, strict=True):
                 eng.add_request(rid, text if text is not None else toks, p, prompt_token_ids=toks)
             while eng.has_unfinished_requests():
                 for out in eng.step():

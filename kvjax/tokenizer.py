@@ -184,9 +184,14 @@ class Tokenizer:
     @classmethod
     def builtin(cls, vocab_size: int) -> Tokenizer:
         """The built-in models' byte-level tokenizer with exactly `vocab_size` tokens."""
-        return cls(_builtin_backend(vocab_size), special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"},
-                   additional_special_tokens=BUILTIN_SPECIALS[3:], chat_template=BUILTIN_CHAT_TEMPLATE,
-                   eos_token_ids=[BUILTIN_SPECIALS.index("<|end|>") + 256], name=f"kvjax-bytes-{vocab_size}")
+        return cls(
+            _builtin_backend(vocab_size),
+            special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"},
+            additional_special_tokens=BUILTIN_SPECIALS[3:],
+            chat_template=BUILTIN_CHAT_TEMPLATE,
+            eos_token_ids=[BUILTIN_SPECIALS.index("<|end|>") + 256],
+            name=f"kvjax-bytes-{vocab_size}",
+        )
 
     # ------------------------------------------------------------------ basics
     @property
@@ -338,7 +343,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + n)
             n += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def _builtin_merges(count: int) -> list[tuple[str, str]]:

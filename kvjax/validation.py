@@ -45,7 +45,9 @@ def check_int(
     return v
 
 
-def check_opt_int(name: str, x: object, lo: int | None = 0, hi: int | None = INT32_MAX, *, error=InvalidArgumentError) -> int | None:
+def check_opt_int(
+    name: str, x: object, lo: int | None = 0, hi: int | None = INT32_MAX, *, error=InvalidArgumentError
+) -> int | None:
     return None if x is None else check_int(name, x, lo, hi, error=error)
 
 

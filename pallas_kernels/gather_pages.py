@@ -118,7 +118,8 @@ def gather_pages_mgpu(
                 @pl.loop(valid, t)
                 def _(r):
                     for hh in range(h):
-                        plgpu.copy_smem_to_gmem(zsmem.at[pl.ds(r, 1)], out.at[i, pl.ds(start + r, 1), hh])
+                        # pl.when / pl.loop trace their bodies at once, inside this iteration
+                        plgpu.copy_smem_to_gmem(zsmem.at[pl.ds(r, 1)], out.at[i, pl.ds(start + r, 1), hh])  # noqa: B023
 
                 plgpu.wait_smem_to_gmem(0)
 

@@ -98,7 +98,9 @@ class EngineConfig:
             raise ValueError(f"{source}: [engine] {e}") from None
 
 
-def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>") -> CacheConfig:
+def cache_config(
+    model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>"
+) -> CacheConfig:
     """The run's `CacheConfig`: the model's KV geometry, `CACHE_DEFAULTS` overridden by `values`.
 
     `max_num_tokens` (the engine's chunk budget) sizes TensorRT-LLM's temporary attention window.

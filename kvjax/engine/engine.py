@@ -42,8 +42,15 @@ class Engine:
     runs share compiled executables (see `device_config`). `core(cache_config)` starts a
     step-wise `EngineCore` on the same model and runner."""
 
-    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None,
-                 mesh=None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig = EngineConfig(),
+        *,
+        impl: str = "auto",
+        runner: ModelRunner | None = None,
+        mesh=None,
+    ) -> None:
         """`mesh`: tensor parallelism over its devices (weights and KV pools sharded over kv
         heads; a mesh spanning processes makes every process a rank, see `kvjax.engine.ranks`)."""
         if runner is not None and runner.model is not model:
@@ -79,7 +86,9 @@ class Engine:
 class _Replay:
     """One `run`: the trace's arrival schedule and follow-ups on top of an `EngineCore`."""
 
-    def __init__(self, engine: Engine, items: Sequence[WorkItem], cache_config: CacheConfig, label: str, seed: int, progress) -> None:
+    def __init__(
+        self, engine: Engine, items: Sequence[WorkItem], cache_config: CacheConfig, label: str, seed: int, progress
+    ) -> None:
         self.engine = engine
         self.label = label
         self.seed = seed
@@ -200,7 +209,7 @@ def max_logit_difference(a: RunResult, b: RunResult) -> float:
     worst = 0.0
     for k, la in a.chosen_logits.items():
         lb = b.chosen_logits.get(k, [])
-        for x, y in zip(la, lb):
+        for x, y in zip(la, lb, strict=True):
             worst = max(worst, abs(x - y))
     return worst
 

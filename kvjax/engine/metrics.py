@@ -3,8 +3,8 @@
 TTFT is measured from a request's arrival (the start of the step that released it) to the
 end of the step that sampled its first token; TPOT is the mean time between its later
 tokens. All times are on the serving clock (wall time minus JAX compile time, which is
-reported on its own; see `serving_clock.py`). Token hit rate = prompt tokens reused / prompt tokens admitted; block hit rate is the
-ledger's `cache_hit_rate` (reused / (reused + missed) blocks).
+reported on its own; see `serving_clock.py`). Token hit rate = prompt tokens reused / prompt
+tokens admitted; block hit rate is the ledger's `cache_hit_rate` (reused / (reused + missed) blocks).
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def format_table(columns: Sequence[tuple[str, dict[str, Any]]], extra_rows: Sequ
     widths = [max(len(r[1][i]) for r in rows) for i in range(len(columns))]
     lines = []
     for i, (name, cells) in enumerate(rows):
-        lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths)]))
+        lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths, strict=True)]))
         if i == 0:
             lines.append("-" * len(lines[0]))
     return "\n".join(lines)

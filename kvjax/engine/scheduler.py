@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from kvjax.engine.request_state import LiveRequest, Phase
 
 
-class QueuePolicy(str, enum.Enum):
+class QueuePolicy(enum.StrEnum):
     """Order of the waiting queue: first come first served, or longest cached prefix first."""
 
     FCFS = "fcfs"
@@ -61,7 +61,7 @@ class QueuePolicy(str, enum.Enum):
         raise ValueError(f"queue policy must be one of {[p.value for p in cls]}, got {value!r}")
 
 
-class SchedulerPolicy(str, enum.Enum):
+class SchedulerPolicy(enum.StrEnum):
     GUARANTEED_NO_EVICT = "guaranteed_no_evict"
     MAX_UTILIZATION = "max_utilization"
 
@@ -138,7 +138,9 @@ class CapacityScheduler:
             self._admit(out, running, ordered, fits, summaries)
         return out
 
-    def order_waiting(self, waiting: Sequence[LiveRequest], step: int | None = None, summaries: dict | None = None) -> list[LiveRequest]:
+    def order_waiting(
+        self, waiting: Sequence[LiveRequest], step: int | None = None, summaries: dict | None = None
+    ) -> list[LiveRequest]:
         """The waiting queue in admission order (see the module docstring). `summaries`, if
         given, receives each walked request's prefix summary (keyed by `id(request)`)."""
         waiting = list(waiting)
@@ -214,7 +216,9 @@ class CapacityScheduler:
         return out, try_fit
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits, summaries: dict | None = None) -> None:
+    def _admit(
+        self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits, summaries: dict | None = None
+    ) -> None:
         cfg = self.config
         led = self.ledger
         slots = cfg.max_batch_size - len(running)

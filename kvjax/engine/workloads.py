@@ -2,8 +2,9 @@
 
 A workload file (`configs/workloads/NAME.toml`) has a `[workload]` table (the trace: `kind`
 plus its parameters, below), optional `[cache]` / `[engine]` tables (the run's cache and
-engine settings; see `kvjax.engine.config`) and an optional top-level `model` (name or path). `Workload.build(vocab_size)` turns the trace
-into `WorkItem`s: the same seed gives the same tokens, arrivals and options every time.
+engine settings; see `kvjax.engine.config`) and an optional top-level `model` (name or path).
+`Workload.build(vocab_size)` turns the trace into `WorkItem`s: the same seed gives the same
+tokens, arrivals and options every time.
 
 Kinds:
   chat                  users hold multi-turn conversations: turn k's prompt is the whole
@@ -372,7 +373,9 @@ def workload_from_dict(data: Mapping[str, Any], source: str = "<workload>") -> W
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ValueError(f"{source}: [workload] unknown key {unknown[0]!r} for kind {kind!r} (known: {', '.join(sorted(fields))})")
+        raise ValueError(
+            f"{source}: [workload] unknown key {unknown[0]!r} for kind {kind!r} (known: {', '.join(sorted(fields))})"
+        )
     for key in ("lora_ids",):
         if isinstance(data.get(key), list):
             data[key] = tuple(data[key])

@@ -109,7 +109,9 @@ def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
         if f"{prefix}embed_tokens.weight" in tensors:
             head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
             return prefix, head
-    raise CheckpointError(f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})")
+    raise CheckpointError(
+        f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})"
+    )
 
 
 def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:

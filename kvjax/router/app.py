@@ -194,7 +194,9 @@ def build_router_app(config: RouterConfig) -> Starlette:
                 return _Retry("connection_lost")
             except httpx.TimeoutException:
                 state["metrics"].failed.labels("timeout").inc()
-                return _error(APIError(504, f"replica {url} did not answer within {config.request_timeout} s", type="server_error"))
+                return _error(
+                    APIError(504, f"replica {url} did not answer within {config.request_timeout} s", type="server_error")
+                )
             finally:
                 await resp.aclose()
                 router.finished(url)
@@ -318,7 +320,9 @@ def build_router_app(config: RouterConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        ) as client:
             rs = ReplicaSet(router, client, tokenizer=tokenizer, tokenizer_spec=config.tokenizer,
                             health_timeout=config.health_timeout)
             state.update(client=client, replicas=rs, metrics=RouterMetrics(rs))

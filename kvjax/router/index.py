@@ -70,7 +70,7 @@ class PrefixIndex:
         events = list(batch.events)
         hashes = [self._checked(ev) for ev in events]
         with self._lock:
-            for ev, hs in zip(events, hashes):
+            for ev, hs in zip(events, hashes, strict=True):
                 self._apply_event(replica, ev, hs)
 
     def apply_event(self, replica: Hashable, ev) -> None:

@@ -109,7 +109,7 @@ class ReplicaSet:
         first."""
         reps = list(self.replicas.values())
         answers = await asyncio.gather(*(self._ask(r) for r in reps))
-        for rep, answer in zip(reps, answers):
+        for rep, answer in zip(reps, answers, strict=True):
             await self._apply_answer(rep, answer)
 
     async def run(self, interval: float) -> None:

@@ -340,7 +340,7 @@ def simulate(
 
     while heap:
         t, _, _, kind, payload = heapq.heappop(heap)
-        for i, rep in enumerate(reps):
+        for i in range(len(reps)):
             outstanding_area[i] += router.loads[i] * (t - last_t)
         last_t = clock.t = t
         if kind == "arrive":
@@ -438,9 +438,9 @@ def format_table(results: Sequence[SimResult], reference: SimResult | None = Non
                      f"{r.ttft_p99_s * 1e3:.0f}", f"{r.imbalance:.2f}", f"{r.imbalance_outstanding:.2f}",
                      f"{r.makespan_s:.1f}", " ".join(map(str, r.routed))))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
     for row in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     return "\n".join(lines)
 
 

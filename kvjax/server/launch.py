@@ -41,7 +41,9 @@ class ServerThread:
     """`with ServerThread(engine, config) as srv: ... srv.url ...`: a server on 127.0.0.1 and a
     free port, running in this process until `stop()` (or the end of the `with`)."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig, *, log_level: str = "warning", start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, engine: LLMEngine, config: ServerConfig, *, log_level: str = "warning", start_timeout: float = 30.0
+    ) -> None:
         self.app = build_app(engine, config)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

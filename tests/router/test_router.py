@@ -6,7 +6,14 @@ import pytest
 
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
-from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockKey, cache_salt_id, prompt_block_hashes, sha256_block_hash, trtllm64_block_hash
+from kvjax.ledger.block_key import (
+    SHA256_ROOT_HASH,
+    BlockKey,
+    cache_salt_id,
+    prompt_block_hashes,
+    sha256_block_hash,
+    trtllm64_block_hash,
+)
 from kvjax.router import KVAwarePolicy, RoundRobinPolicy, Router
 
 from kv_helpers import RandomDriver, small_config
@@ -61,7 +68,9 @@ def test_router_match_equals_the_replicas_reuse(seed):
         if step % 5:
             continue
         for _ in range(4):
-            prompt = list(rng.choice(drv.prefixes))[: rng.randrange(1, 30)] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 6))]
+            prompt = list(rng.choice(drv.prefixes))[: rng.randrange(1, 30)] + [
+                rng.randrange(1, 50) for _ in range(rng.randrange(0, 6))
+            ]
             lora, salt = rng.choice([None, 3]), rng.choice([None, "t1"])
             want = led.analyze_prefix_reuse(Request("probe", prompt, lora_task_id=lora, cache_salt=salt)).reusable_blocks_all
             decision = router.route(prompt, lora_task_id=lora, cache_salt=salt)
