@@ -100,7 +100,7 @@ def cache_size_per_token(
     dtype: str | None = None,
     max_seq_len: int | None = None,
     cache_type: str | None = None,
-) -> dict[int, int]:
+) -> dict[int, int | float]:
     """Window -> bytes of KV one token occupies over that window's layers.
 
     `kv_factor * sum over the window's layers of kv_heads * head_dim * dtype_bytes` (TensorRT-LLM

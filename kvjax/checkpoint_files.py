@@ -171,9 +171,9 @@ class CheckpointTensors:
         index = self.directory / INDEX_FILE
         if index.is_file():
             for name, file in _weight_map(index).items():
-                info = self.tensors.get(name)
-                if info is None or info.file.name != file:
-                    where = "missing from every shard" if info is None else f"in {info.file.name}"
+                found = self.tensors.get(name)
+                if found is None or found.file.name != file:
+                    where = "missing from every shard" if found is None else f"in {found.file.name}"
                     raise CheckpointError(f"{index}: lists tensor {name!r} in {file} but it is {where}")
 
     def __contains__(self, name: str) -> bool:

@@ -329,11 +329,11 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
     theta, scaling = _rope(f)
     layers = values["num_layers"]
     if kind == "llama":
-        bias = f.flag("attention_bias", False)
+        qkv_bias = out_bias = f.flag("attention_bias", False)
         f.require("mlp_bias", (False,), False)
         windows = None
     elif kind == "mistral":
-        bias = False
+        qkv_bias = out_bias = False
         window = _sliding(f)
         windows = _windows(["sliding_attention"] * layers, window, values["max_seq_len"])
     else:  # qwen2 / qwen3
@@ -346,17 +346,17 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
         windows = _windows(types, window, values["max_seq_len"])
         if kind == "qwen2":
             f.require("use_mrope", (False,), False)
-            bias = None
+            qkv_bias, out_bias = True, False  # Qwen2 always has q/k/v biases, never an output bias
         else:
-            bias = f.flag("attention_bias", False)
+            qkv_bias = out_bias = f.flag("attention_bias", False)
     return ModelSpec(
         **values,
         attention_windows=windows,
         dtype=_dtype(f, dtype),
         rope_theta=theta,
         rope_scaling=scaling,
-        qkv_bias=True if kind == "qwen2" else bias,
-        out_bias=False if kind == "qwen2" else bias,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
         qk_norm=kind == "qwen3",
         mlp_activation=_activation(f, "hidden_act"),
     )

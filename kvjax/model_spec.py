@@ -71,8 +71,9 @@ class RopeScaling:
                     _positive_float(src, field, value)
             elif value is not None:
                 _fail(src, field, f"only llama3 scaling takes it, got {value!r} with kind {self.kind!r}")
-        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})")
+        hi, lo = self.high_freq_factor, self.low_freq_factor
+        if self.kind == "llama3" and hi is not None and lo is not None and not hi > lo:  # both checked above
+            _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({hi} <= {lo})")
 
     @classmethod
     def from_dict(cls, data: Any, source: str) -> RopeScaling:
@@ -82,7 +83,7 @@ class RopeScaling:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: field 'rope_scaling': unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        values = {k: float(v) if k in ("factor", "low_freq_factor", "high_freq_factor") and isinstance(v, int)
+        values: dict[str, Any] = {k: float(v) if k in ("factor", "low_freq_factor", "high_freq_factor") and isinstance(v, int)
                   and not isinstance(v, bool) else v for k, v in data.items()}
         try:
             return cls(**values)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +124,7 @@ class KVPools:
 
 
 @functools.cache
-def _allocator(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> callable:
+def _allocator(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> Callable[[], jax.Array]:
     # One jitted zeros per (shape, dtype, sharding): the array is born with its final
     # sharding. Host arrays go through an explicit device_put inside the jit: an array whose
     # memory kind comes only from `out_shardings` gets an aval without the host memory space

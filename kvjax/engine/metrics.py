@@ -163,7 +163,7 @@ def _fmt(value: Any, fmt: str) -> str:
 
 def format_table(columns: Sequence[tuple[str, dict[str, Any]]], extra_rows: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
     """A plain-text table: one row per metric, one column per (label, summary)."""
-    rows = [("", [label for label, _ in columns])]
+    rows: list[tuple[str, Sequence[str]]] = [("", [label for label, _ in columns])]
     for key, name, fmt in _ROWS:
         rows.append((name, [_fmt(s.get(key), fmt) for _, s in columns]))
     rows.extend(extra_rows)

@@ -224,7 +224,9 @@ class CapacityScheduler:
         slots = cfg.max_batch_size - len(running)
         tokens_left = cfg.max_num_tokens - len(out.generation) - sum(r.context_remaining for r in out.context)
         # (tokens, lora id, cache salt) of prompts whose prefill has not been stored yet
-        in_prefill = [(r.context, r.item.lora_task_id, r.item.cache_salt) for r in out.context]
+        in_prefill: list[tuple[Sequence[int], int | None, str | None]] = [
+            (r.context, r.item.lora_task_id, r.item.cache_salt) for r in out.context
+        ]
         for r in waiting:
             if slots <= 0 or tokens_left <= 0:
                 break
@@ -242,7 +244,7 @@ class CapacityScheduler:
             tokens_left -= len(prompt) - min(summary.total_matched_tokens, len(prompt) - 1)
             in_prefill.append((prompt, *key))
 
-    def _should_defer(self, prompt: list[int], key: tuple, cached_blocks: int, in_prefill: list[tuple]) -> bool:
+    def _should_defer(self, prompt: Sequence[int], key: tuple, cached_blocks: int, in_prefill: list[tuple]) -> bool:
         """True if a prompt still in prefill (same LoRA id and salt) will give this one more
         full blocks than the cache holds now."""
         tpb = self.tpb

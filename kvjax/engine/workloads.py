@@ -182,11 +182,13 @@ class Workload(abc.ABC):
     def _items(self, rng: np.random.Generator, vocab_size: int) -> list[WorkItem]:
         """The kind's request trace."""
 
-    def _prefix_items(self, rng, vocab_size, prefixes, prefix_tokens, count, suffix_tokens, id_format) -> list[WorkItem]:
-        """`count` one-shot requests, each one of `prefixes` shared prefixes (picked with this
-        workload's Zipf exponent; retained at its priority) followed by a fresh suffix."""
+    def _prefix_items(
+        self, rng, vocab_size, zipf: float, prefixes, prefix_tokens, count, suffix_tokens, id_format
+    ) -> list[WorkItem]:
+        """`count` one-shot requests, each one of `prefixes` shared prefixes (picked with
+        Zipf exponent `zipf`; retained at this workload's priority) followed by a fresh suffix."""
         shared = [self._tokens(rng, self._draw(rng, prefix_tokens), vocab_size) for _ in range(prefixes)]
-        picks = _zipf(rng, prefixes, self.zipf, count)
+        picks = _zipf(rng, prefixes, zipf, count)
         items = []
         for i, p in enumerate(picks):
             prefix = shared[p]
@@ -207,8 +209,7 @@ class Workload(abc.ABC):
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
 
-def _check_zipf(workload: Workload) -> None:
-    z = workload.zipf
+def _check_zipf(workload: Workload, z: object) -> None:
     if isinstance(z, bool) or not isinstance(z, (int, float)) or z < 0:
         raise ValueError(f"workload {workload.name!r}: zipf must be a number >= 0, got {z!r}")
 
@@ -282,11 +283,18 @@ class SharedSystemPromptWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_zipf(self)
+        _check_zipf(self, self.zipf)
 
     def _items(self, rng, vocab_size):
         return self._prefix_items(
-            rng, vocab_size, self.system_prompts, self.system_prompt_tokens, self.requests, self.user_tokens, "r{i}-sys{p}"
+            rng,
+            vocab_size,
+            self.zipf,
+            self.system_prompts,
+            self.system_prompt_tokens,
+            self.requests,
+            self.user_tokens,
+            "r{i}-sys{p}",
         )
 
 
@@ -348,11 +356,11 @@ class LongDocQAWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_zipf(self)
+        _check_zipf(self, self.zipf)
 
     def _items(self, rng, vocab_size):
         return self._prefix_items(
-            rng, vocab_size, self.documents, self.document_tokens, self.questions, self.question_tokens, "q{i}-doc{p}"
+            rng, vocab_size, self.zipf, self.documents, self.document_tokens, self.questions, self.question_tokens, "q{i}-doc{p}"
         )
 
 

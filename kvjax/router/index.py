@@ -103,7 +103,7 @@ class PrefixIndex:
         elif isinstance(ev, BlockRemoved):
             group = ev.group_idx or 0
             bit = self._bit(ev.medium)
-            held = self._held.get(replica)
+            held = self._held.get(replica, set())
             for h in hashes:
                 key = (group, h)
                 where = self._where.get(key)
