@@ -318,8 +318,8 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec, checkpoint = servable_model(args.model or wf.model or "tiny")
-    checkpoint = None if checkpoint is None else str(checkpoint)
+    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny")
+    checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
                       ("tokens_per_block", "tokens_per_block"), ("max_seq_len", "max_seq_len")):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvjax.engine.core import EngineBusyError
 from kvjax.engine.llm_engine import LLMEngine
@@ -36,7 +36,7 @@ def load_model(model: Any, *, seed: int = 0, dtype: Any = None, mesh: Any = None
         return model, None
     from kvjax.model_spec import servable_model
 
-    spec, path = servable_model(model)
+    spec, path = servable_model(os.fspath(model))
     if path is not None:
         from kvjax.models import from_pretrained
 
@@ -50,7 +50,7 @@ def _resolve_tokenizer(tokenizer) -> Tokenizer | None:
     if tokenizer is None or isinstance(tokenizer, Tokenizer):
         return tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
-        return Tokenizer.from_pretrained(tokenizer)
+        return Tokenizer.from_pretrained(os.fspath(tokenizer))
     raise TypeError(f"tokenizer must be a kvjax.Tokenizer or a directory, got {type(tokenizer).__name__}")
 
 
@@ -104,10 +104,12 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer")
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        items = []
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = cast(list[Sequence[Mapping[str, Any]]], [messages] if one else list(messages))
+        items: list[tuple[str | None, list[int]]] = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            assert isinstance(text, str)  # tokenize=False renders text
             items.append((text, tok.encode(text, add_special_tokens=False)))
         params = self._params_list(sampling_params, len(items))
         return self._run(items, params, use_tqdm)

@@ -283,7 +283,7 @@ class ModelSpec:
             config = dataclasses.replace(config, primary_blocks=config.max_blocks_per_seq)
         return config
 
-    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int]:
+    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int | float]:
         """Window -> KV bytes per token (see `kvjax.capacity.cache_size_per_token`)."""
         from kvjax.capacity import cache_size_per_token
 

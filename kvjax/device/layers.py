@@ -64,7 +64,7 @@ def resolve(
     spec = geometry.pools[pool]
     table = np.full((n,), spec.num_layers, np.int32)  # [layers]: index inside `spec`, or "absent"
     table[list(spec.layers)] = np.arange(spec.num_layers, dtype=np.int32)
-    layer = layer.astype(jnp.int32)
-    inside = (layer >= 0) & (layer < n)
-    j = jnp.where(inside, jnp.asarray(table)[jnp.clip(layer, 0, n - 1)], spec.num_layers)
-    return spec, j.astype(jnp.int32)
+    traced = layer.astype(jnp.int32)
+    inside = (traced >= 0) & (traced < n)
+    inner = jnp.where(inside, jnp.asarray(table)[jnp.clip(traced, 0, n - 1)], spec.num_layers)
+    return spec, inner.astype(jnp.int32)

@@ -147,12 +147,16 @@ def allocate_pools(config: CacheConfig | PoolGeometry, sharding=None) -> KVPools
     geometry = PoolGeometry.from_config(config)
     mesh, axes, device = shd.resolve_placement(sharding)
     if mesh is not None:
+        assert axes is not None  # resolve_placement names the kv axes with every mesh
         n = shd.axis_size(mesh, axes)
         for pool in geometry.pools:
             if pool.num_kv_heads % n:
                 raise ValueError(f"pool {pool.index}: {pool.num_kv_heads=} is not divisible by the kv mesh size {n} ({axes=})")
     dtype = geometry.storage_dtype
-    prim, sec, prim_s, sec_s = [], [], [], []
+    prim: list[jax.Array] = []
+    sec: list[jax.Array | None] = []
+    prim_s: list[jax.Array | None] = []
+    sec_s: list[jax.Array | None] = []
     for pool in geometry.pools:
         s_dev = shd.pool_sharding(mesh, axes, device, "device")
         prim.append(_allocator(geometry.pool_shape(pool, pool.num_slots), dtype, s_dev)())

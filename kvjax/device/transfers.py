@@ -147,7 +147,7 @@ def split_segments(config, plan: TransferPlan) -> list[Segment]:
         runs.append(cur)
     segs = []
     for run in runs:
-        by = {kk: [[] for _ in range(npools)] for kk in TransferKind}
+        by: dict[TransferKind, list[list[tuple[int, int, int]]]] = {kk: [[] for _ in range(npools)] for kk in TransferKind}
         for k, p, s, d, n in run:
             by[TransferKind(k)][p].append((s, d, n))
         out = {}
@@ -160,9 +160,9 @@ def split_segments(config, plan: TransferPlan) -> list[Segment]:
             src = np.zeros((npools, width), np.int32)
             dst = np.empty((npools, width), np.int32)
             num = np.full((npools, width), tpb, np.int32)
-            for p, r in enumerate(rows):
+            for p, entries in enumerate(rows):
                 dst[p] = fill_dst[p]  # out of range: the scatter drops padding entries
-                for i, (s, d, n) in enumerate(r):
+                for i, (s, d, n) in enumerate(entries):
                     src[p, i], dst[p, i], num[p, i] = s, d, n
             out[kk] = (src, dst, num)
         partial = bool((out[TransferKind.ONBOARD][2] < tpb).any() or (out[TransferKind.COPY][2] < tpb).any())
@@ -355,9 +355,10 @@ def resolve_strategy(strategy: str, impl: str) -> str:
 
 
 # ------------------------------------------------------------------------- sequential
-def split_runs(config, plan: TransferPlan) -> list[tuple[int, int, np.ndarray]]:
+def split_runs(config, plan: TransferPlan) -> list[tuple[int, int, np.ndarray, int]]:
     """Per pool (pools never share memory, so their entries commute), runs of consecutive
-    same-kind entries: `(pool, kind, [3, bucket] int32 src/dst/num_tokens)`, entry order kept."""
+    same-kind entries: `(pool, kind, [3, bucket] int32 src/dst/num_tokens, live entries)`, entry
+    order kept."""
     out = []
     tpb = config.tokens_per_block
     for p in range(len(config.pools)):

@@ -268,6 +268,7 @@ class EngineCore:
         # 2. the pending token of every scheduled generating request enters the ledger
         decode: list[LiveRequest] = []
         for r in sched.generation:
+            assert r.pending is not None  # a scheduled generating request holds its sampled token
             try:
                 led.add_token(r.request_id, r.pending)
             except OutOfBlocksError:  # the scheduler's accounting let this through: recover
@@ -310,7 +311,7 @@ class EngineCore:
             for r, t, c, m in zip(decode, toks, chosen, margins, strict=True):
                 led.store_new_block(r.request_id)
                 outputs.append(self._emit(r, int(t), float(c), float(m)))
-        sampled = []
+        sampled: list[tuple] = []
         group = self.cfg.buckets.prefill_rows
         for g in range(0, len(prefill), group):
             part = prefill[g : g + group]
@@ -344,6 +345,7 @@ class EngineCore:
         """Fold this step's ledger decisions into the rank digest and compare it across ranks
         at the configured interval (`RankDivergenceError` if they differ)."""
         d, led = self.rank_digest, self.ledger
+        assert d is not None  # only called on multi-process ranks, which keep a digest
         d.update(
             self.step_index, len(self.waiting), len(self.running),
             [r.request_id for r in paused],
@@ -517,6 +519,7 @@ class EngineCore:
         it = self.ledger.iteration_stats()
         st = self.ledger.stats()
         c = self.counters
+        assert self.steps is not None  # only called with record_steps
         self.steps.append(
             StepRecord(
                 step=self.step_index,

@@ -128,6 +128,7 @@ class _Replay:
                 self.progress(finished)
         wall = core.clock.now()
         self._final_checks()
+        assert core.steps is not None  # a run's core always records its steps
         metrics = RunMetrics(
             label=self.label,
             requests=[_record(r) for r in sorted(self.done, key=lambda r: r.request_id)],
@@ -180,7 +181,7 @@ class _Replay:
 def _record(r: LiveRequest) -> RequestRecord:
     ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
     tpot = None
-    if r.first_token_time is not None and len(r.output) > 1:
+    if r.first_token_time is not None and r.finish_time is not None and len(r.output) > 1:
         tpot = (r.finish_time - r.first_token_time) / (len(r.output) - 1)
     return RequestRecord(
         request_id=r.request_id,

@@ -183,7 +183,9 @@ class LLMEngine:
                 if out.finished:  # stopped by length in the same step: the stop string says why
                     r.finish_reason, r.stop_reason = "stop", hit
                 else:
-                    out = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+                    stopped = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+                    assert stopped is not None  # the request was running this step
+                    out = stopped
             results.append(self._output(out))
         return results
 

@@ -174,6 +174,7 @@ class KVEventSubscriber:
         if dealer is None:
             dealer = self._dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            assert self.replay_endpoint is not None  # replay is only asked for when there is an endpoint
             dealer.connect(self.replay_endpoint)
         dealer.send_multipart((b"", seq_bytes(start)))
         deadline = time.monotonic() + self.replay_timeout_s

@@ -178,7 +178,7 @@ def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = 
         if sharding is None:
             _set(var, jax.device_put(host))
         else:
-            _set(var, jax.make_array_from_callback(host.shape, sharding, lambda index, a=host: a[index]))
+            _set(var, jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
         del host, stored  # this tensor's file mapping and host copy go before the next one
     return model
 
