@@ -111,6 +111,15 @@ def _stored(hashes):
     return KVEventBatch(0.0, [BlockStored(hashes, None, [0] * 4 * len(hashes), 4, None, "GPU")])
 
 
+def test_router_routes_before_it_knows_the_block_size():
+    """A front that learns tokens_per_block from the replicas may route first: no prompt is
+    hashed, every replica matches nothing, and the load still counts."""
+    router = Router(["a", "b"], KVAwarePolicy(), tokens_per_block=None)
+    decision = router.route([1, 2, 3, 4, 5])
+    assert decision.num_hashes == 0 and decision.match.blocks == 0
+    assert router.loads[decision.replica] == 1
+
+
 def test_events_and_router_never_import_jax():
     """A router front or an event consumer must not pay for JAX (the simulation does: it
     drives the engine's scheduler)."""
