@@ -1,6 +1,6 @@
 # Two entry points, each doing all set-up on a fresh machine:
 #   make demo   create .venv (python3.12), install kvjax, run the main job
-#   make test   same set-up, then the whole test suite on the CPU
+#   make test   same set-up, then `make lint` (ruff + mypy, fail fast), then the whole test suite on the CPU
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/b
 	if "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then echo "$$c"; break; fi; done)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench-ledger bench-device clean
+.PHONY: venv demo lint test bench-ledger bench-device clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "python3.12 not found (jax>=0.11 needs Python 3.12)"; exit 1; }
@@ -23,7 +23,12 @@ venv: $(VENV)/.installed
 demo: venv
 	JAX_PLATFORMS=cpu $(VENV)/bin/kvjax demo
 
-test: venv
+# ruff and mypy are configured in pyproject.toml
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: lint
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
 
 bench-ledger: venv

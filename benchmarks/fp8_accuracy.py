@@ -64,7 +64,9 @@ def greedy_paged(model, cache_dtype: str, prompts, max_new: int, *, tokens_per_b
     while any(len(o) < max_new for o in out):
         feed = []
         for r in range(n):
-            take = 0 if len(out[r]) >= max_new else len(pending[r]) if prefill_chunk is None else min(prefill_chunk, len(pending[r]))
+            take = (
+                0 if len(out[r]) >= max_new else len(pending[r]) if prefill_chunk is None else min(prefill_chunk, len(pending[r]))
+            )
             feed.append(pending[r][:take])
             pending[r] = pending[r][take:]
         chunk = np.array([len(f) for f in feed], np.int32)
@@ -85,16 +87,16 @@ def greedy_paged(model, cache_dtype: str, prompts, max_new: int, *, tokens_per_b
 
 
 def token_agreement(a, b) -> dict:
-    exact = float(np.mean([x == y for x, y in zip(a, b)]))
+    exact = float(np.mean([x == y for x, y in zip(a, b, strict=True)]))
     prefix = []
-    for x, y in zip(a, b):
-        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+    for x, y in zip(a, b, strict=True):
+        same = next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
         prefix.append(same / len(x))
     return {"exact": exact, "prefix": float(np.mean(prefix))}
 
 
 def forced_agreement(pred, ref) -> float:
-    return float(np.mean([p == r for ps, rs in zip(pred, ref) for p, r in zip(ps, rs)]))
+    return float(np.mean([p == r for ps, rs in zip(pred, ref, strict=True) for p, r in zip(ps, rs, strict=True)]))
 
 
 def attention_error(seed: int = 0, *, batch: int = 8, blocks: int = 16, tpb: int = 16, kv_heads: int = 2, heads: int = 8,

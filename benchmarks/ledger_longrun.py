@@ -116,12 +116,19 @@ def families(tpb: int) -> list[Family]:
         Family("tight-offload", {**base, "primary_blocks": 9, "secondary_blocks": 6}),
         Family("two-pools", {**base, "num_layers": 2, "num_kv_heads": (1, 2), "primary_blocks": 12, "secondary_blocks": 3}),
         Family("no-copy", {**base, "primary_blocks": 12, "secondary_blocks": 2, "copy_on_partial_reuse": False}),
-        Family("low-offload-priority", {**base, "primary_blocks": 12, "secondary_blocks": 4, "secondary_offload_min_priority": 50}),
+        Family(
+            "low-offload-priority", {**base, "primary_blocks": 12, "secondary_blocks": 4, "secondary_offload_min_priority": 50}
+        ),
         Family("swa", {**base, "primary_blocks": 14, "secondary_blocks": 3, "attention_windows": (2 * tpb + 1,)}),
         Family(
             "vswa",
-            {**base, "num_layers": 2, "attention_windows": (L, 3 * tpb - 1), "primary_blocks": {L: 16, 3 * tpb - 1: 12},
-             "secondary_blocks": 2},
+            {
+                **base,
+                "num_layers": 2,
+                "attention_windows": (L, 3 * tpb - 1),
+                "primary_blocks": {L: 16, 3 * tpb - 1: 12},
+                "secondary_blocks": 2,
+            },
         ),
     ]
 
@@ -129,7 +136,7 @@ def families(tpb: int) -> list[Family]:
 class Episode:
     """One manager, one configuration, a few thousand operations."""
 
-    def __init__(self, run: "LongRun", family: Family, seed: int, long_retention: bool = False) -> None:
+    def __init__(self, run: LongRun, family: Family, seed: int, long_retention: bool = False) -> None:
         self.run = run
         self.long_retention = long_retention  # every request retained for an hour (memory run)
         self.rng = random.Random(seed)
@@ -173,7 +180,11 @@ class Episode:
         ops = [tuple(op) for op in plan]
         failed: set[int] = set()
         if ops and self.rng.random() < self.run.fail_rate:
-            failed = set(range(len(ops))) if self.rng.random() < 0.4 else set(self.rng.sample(range(len(ops)), self.rng.randrange(1, len(ops) + 1)))
+            failed = (
+                set(range(len(ops)))
+                if self.rng.random() < 0.4
+                else set(self.rng.sample(range(len(ops)), self.rng.randrange(1, len(ops) + 1)))
+            )
             self.run.failures += 1
             if extra_calls is not None:  # more ledger calls before the report: their ops read what was lost
                 extra_calls()
@@ -238,7 +249,10 @@ class Episode:
                 for i in range(lo, last_q + 1):
                     slot = int(table[b, i // tpb])
                     if slot == self.null[w]:
-                        raise Violation(f"{what}: request {info.rid} window {w} beam {b}: position {i} is a placeholder inside query {first_q}'s window")
+                        raise Violation(
+                            f"{what}: request {info.rid} window {w} beam {b}: position {i} is a placeholder "
+                            f"inside query {first_q}'s window"
+                        )
                     got = self.model.primary[pools[0]][slot][i % tpb]
                     if got != info.tags[b][i] or any(self.model.primary[p][slot][i % tpb] != got for p in pools[1:]):
                         raise Violation(f"{what}: request {info.rid} window {w} beam {b} position {i} holds {got!r}")
@@ -363,9 +377,11 @@ class Episode:
                 prepop = self.call("add_sequences", reqs)
         except OutOfBlocksError:
             if fits:
-                raise Violation(f"needed_blocks_one_step said request {reqs[0].request_id} fits; admission ran out of blocks") from None
+                raise Violation(
+                    f"needed_blocks_one_step said request {reqs[0].request_id} fits; admission ran out of blocks"
+                ) from None
             return
-        for (req, info), p in zip(pairs, prepop):
+        for (req, info), p in zip(pairs, prepop, strict=True):
             if not 0 <= p <= max(len(req.prompt) - 1, 0):
                 raise Violation(f"prepopulated {p} of a {len(req.prompt)}-token prompt")
             self.live[req.request_id] = info
@@ -375,7 +391,7 @@ class Episode:
         if self.rng.random() < 0.2:
             extra = lambda: self.admit_quiet()  # noqa: E731
         self.step(extra)
-        for (req, info), p in zip(pairs, prepop):
+        for (req, info), p in zip(pairs, prepop, strict=True):
             if req.request_id not in self.live:
                 continue  # readmitted after a failed transfer
             p = info.computed
@@ -518,7 +534,9 @@ class Episode:
     def own_ids(self, info: Live):
         out = {}
         for w in self.config.windows:
-            out[w] = sorted({b for row in self.call("block_ids", info.rid, self.win(w)) for b in row if b != PLACEHOLDER_BLOCK_ID})
+            out[w] = sorted(
+                {b for row in self.call("block_ids", info.rid, self.win(w)) for b in row if b != PLACEHOLDER_BLOCK_ID}
+            )
         return out if self.multi else out[self.config.windows[0]]
 
     def remove(self) -> None:

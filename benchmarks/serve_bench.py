@@ -162,9 +162,11 @@ COLUMNS = [("config", "config", "{}"), ("requests", "reqs", "{:d}"), ("ttft_p50_
 
 
 def table(rows: list[dict]) -> str:
-    cells = [[name for _, name, _ in COLUMNS]] + [[fmt.format(r[k]) if r[k] is not None else "-" for k, _, fmt in COLUMNS] for r in rows]
+    cells = [[name for _, name, _ in COLUMNS]] + [
+        [fmt.format(r[k]) if r[k] is not None else "-" for k, _, fmt in COLUMNS] for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 
@@ -176,7 +178,7 @@ def plot(path: Path, rows: list[dict], raws: list[dict], title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for row, raw in zip(rows, raws):
+    for row, raw in zip(rows, raws, strict=True):
         t = np.sort(raw["ttft"])
         axes[0].plot(t, np.arange(1, len(t) + 1) / len(t), label=row["config"])
     axes[0].set_xlabel("TTFT (s)")

@@ -65,31 +65,28 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 
-__all__ = sorted(
-    {
-        "CacheConfig",
-        "PoolSpec",
-        "Request",
-        "MultimodalItem",
-        "RetentionConfig",
-        "TokenRangeRetention",
-        "TransferKind",
-        "TransferOp",
-        "TransferPlan",
-        "KVCacheError",
-        "OutOfBlocksError",
-        "UnknownRequestError",
-        "DuplicateRequestError",
-        "InvalidRequestError",
-        "InvalidArgumentError",
-        "UnknownBlockError",
-        "SchedulingStateError",
-        "IntegrityError",
-        "ArgumentTypeError",
-        "TransferError",
-        "TransferSequenceError",
-    }
-    | _LEDGER_NAMES
-    | _DEVICE_NAMES
-    | set(_SERVING_NAMES)
-)
+# the eager names as a literal list (so linters see them re-exported), then the lazy ones
+__all__ = [
+    "ArgumentTypeError",
+    "CacheConfig",
+    "DuplicateRequestError",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "InvalidRequestError",
+    "KVCacheError",
+    "MultimodalItem",
+    "OutOfBlocksError",
+    "PoolSpec",
+    "Request",
+    "RetentionConfig",
+    "SchedulingStateError",
+    "TokenRangeRetention",
+    "TransferError",
+    "TransferKind",
+    "TransferOp",
+    "TransferPlan",
+    "TransferSequenceError",
+    "UnknownBlockError",
+    "UnknownRequestError",
+]
+__all__ += sorted(_LEDGER_NAMES | _DEVICE_NAMES | set(_SERVING_NAMES))

@@ -95,12 +95,12 @@ def _exact(x: float) -> int | float:
 
 
 def cache_size_per_token(
-    model: CacheConfig | "ModelSpec",
+    model: CacheConfig | ModelSpec,
     *,
     dtype: str | None = None,
     max_seq_len: int | None = None,
     cache_type: str | None = None,
-) -> dict[int, int]:
+) -> dict[int, int | float]:
     """Window -> bytes of KV one token occupies over that window's layers.
 
     `kv_factor * sum over the window's layers of kv_heads * head_dim * dtype_bytes` (TensorRT-LLM
@@ -114,7 +114,7 @@ def cache_size_per_token(
 
 
 def kv_scale_bytes_per_token(
-    model: CacheConfig | "ModelSpec",
+    model: CacheConfig | ModelSpec,
     *,
     dtype: str | None = None,
     tokens_per_block: int | None = None,
@@ -291,7 +291,7 @@ def max_batch_size(config: CacheConfig, input_len: int, output_len: int, beam_wi
 
 # --------------------------------------------------------------------------- from memory
 def cache_config_from_memory(
-    model_spec: "ModelSpec | CacheConfig",
+    model_spec: ModelSpec | CacheConfig,
     primary_bytes: int | float,
     secondary_bytes: int | float = 0,
     *,
@@ -348,7 +348,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_ACTIVATION_TOKENS = 8192  # tokens per forward step the activation reserve is sized for
 
 
-def weight_bytes(model_spec: "ModelSpec", dtype: str | None = None) -> int:
+def weight_bytes(model_spec: ModelSpec, dtype: str | None = None) -> int:
     """Bytes of the model's parameters in `dtype` (default: the spec's), from its parameter count."""
     from kvjax.config import DTYPE_BYTES
 
@@ -358,7 +358,7 @@ def weight_bytes(model_spec: "ModelSpec", dtype: str | None = None) -> int:
     return int(model_spec.num_parameters * DTYPE_BYTES[dtype])
 
 
-def activation_reserve_bytes(model_spec: "ModelSpec", max_num_tokens: int = DEFAULT_ACTIVATION_TOKENS,
+def activation_reserve_bytes(model_spec: ModelSpec, max_num_tokens: int = DEFAULT_ACTIVATION_TOKENS,
                              dtype: str | None = None) -> int:
     """An estimate of the peak activation memory of one forward step of `max_num_tokens` tokens.
 

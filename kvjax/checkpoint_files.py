@@ -15,6 +15,7 @@ Pure numpy (no JAX): `kvjax capacity` sizes weights from the headers alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import struct
@@ -114,7 +115,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{file}: truncated: tensor {name!r} needs bytes up to {base + end} but the file has {size}")
         out[name] = TensorInfo(name, dtype, shape, file, base + start, base + end)
     spans = sorted((t.start, t.end, t.name) for t in out.values() if t.nbytes)
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+    for (_, end_a, a), (start_b, _, b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise CheckpointError(f"{file}: tensors {a!r} and {b!r} overlap")
     return out
@@ -170,9 +171,9 @@ class CheckpointTensors:
         index = self.directory / INDEX_FILE
         if index.is_file():
             for name, file in _weight_map(index).items():
-                info = self.tensors.get(name)
-                if info is None or info.file.name != file:
-                    where = "missing from every shard" if info is None else f"in {info.file.name}"
+                found = self.tensors.get(name)
+                if found is None or found.file.name != file:
+                    where = "missing from every shard" if found is None else f"in {found.file.name}"
                     raise CheckpointError(f"{index}: lists tensor {name!r} in {file} but it is {where}")
 
     def __contains__(self, name: str) -> bool:

@@ -96,11 +96,17 @@ def _fail(message: str) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvjax", description="kvjax: a paged KV-cache manager for LLM inference in JAX.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,serve,router,route-sim}")
+    sub = p.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,serve,router,route-sim}"
+    )
 
     def serving_flags(sp, workload_default: str | None):
-        sp.add_argument("--workload", default=workload_default, required=workload_default is None,
-                        help="workload file or name in configs/workloads/" + (f" (default {workload_default})" if workload_default else ""))
+        sp.add_argument(
+            "--workload",
+            default=workload_default,
+            required=workload_default is None,
+            help="workload file or name in configs/workloads/" + (f" (default {workload_default})" if workload_default else ""),
+        )
         sp.add_argument("--model", help="a Hugging Face checkpoint directory, or a random-weight model name / TOML "
                                         "(configs/models/; default: the workload's, else tiny)")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -115,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--max-batch-size", type=_positive_int)
         sp.add_argument("--max-num-tokens", type=_positive_int, help="token budget per step (prefill chunk size)")
         sp.add_argument("--no-partial-reuse", action="store_true")
-        sp.add_argument("--seed", type=int, default=0, help="weights seed of a random-weight model (a checkpoint has its own weights)")
+        sp.add_argument(
+            "--seed", type=int, default=0, help="weights seed of a random-weight model (a checkpoint has its own weights)"
+        )
         sp.add_argument("--out", default="results", help="directory for the JSON and PNG (default results/)")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -234,7 +242,10 @@ def cmd_capacity(args) -> int:
     per_token = config.cache_size_per_token
     shares = C.window_size_shares(config.window_to_layers, per_token)
     gib = 2**30
-    print(f"model            {spec.name}  ({config.num_layers} layers, kv heads {config.num_kv_heads}, head dim {config.head_dim}, {config.dtype})")
+    print(
+        f"model            {spec.name}  ({config.num_layers} layers, kv heads {config.num_kv_heads}, "
+        f"head dim {config.head_dim}, {config.dtype})"
+    )
     scale_bytes = sum(config.kv_scale_bytes_per_token.values())
     scales = f"; {_int(scale_bytes)} of them FP8 block scales" if scale_bytes else ""
     print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V{scales})")
@@ -244,16 +255,25 @@ def cmd_capacity(args) -> int:
           f"({_gib(primary)})")
     print(f"secondary budget {args.host_memory} bytes ({args.host_memory / gib:.2f} GiB)")
     print(f"tokens/block     {tpb}")
-    header = ("window", "layers", "bytes/token", "share", "primary blocks", "primary tokens", "secondary blocks", "secondary tokens")
+    header = (
+        "window",
+        "layers",
+        "bytes/token",
+        "share",
+        "primary blocks",
+        "primary tokens",
+        "secondary blocks",
+        "secondary tokens",
+    )
     rows = []
     for w in config.windows:
         pb, sb = config.primary_blocks_for(w), config.secondary_blocks_for(w)
         rows.append((str(w), str(len(config.window_to_layers[w])), str(_int(per_token[w])), f"{shares[w]:.2%}",
                      str(pb), str(pb * tpb), str(sb), str(sb * tpb)))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(wd) for h, wd in zip(header, widths)))
+    print("  ".join(h.rjust(wd) for h, wd in zip(header, widths, strict=True)))
     for r in rows:
-        print("  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
+        print("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
     if args.input_len + args.output_len > 0:
         batch = C.max_batch_size(config, args.input_len, args.output_len, args.beam_width)
         print(f"max batch        {batch} requests of {args.input_len} input + {args.output_len} output tokens"
@@ -305,8 +325,8 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec, checkpoint = servable_model(args.model or wf.model or "tiny")
-    checkpoint = None if checkpoint is None else str(checkpoint)
+    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny")
+    checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
                       ("tokens_per_block", "tokens_per_block"), ("max_seq_len", "max_seq_len"),
@@ -416,7 +436,11 @@ def cmd_demo(args) -> int:
 
 def cmd_run(args) -> int:
     setup = _setup(args, demo=False)
-    runs = [("reuse on", True), ("reuse off", False)] if args.compare else [("reuse off" if args.no_reuse else "reuse on", not args.no_reuse)]
+    runs = (
+        [("reuse on", True), ("reuse off", False)]
+        if args.compare
+        else [("reuse off" if args.no_reuse else "reuse on", not args.no_reuse)]
+    )
     results = _serve(setup, args, runs)
     identical = _report(setup, args, results, f"run-{setup.name}")
     return 0 if identical else 1
@@ -426,7 +450,9 @@ def cmd_run(args) -> int:
 def _route_sim_parser(sub) -> None:
     s = sub.add_parser("route-sim", help="compare routing policies on a workload over simulated replicas")
     s.add_argument("--replicas", type=_positive_int, default=4, help="replicas (default 4)")
-    s.add_argument("--workload", required=True, help="workload file or name in configs/workloads/ ([cache] and [engine] size one replica)")
+    s.add_argument(
+        "--workload", required=True, help="workload file or name in configs/workloads/ ([cache] and [engine] size one replica)"
+    )
     s.add_argument("--policies", default="kv-aware,round-robin,least-loaded", help="comma-separated routing policies")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a [workload] field")
     s.add_argument("--primary-blocks", type=_positive_int, help="primary blocks per replica")

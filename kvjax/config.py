@@ -67,7 +67,7 @@ class PoolSpec:
         return self.primary_blocks + 1
 
 
-def _per_layer(name: str, value: int | tuple[int, ...] | list[int], num_layers: int) -> tuple[int, ...]:
+def _per_layer(name: str, value: int | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
     if is_int(value):
         values = (int(value),) * num_layers
     elif isinstance(value, tuple):
@@ -143,14 +143,15 @@ class CacheConfig:
         if not windows:
             raise err("attention_windows must not be empty")
         windows = tuple(check_int("attention_windows entry", w, 1) for w in windows)
-        set_("attention_windows", tuple(min(w, self.max_seq_len) for w in windows))
+        windows = tuple(min(w, self.max_seq_len) for w in windows)
+        set_("attention_windows", windows)
         if not isinstance(self.cache_type, str) or self.cache_type not in ("self", "cross", "self_k_only"):
             raise err(f"cache_type must be 'self', 'cross' or 'self_k_only', got {self.cache_type!r}")
-        if self.cache_type == "cross" and len(set(self.attention_windows)) != 1:
+        if self.cache_type == "cross" and len(set(windows)) != 1:
             raise err("a cross-attention cache has exactly one attention window")
         if not isinstance(self.layout, str) or self.layout not in ("block_first", "layer_first"):
             raise err(f"layout must be 'block_first' or 'layer_first', got {self.layout!r}")
-        distinct = sorted(set(self.attention_windows))
+        distinct = sorted(set(windows))
         for name in ("primary_blocks", "secondary_blocks"):
             value = getattr(self, name)
             # slots are int32 and a pool holds one null slot after the primary blocks
@@ -170,7 +171,10 @@ class CacheConfig:
                 set_(name, value)
             else:
                 set_(name, check_int(name, value, minimum, maximum))
-        set_("secondary_offload_min_priority", check_int("secondary_offload_min_priority", self.secondary_offload_min_priority, MIN_PRIORITY, MAX_PRIORITY + 1))
+        set_(
+            "secondary_offload_min_priority",
+            check_int("secondary_offload_min_priority", self.secondary_offload_min_priority, MIN_PRIORITY, MAX_PRIORITY + 1),
+        )
         set_("sink_token_length", check_int("sink_token_length", self.sink_token_length))
         set_("event_buffer_max_size", check_int("event_buffer_max_size", self.event_buffer_max_size))
         set_("max_num_tokens", check_opt_int("max_num_tokens", self.max_num_tokens, 1))
@@ -219,6 +223,7 @@ class CacheConfig:
     def layer_windows(self) -> tuple[int, ...]:
         """Attention window of every layer (the per-layer cycle unrolled)."""
         w = self.attention_windows
+        assert w is not None  # __post_init__ always sets the tuple
         return tuple(w[i % len(w)] for i in range(self.num_layers))
 
     @functools.cached_property
@@ -311,7 +316,7 @@ class CacheConfig:
         return math.ceil((self.max_seq_len + self.sink_bubble_length) / self.tokens_per_block)
 
     @classmethod
-    def from_memory(cls, model_spec: Any, primary_bytes: int, secondary_bytes: int = 0, **overrides: Any) -> "CacheConfig":
+    def from_memory(cls, model_spec: Any, primary_bytes: int, secondary_bytes: int = 0, **overrides: Any) -> CacheConfig:
         """Size the pools from byte budgets with TensorRT-LLM's window shares (see `kvjax.capacity`)."""
         from kvjax.capacity import cache_config_from_memory
 

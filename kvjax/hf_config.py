@@ -249,7 +249,12 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
         if legacy is not None:
             raise f.error("rope_scaling", "given together with rope_parameters; refusing an ambiguous config")
         theta, scaling = _rope_dict(f, "rope_parameters", new, default_theta)
-        if f.has("rope_theta") and f.data["rope_theta"] is not None and "rope_theta" in new and float(f.data["rope_theta"]) != theta:
+        if (
+            f.has("rope_theta")
+            and f.data["rope_theta"] is not None
+            and "rope_theta" in new
+            and float(f.data["rope_theta"]) != theta
+        ):
             raise f.error("rope_theta", f"{f.data['rope_theta']} disagrees with rope_parameters' {theta}")
         return theta, scaling
     return _rope_dict(f, "rope_scaling", legacy, default_theta) if legacy is not None else (default_theta, None)
@@ -324,11 +329,11 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
     theta, scaling = _rope(f)
     layers = values["num_layers"]
     if kind == "llama":
-        bias = f.flag("attention_bias", False)
+        qkv_bias = out_bias = f.flag("attention_bias", False)
         f.require("mlp_bias", (False,), False)
         windows = None
     elif kind == "mistral":
-        bias = False
+        qkv_bias = out_bias = False
         window = _sliding(f)
         windows = _windows(["sliding_attention"] * layers, window, values["max_seq_len"])
     else:  # qwen2 / qwen3
@@ -341,17 +346,17 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
         windows = _windows(types, window, values["max_seq_len"])
         if kind == "qwen2":
             f.require("use_mrope", (False,), False)
-            bias = None
+            qkv_bias, out_bias = True, False  # Qwen2 always has q/k/v biases, never an output bias
         else:
-            bias = f.flag("attention_bias", False)
+            qkv_bias = out_bias = f.flag("attention_bias", False)
     return ModelSpec(
         **values,
         attention_windows=windows,
         dtype=_dtype(f, dtype),
         rope_theta=theta,
         rope_scaling=scaling,
-        qkv_bias=True if kind == "qwen2" else bias,
-        out_bias=False if kind == "qwen2" else bias,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
         qk_norm=kind == "qwen3",
         mlp_activation=_activation(f, "hidden_act"),
     )
@@ -379,7 +384,9 @@ def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
         if not isinstance(params, dict) or set(params) - set(_LAYER_TYPES):
             raise f.error("rope_parameters", f"expected a table keyed by {', '.join(_LAYER_TYPES)}, got {params!r}")
         theta, scaling = _rope_dict(f, "rope_parameters", params.get("full_attention"), f.number("rope_theta"))
-        local_theta, local_scaling = _rope_dict(f, "rope_parameters", params.get("sliding_attention"), f.number("rope_local_base_freq"))
+        local_theta, local_scaling = _rope_dict(
+            f, "rope_parameters", params.get("sliding_attention"), f.number("rope_local_base_freq")
+        )
         if local_scaling is not None:
             raise f.error("rope_parameters", "scaled RoPE on the sliding_attention layers is not supported")
     else:
@@ -433,7 +440,8 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
         return spec
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
-            f"{source}: config field 'model_type': {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"{source}: config field 'model_type': {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     f = _Fields(config, source, model_type)
     spec = _gemma3(f, name, source, None) if model_type == "gemma3_text" else _llama_like(f, name, source, None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from kvjax.engine.core import EngineBusyError
 from kvjax.engine.llm_engine import LLMEngine
@@ -36,7 +36,7 @@ def load_model(model: Any, *, seed: int = 0, dtype: Any = None, mesh: Any = None
         return model, None
     from kvjax.model_spec import servable_model
 
-    spec, path = servable_model(model)
+    spec, path = servable_model(os.fspath(model))
     if path is not None:
         from kvjax.models import from_pretrained
 
@@ -50,7 +50,7 @@ def _resolve_tokenizer(tokenizer) -> Tokenizer | None:
     if tokenizer is None or isinstance(tokenizer, Tokenizer):
         return tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
-        return Tokenizer.from_pretrained(tokenizer)
+        return Tokenizer.from_pretrained(os.fspath(tokenizer))
     raise TypeError(f"tokenizer must be a kvjax.Tokenizer or a directory, got {type(tokenizer).__name__}")
 
 
@@ -104,10 +104,12 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer")
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        items = []
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = cast(list[Sequence[Mapping[str, Any]]], [messages] if one else list(messages))
+        items: list[tuple[str | None, list[int]]] = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+            assert isinstance(text, str)  # tokenize=False renders text
             items.append((text, tok.encode(text, add_special_tokens=False)))
         params = self._params_list(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
@@ -125,7 +127,9 @@ class LLM:
     def _prompt_list(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
         eng = self.llm_engine
         if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+            isinstance(prompts, (list, tuple))
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
         ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -156,10 +160,12 @@ class LLM:
             raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n})")
         return params
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         eng = self.llm_engine
         ids = [str(next(self._ids)) for _ in items]
-        for rid, (_, toks), p in zip(ids, items, params):
+        for rid, (_, toks), p in zip(ids, items, params, strict=True):
             eng.check_request(rid, toks, p)  # all or nothing
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -168,7 +174,7 @@ class LLM:
 
             bar = tqdm(total=len(items), desc="generate", unit="req")
         try:
-            for rid, (text, toks), p in zip(ids, items, params):
+            for rid, (text, toks), p in zip(ids, items, params, strict=True):
                 eng.add_request(rid, text if text is not None else toks, p, prompt_token_ids=toks)
             while eng.has_unfinished_requests():
                 for out in eng.step():

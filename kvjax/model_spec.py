@@ -71,18 +71,19 @@ class RopeScaling:
                     _positive_float(src, field, value)
             elif value is not None:
                 _fail(src, field, f"only llama3 scaling takes it, got {value!r} with kind {self.kind!r}")
-        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})")
+        hi, lo = self.high_freq_factor, self.low_freq_factor
+        if self.kind == "llama3" and hi is not None and lo is not None and not hi > lo:  # both checked above
+            _fail(src, "high_freq_factor", f"must exceed low_freq_factor ({hi} <= {lo})")
 
     @classmethod
-    def from_dict(cls, data: Any, source: str) -> "RopeScaling":
+    def from_dict(cls, data: Any, source: str) -> RopeScaling:
         if not isinstance(data, dict):
             raise ValueError(f"{source}: field 'rope_scaling': expected a table, got {data!r}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: field 'rope_scaling': unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        values = {k: float(v) if k in ("factor", "low_freq_factor", "high_freq_factor") and isinstance(v, int)
+        values: dict[str, Any] = {k: float(v) if k in ("factor", "low_freq_factor", "high_freq_factor") and isinstance(v, int)
                   and not isinstance(v, bool) else v for k, v in data.items()}
         try:
             return cls(**values)
@@ -151,7 +152,7 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ModelSpec:
         """Build from a mapping of TOML keys; errors name `source` and the offending field."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a table of model fields, got {type(data).__name__}")
@@ -180,7 +181,7 @@ class ModelSpec:
         return spec
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> "ModelSpec":
+    def from_toml(cls, path: str | Path) -> ModelSpec:
         """Load one model file."""
         path = Path(path)
         try:
@@ -194,7 +195,7 @@ class ModelSpec:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def load(cls, name_or_path: str | Path) -> "ModelSpec":
+    def load(cls, name_or_path: str | Path) -> ModelSpec:
         """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
         checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
         text = str(name_or_path)
@@ -282,7 +283,7 @@ class ModelSpec:
             config = dataclasses.replace(config, primary_blocks=config.max_blocks_per_seq)
         return config
 
-    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int]:
+    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int | float]:
         """Window -> KV bytes per token (see `kvjax.capacity.cache_size_per_token`)."""
         from kvjax.capacity import cache_size_per_token
 

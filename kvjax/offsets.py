@@ -14,13 +14,17 @@ entries (the null slot, or any negative entry) map to the null slot's offset.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvjax.config import CacheConfig, PoolSpec
 
+if TYPE_CHECKING:  # the device-side geometry carries the same layout fields; no JAX at run time
+    from kvjax.device.geometry import PoolGeometry
 
-def chunk_stride(config: CacheConfig, pool: PoolSpec) -> int:
+
+def chunk_stride(config: CacheConfig | PoolGeometry, pool: PoolSpec) -> int:
     """Offset distance between consecutive slots of `pool`."""
     if config.layout == "block_first":
         return pool.num_layers * config.kv_factor

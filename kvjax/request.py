@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Hashable, Sequence
 
 from kvjax.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
@@ -73,7 +74,7 @@ class RetentionConfig:
                 raise InvalidRequestError(f"RetentionConfig.ranges must hold TokenRangeRetention, got {r!r}")
         ranges = tuple(sorted(ranges, key=lambda r: r.start))
         object.__setattr__(self, "ranges", ranges)
-        for prev, cur in zip(ranges, ranges[1:]):
+        for prev, cur in itertools.pairwise(ranges):
             if prev.end is None:
                 raise InvalidRequestError(f"retention range starting at {cur.start} follows an open-ended range")
             if cur.start < prev.end:
@@ -145,7 +146,9 @@ class Request:
             if not isinstance(item, MultimodalItem):
                 raise err(f"mm_items must hold MultimodalItem, got {item!r}")
             if item.start + item.length > len(self.prompt):
-                raise err(f"multimodal item [{item.start}, {item.start + item.length}) exceeds the prompt ({len(self.prompt)} tokens)")
+                raise err(
+                    f"multimodal item [{item.start}, {item.start + item.length}) exceeds the prompt ({len(self.prompt)} tokens)"
+                )
         self.encoder_len = check_opt_int("encoder_len", self.encoder_len, 1, error=err)
         if self.retention is not None and not isinstance(self.retention, RetentionConfig):
             raise err(f"retention must be a RetentionConfig or None, got {self.retention!r}")

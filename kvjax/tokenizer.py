@@ -144,7 +144,7 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "Tokenizer":
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Load a Hugging Face tokenizer directory (see the module docstring for the files)."""
         from tokenizers import Tokenizer as Backend
 
@@ -182,11 +182,16 @@ class Tokenizer:
                    eos_token_ids=eos_ids, name=str(root))
 
     @classmethod
-    def builtin(cls, vocab_size: int) -> "Tokenizer":
+    def builtin(cls, vocab_size: int) -> Tokenizer:
         """The built-in models' byte-level tokenizer with exactly `vocab_size` tokens."""
-        return cls(_builtin_backend(vocab_size), special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"},
-                   additional_special_tokens=BUILTIN_SPECIALS[3:], chat_template=BUILTIN_CHAT_TEMPLATE,
-                   eos_token_ids=[BUILTIN_SPECIALS.index("<|end|>") + 256], name=f"kvjax-bytes-{vocab_size}")
+        return cls(
+            _builtin_backend(vocab_size),
+            special_tokens={"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"},
+            additional_special_tokens=BUILTIN_SPECIALS[3:],
+            chat_template=BUILTIN_CHAT_TEMPLATE,
+            eos_token_ids=[BUILTIN_SPECIALS.index("<|end|>") + 256],
+            name=f"kvjax-bytes-{vocab_size}",
+        )
 
     # ------------------------------------------------------------------ basics
     @property
@@ -233,7 +238,7 @@ class Tokenizer:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A streaming decoder for the tokens generated after `prompt_ids`."""
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
@@ -338,7 +343,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + n)
             n += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def _builtin_merges(count: int) -> list[tuple[str, str]]:

@@ -10,7 +10,8 @@ finite non-negative reals. Flags are `bool` (or `numpy.bool_`). Every check rais
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TypeGuard
 
 import numpy as np
 
@@ -23,7 +24,7 @@ _BOOLS = (bool, np.bool_)
 _REALS = (int, float, np.integer, np.floating)
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int | np.integer]:
     """A Python or numpy integer scalar, not a bool."""
     return isinstance(x, _INTS) and not isinstance(x, _BOOLS)
 
@@ -45,7 +46,9 @@ def check_int(
     return v
 
 
-def check_opt_int(name: str, x: object, lo: int | None = 0, hi: int | None = INT32_MAX, *, error=InvalidArgumentError) -> int | None:
+def check_opt_int(
+    name: str, x: object, lo: int | None = 0, hi: int | None = INT32_MAX, *, error=InvalidArgumentError
+) -> int | None:
     return None if x is None else check_int(name, x, lo, hi, error=error)
 
 
@@ -84,7 +87,7 @@ def check_hashable_id(name: str, x: object, *, error=InvalidRequestError) -> Non
         raise error(f"{name} must be hashable and equal to itself, got {x!r}")
 
 
-def check_id_list(name: str, ids: object, *, error=InvalidArgumentError) -> list:
+def check_id_list(name: str, ids: object, *, error=InvalidArgumentError) -> list | tuple:
     """A collection (a list, tuple, range, set, 1-D array or generator; not a str) as a list
     (a list or tuple is returned as it is)."""
     if type(ids) is list or type(ids) is tuple:

@@ -14,9 +14,7 @@ def on_gpu() -> bool:
 def page_ref(pool_ref, layout: str, slot, layer, field=None):
     """View of one slot of one layer (and field) of a 6-D pool ref: `[F, H, T, D]` or `[H, T, D]`."""
     idx = (slot, layer) if layout == "block_first" else (layer, slot)
-    if field is not None:
-        idx = idx + (field,)
-    return pool_ref.at[idx]
+    return pool_ref.at[idx if field is None else (*idx, field)]
 
 
 def block_ref(pool_ref, block_axis: int, slot):

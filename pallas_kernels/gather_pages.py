@@ -10,6 +10,7 @@ multiplied by its block scale and comes out as `out_dtype`.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from pallas_kernels._common import on_gpu, page_ref
 
 def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str, tpb: int, fields: int, scaled: bool,
                      value_dtype):
-    scale_ref = refs[0] if scaled else None
+    scale_ref: Any = refs[0] if scaled else None  # a Pallas ref (untyped), or None
     out_refs = refs[1:] if scaled else refs
     b = pl.program_id(0)
     seq_len = lens_ref[b]
@@ -118,7 +119,8 @@ def gather_pages_mgpu(
                 @pl.loop(valid, t)
                 def _(r):
                     for hh in range(h):
-                        plgpu.copy_smem_to_gmem(zsmem.at[pl.ds(r, 1)], out.at[i, pl.ds(start + r, 1), hh])
+                        # pl.when / pl.loop trace their bodies at once, inside this iteration
+                        plgpu.copy_smem_to_gmem(zsmem.at[pl.ds(r, 1)], out.at[i, pl.ds(start + r, 1), hh])  # noqa: B023
 
                 plgpu.wait_smem_to_gmem(0)
 

@@ -12,7 +12,7 @@ takes FP8 pools with their `scales` and dequantises each page as it loads it.
 from __future__ import annotations
 
 import functools
-import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ def _block_range(seq_len, q_len: int, window: int, tpb: int, max_blocks: int):
 
 def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layout, scale, window, q_len, group, scaled,
                      value_dtype):
-    scale_ref = refs[0] if scaled else None
+    scale_ref: Any = refs[0] if scaled else None  # a Pallas ref (untyped), or None
     o_ref = refs[-1]
     b, kh = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -248,8 +248,9 @@ def paged_attention_mgpu(
         plgpu.copy_smem_to_gmem(q_smem, o_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)])
         plgpu.wait_smem_to_gmem(0)
 
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
+    # jax declares transform_array abstract on the transform base class; these are concrete
+    tiling = plgpu.TilingTransform((8, 64))  # type: ignore[abstract]
+    swizzle = plgpu.SwizzleTransform(128)  # type: ignore[abstract]
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(qg.shape, dtype),

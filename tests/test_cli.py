@@ -103,8 +103,22 @@ def test_capacity_gemma_3_27b_variable_windows(capsys):
 
 
 def test_capacity_multi_query_fp8(capsys):
-    code, out, _ = run_cli(capsys, "capacity", "--model", "falcon-7b", "--gpu-memory", "80GB",
-                           "--fraction", "0.5", "--dtype", "float8_e4m3fn", "--tokens-per-block", "64", "--activation-reserve", "0")
+    code, out, _ = run_cli(
+        capsys,
+        "capacity",
+        "--model",
+        "falcon-7b",
+        "--gpu-memory",
+        "80GB",
+        "--fraction",
+        "0.5",
+        "--dtype",
+        "float8_e4m3fn",
+        "--tokens-per-block",
+        "64",
+        "--activation-reserve",
+        "0",
+    )
     assert code == 0
     scales = 2 * 32 * 1 * 4 // 64  # a float32 scale per (block, layer, K/V, kv head), over 64 tokens
     per_token = 2 * 32 * 1 * 64 * 1 + scales  # one kv head (multi-query), head dim 64, 1 byte
@@ -138,7 +152,10 @@ def test_sizes(text, expected):
         (["demo", "--policy", "fifo"], "argument --policy: invalid choice"),
         (["demo", "--users", "0"], "expected a positive int"),
         (["run", "--workload", "no-such-workload"], "unknown workload 'no-such-workload'"),
-        (["run", "--workload", "chat", "--model", "llama-3.1-8b"], "model 'llama-3.1-8b' describes a published model but kvjax has no weights"),
+        (
+            ["run", "--workload", "chat", "--model", "llama-3.1-8b"],
+            "model 'llama-3.1-8b' describes a published model but kvjax has no weights",
+        ),
         (["demo", "--model", "gemma-3-27b"], "pass its Hugging Face checkpoint directory"),
         (["run", "--workload", "chat", "--model", "tests/fixtures"], "cannot read the checkpoint's config"),
         (["demo", "--set", "users"], "--set expects KEY=VALUE"),
@@ -160,7 +177,9 @@ def test_bad_config_files(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", "--workload", str(bad_workload))
     assert code == 2 and err.count("\n") == 1 and f"{bad_workload}: workload 'chat': users must be an int" in err
     bad_model = tmp_path / "model.toml"
-    bad_model.write_text((ROOT / "configs/models/llama-3.1-8b.toml").read_text().replace("num_layers = 32", 'num_layers = "four"'))
+    bad_model.write_text(
+        (ROOT / "configs/models/llama-3.1-8b.toml").read_text().replace("num_layers = 32", 'num_layers = "four"')
+    )
     code, _, err = run_cli(capsys, "capacity", "--model", str(bad_model), "--gpu-memory", "1GiB")
     assert code == 2 and err.count("\n") == 1 and "field 'num_layers'" in err
     bad_cache = tmp_path / "cache.toml"
@@ -224,10 +243,33 @@ def test_run_a_workload_file(capsys, tmp_path):
 
 
 def test_run_a_checkpoint_directory(capsys, tmp_path):
-    code, out, err = run_cli(capsys, "run", "--workload", "chat", "--model", "tests/fixtures/hf/mistral", "--out", str(tmp_path),
-                             "--set", "users=1", "--set", "turns=2", "--set", "max_new_tokens=4", "--set", "system_prompt_tokens=24",
-                             "--set", "user_tokens=[4, 8]", "--tokens-per-block", "8", "--max-seq-len", "128",
-                             "--max-num-tokens", "64", "--no-progress")
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        "--workload",
+        "chat",
+        "--model",
+        "tests/fixtures/hf/mistral",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "users=1",
+        "--set",
+        "turns=2",
+        "--set",
+        "max_new_tokens=4",
+        "--set",
+        "system_prompt_tokens=24",
+        "--set",
+        "user_tokens=[4, 8]",
+        "--tokens-per-block",
+        "8",
+        "--max-seq-len",
+        "128",
+        "--max-num-tokens",
+        "64",
+        "--no-progress",
+    )
     assert code == 0, err
     assert "on model 'mistral'" in out
     data = json.loads((tmp_path / "run-chat.json").read_text())

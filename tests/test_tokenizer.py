@@ -30,7 +30,9 @@ def byte_level_backend(with_bos: bool = True) -> Backend:
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     if with_bos:
         bos = backend.token_to_id("<|begin_of_text|>")
-        backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+        )
     return backend
 
 

@@ -134,7 +134,9 @@ def paged_attention(
     if b != block_table.shape[0]:
         raise ValueError(f"q.shape={tuple(q.shape)} batch must match block_table.shape={tuple(block_table.shape)}")
     if d != spec.head_dim or hq % spec.num_kv_heads:
-        raise ValueError(f"q.shape={tuple(q.shape)} needs head_dim={spec.head_dim} and heads a multiple of kv_heads={spec.num_kv_heads}")
+        raise ValueError(
+            f"q.shape={tuple(q.shape)} needs head_dim={spec.head_dim} and heads a multiple of kv_heads={spec.num_kv_heads}"
+        )
     if ql < 1:
         raise ValueError(f"q_len={ql} must be >= 1")
     scale = chk.finite_scale(1.0 / math.sqrt(d) if scale is None else scale)

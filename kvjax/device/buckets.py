@@ -14,7 +14,7 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_rows(a: Shaped[np.ndarray, "n *rest"], rows: int, fill: int) -> Shaped[np.ndarray, "rows *rest"]:
+def pad_rows(a: Shaped[np.ndarray, " n *rest"], rows: int, fill: int) -> Shaped[np.ndarray, " rows *rest"]:
     """Pad axis 0 of `a` to `rows` with `fill`."""
     a = np.asarray(a)
     if a.shape[0] > rows:

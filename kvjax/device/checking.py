@@ -48,7 +48,7 @@ def check(pred, message: str, *fmt_args) -> None:
     checkify.check(pred, message, *fmt_args)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checked_jit(validator, static: tuple):
     return jax.jit(checkify.checkify(functools.partial(validator, **dict(static))))
 

@@ -37,7 +37,7 @@ class PoolGeometry:
     pools: tuple[PoolSpec, ...]
 
     @classmethod
-    def from_config(cls, config: "CacheConfig | PoolGeometry", *, check_dtype: bool = True) -> "PoolGeometry":
+    def from_config(cls, config: CacheConfig | PoolGeometry, *, check_dtype: bool = True) -> PoolGeometry:
         """The geometry of `config`; `check_dtype` rejects dtypes a device pool cannot hold."""
         if isinstance(config, PoolGeometry):
             return config

@@ -30,8 +30,11 @@ def _is_static_int(layer) -> bool:
     return isinstance(layer, np.ndarray) and layer.ndim == 0 and np.issubdtype(layer.dtype, np.integer)
 
 
-def resolve(geometry: PoolGeometry, layer: LayerIndex, pool: int | None = None) -> tuple[PoolSpec, Int[Array, ""]]:
-    """`(pool spec, int32 index inside the pool)` of a global `layer`.
+def resolve(
+    geometry: PoolGeometry, layer: LayerIndex, pool: int | None = None
+) -> tuple[PoolSpec, np.int32 | Int[Array, ""]]:
+    """`(pool spec, int32 index inside the pool)` of a global `layer` (a numpy scalar for a static
+    layer, a traced scalar for a traced one).
 
     Static ints are range-checked (`ValueError`); traced scalars are mapped through a
     constant table (`pool.num_layers` = "not in this pool").
@@ -42,12 +45,12 @@ def resolve(geometry: PoolGeometry, layer: LayerIndex, pool: int | None = None) 
             raise ValueError(f"{pool=} must be a pool index in [0, {len(geometry.pools)})")
         pool = int(pool)
     if _is_static_int(layer):
-        layer = operator.index(layer)
-        if not 0 <= layer < n:
-            raise ValueError(f"{layer=} must be an int in [0, {n})")
-        p, j = geometry.layer_to_pool[layer]
+        static = operator.index(layer)
+        if not 0 <= static < n:
+            raise ValueError(f"layer={static} must be an int in [0, {n})")
+        p, j = geometry.layer_to_pool[static]
         if pool is not None and pool != p:
-            raise ValueError(f"layer {layer} belongs to pool {p}, not pool={pool}")
+            raise ValueError(f"layer {static} belongs to pool {p}, not pool={pool}")
         return geometry.pools[p], np.int32(j)
     if not isinstance(layer, jax.Array) or layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
         raise ValueError(f"layer must be an int or a 0-d integer array (a traced layer index), got {layer!r}")
@@ -61,7 +64,7 @@ def resolve(geometry: PoolGeometry, layer: LayerIndex, pool: int | None = None) 
     spec = geometry.pools[pool]
     table = np.full((n,), spec.num_layers, np.int32)  # [layers]: index inside `spec`, or "absent"
     table[list(spec.layers)] = np.arange(spec.num_layers, dtype=np.int32)
-    layer = layer.astype(jnp.int32)
-    inside = (layer >= 0) & (layer < n)
-    j = jnp.where(inside, jnp.asarray(table)[jnp.clip(layer, 0, n - 1)], spec.num_layers)
-    return spec, j.astype(jnp.int32)
+    traced = layer.astype(jnp.int32)
+    inside = (traced >= 0) & (traced < n)
+    inner = jnp.where(inside, jnp.asarray(table)[jnp.clip(traced, 0, n - 1)], spec.num_layers)
+    return spec, inner.astype(jnp.int32)

@@ -19,7 +19,7 @@ from kvjax.offsets import chunk_stride
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _build(config: PoolGeometry, tables: tuple):
-    by_window = dict(zip(config.windows, tables))
+    by_window = dict(zip(config.windows, tables, strict=True))
     batch = tables[0].shape[0]
     width = max(t.shape[1] for t in tables)
     rows = []
@@ -49,7 +49,7 @@ def build_kvcache_offsets(config: CacheConfig | PoolGeometry, slot_tables) -> In
     if sorted(slot_tables) != list(config.windows):
         raise ValueError(f"slot tables must cover exactly windows {config.windows}, got {sorted(slot_tables)}")
     tables = tuple(jnp.asarray(slot_tables[w]) for w in config.windows)
-    for w, t in zip(config.windows, tables):
+    for w, t in zip(config.windows, tables, strict=True):
         if t.ndim != 2 or not jnp.issubdtype(t.dtype, jnp.integer):
             raise ValueError(f"slot table of window {w} must be a 2-D int array, got {t.shape=} {t.dtype=}")
         if t.shape[0] != tables[0].shape[0]:

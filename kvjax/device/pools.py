@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -100,10 +101,10 @@ class KVPools:
     def meta(self) -> PoolMeta:
         return PoolMeta(self.geometry, self.mesh, self.kv_axes)
 
-    def replace(self, **kw) -> "KVPools":
+    def replace(self, **kw) -> KVPools:
         return dataclasses.replace(self, **kw)
 
-    def with_primary(self, index: int, array: jax.Array, scales: jax.Array | None = None) -> "KVPools":
+    def with_primary(self, index: int, array: jax.Array, scales: jax.Array | None = None) -> KVPools:
         prim = list(self.primary)
         prim[index] = array
         if scales is None:
@@ -122,8 +123,8 @@ class KVPools:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
-@functools.lru_cache(maxsize=None)
-def _allocator(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> callable:
+@functools.cache
+def _allocator(shape: tuple[int, ...], dtype: jnp.dtype, sharding) -> Callable[[], jax.Array]:
     # One jitted zeros per (shape, dtype, sharding): the array is born with its final
     # sharding. Host arrays go through an explicit device_put inside the jit: an array whose
     # memory kind comes only from `out_shardings` gets an aval without the host memory space
@@ -146,12 +147,16 @@ def allocate_pools(config: CacheConfig | PoolGeometry, sharding=None) -> KVPools
     geometry = PoolGeometry.from_config(config)
     mesh, axes, device = shd.resolve_placement(sharding)
     if mesh is not None:
+        assert axes is not None  # resolve_placement names the kv axes with every mesh
         n = shd.axis_size(mesh, axes)
         for pool in geometry.pools:
             if pool.num_kv_heads % n:
                 raise ValueError(f"pool {pool.index}: {pool.num_kv_heads=} is not divisible by the kv mesh size {n} ({axes=})")
     dtype = geometry.storage_dtype
-    prim, sec, prim_s, sec_s = [], [], [], []
+    prim: list[jax.Array] = []
+    sec: list[jax.Array | None] = []
+    prim_s: list[jax.Array | None] = []
+    sec_s: list[jax.Array | None] = []
     for pool in geometry.pools:
         s_dev = shd.pool_sharding(mesh, axes, device, "device")
         prim.append(_allocator(geometry.pool_shape(pool, pool.num_slots), dtype, s_dev)())

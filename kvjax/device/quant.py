@@ -58,7 +58,7 @@ def decode(b: Shaped[Array, "*s"], dtype) -> Float[Array, "*s"]:
     """uint8 bit patterns of fp8 `dtype` -> float32, bit-identical to `.astype(float32)`."""
     mb, bias, emin, nan = _FORMAT[jnp.dtype(dtype).name]
     b = b.astype(jnp.uint32)
-    e = (b >> mb) & ((0xFF >> (mb + 1)))  # exponent field
+    e = (b >> mb) & (0xFF >> (mb + 1))  # exponent field
     m = b & ((1 << mb) - 1)
     normal = jax.lax.bitcast_convert_type(((e + (127 - bias)) << 23) | (m << (23 - mb)), jnp.float32)
     sub = m.astype(jnp.float32) * 2.0 ** (emin - mb)

@@ -36,6 +36,8 @@ def resolve_placement(sharding: Any) -> tuple[Mesh | None, tuple[str, ...] | Non
         if not spec or spec[0] is None:
             raise ValueError(f"NamedSharding spec must name the kv-head mesh axis first, got {sharding.spec=}")
         axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        if not isinstance(sharding.mesh, Mesh):
+            raise ValueError(f"NamedSharding must be over a concrete Mesh (pools live on its devices), got {sharding.mesh=}")
         return sharding.mesh, tuple(axes), None
     raise ValueError(f"sharding must be None, a Device, a Mesh or a NamedSharding, got {sharding=}")
 

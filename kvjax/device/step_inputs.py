@@ -136,13 +136,17 @@ def step_inputs(
     out_seq[:n] = seq
     positions = out_seq[:, None] - t + np.arange(t, dtype=np.int32)[None, :]  # [B, T]
     rows = np.repeat(np.arange(n), chunk)  # [new tokens]: row of each new token
-    pos = np.concatenate([np.arange(s - c, s) for s, c in zip(seq, chunk)]).astype(np.int64)  # [new tokens]
+    pos = np.concatenate([np.arange(s - c, s) for s, c in zip(seq, chunk, strict=True)]).astype(np.int64)  # [new tokens]
     col = np.concatenate([np.arange(t - c, t) for c in chunk]).astype(np.int64)  # [new tokens]
     tables, slots = {}, {}
     for w in geo.windows:
         null = geo.null_slot_for(w)
         tab = np.asarray(block_tables[w])
-        if tab.ndim != 2 or tab.shape[0] != n or (tab.size and (not np.issubdtype(tab.dtype, np.integer) or tab.dtype == np.bool_)):
+        if (
+            tab.ndim != 2
+            or tab.shape[0] != n
+            or (tab.size and (not np.issubdtype(tab.dtype, np.integer) or tab.dtype == np.bool_))
+        ):
             raise ValueError(f"block table of window {w} must be an integer [{n}, blocks] array, got {tab.shape} {tab.dtype}")
         if tab.size and tab.max() > null:
             raise ValueError(f"block table of window {w} has entries > the null slot {null}: max {int(tab.max())}")

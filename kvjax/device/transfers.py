@@ -134,7 +134,7 @@ def split_segments(config, plan: TransferPlan) -> list[Segment]:
     runs: list[list[tuple[int, int, int, int, int]]] = []
     cur: list = []
     written: set[tuple[int, int, int]] = set()
-    for k, p, s, d, n in zip(*(getattr(plan, f).tolist() for f in ("kind", "pool", "src", "dst", "num_tokens"))):
+    for k, p, s, d, n in zip(*(getattr(plan, f).tolist() for f in ("kind", "pool", "src", "dst", "num_tokens")), strict=True):
         src_tier = _SECONDARY if k == TransferKind.ONBOARD else _PRIMARY
         dst_tier = _SECONDARY if k == TransferKind.OFFLOAD else _PRIMARY
         r, w = (src_tier, p, s), (dst_tier, p, d)
@@ -147,7 +147,7 @@ def split_segments(config, plan: TransferPlan) -> list[Segment]:
         runs.append(cur)
     segs = []
     for run in runs:
-        by = {kk: [[] for _ in range(npools)] for kk in TransferKind}
+        by: dict[TransferKind, list[list[tuple[int, int, int]]]] = {kk: [[] for _ in range(npools)] for kk in TransferKind}
         for k, p, s, d, n in run:
             by[TransferKind(k)][p].append((s, d, n))
         out = {}
@@ -160,9 +160,9 @@ def split_segments(config, plan: TransferPlan) -> list[Segment]:
             src = np.zeros((npools, width), np.int32)
             dst = np.empty((npools, width), np.int32)
             num = np.full((npools, width), tpb, np.int32)
-            for p, r in enumerate(rows):
+            for p, entries in enumerate(rows):
                 dst[p] = fill_dst[p]  # out of range: the scatter drops padding entries
-                for i, (s, d, n) in enumerate(r):
+                for i, (s, d, n) in enumerate(entries):
                     src[p, i], dst[p, i], num[p, i] = s, d, n
             out[kk] = (src, dst, num)
         partial = bool((out[TransferKind.ONBOARD][2] < tpb).any() or (out[TransferKind.COPY][2] < tpb).any())
@@ -318,7 +318,9 @@ def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_ds
         # ---- write phase
         if prim_w:
             if parts:
-                staged = [jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in zip(*parts)]  # [n_on + n_cp, *block]
+                staged = [
+                    jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in zip(*parts, strict=True)
+                ]  # [n_on + n_cp, *block]
                 dst = jnp.concatenate(dsts) if len(dsts) > 1 else dsts[0]
                 num = jnp.concatenate(nums) if len(nums) > 1 else nums[0]
                 arr, sarr = _write_primary(arr, sarr, staged[0], staged[1] if sarr is not None else None, dst, num, partial,
@@ -327,7 +329,7 @@ def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_ds
         if sec_w:
             if off_stage is not None:
                 out = []
-                for h, st in zip(_pairs((host, hsc)), off_stage):
+                for h, st in zip(_pairs((host, hsc)), off_stage, strict=True):
                     if swap == "bulk":
                         out.append(_host_scatter_bulk(h, st, off_dst[p], ba))
                     else:
@@ -353,9 +355,10 @@ def resolve_strategy(strategy: str, impl: str) -> str:
 
 
 # ------------------------------------------------------------------------- sequential
-def split_runs(config, plan: TransferPlan) -> list[tuple[int, int, np.ndarray]]:
+def split_runs(config, plan: TransferPlan) -> list[tuple[int, int, np.ndarray, int]]:
     """Per pool (pools never share memory, so their entries commute), runs of consecutive
-    same-kind entries: `(pool, kind, [3, bucket] int32 src/dst/num_tokens)`, entry order kept."""
+    same-kind entries: `(pool, kind, [3, bucket] int32 src/dst/num_tokens, live entries)`, entry
+    order kept."""
     out = []
     tpb = config.tokens_per_block
     for p in range(len(config.pools)):
@@ -415,8 +418,8 @@ def _sequential_run(dst_tier, src_tier, ops, count, *, kind: int, ba: int, parti
 
 
 def _apply_sequential(pools: KVPools, plan: TransferPlan) -> KVPools:
-    prim = [list(t) for t in zip(pools.primary, pools.primary_scales)]
-    sec = [list(t) for t in zip(pools.secondary, pools.secondary_scales)]
+    prim = [list(t) for t in zip(pools.primary, pools.primary_scales, strict=True)]
+    sec = [list(t) for t in zip(pools.secondary, pools.secondary_scales, strict=True)]
     tpb, ba = pools.geometry.tokens_per_block, pools.block_axis
     dtype = pools.geometry.jnp_dtype if pools.is_scaled else None
     for p, kind, ops, n in split_runs(pools.geometry, plan):
@@ -443,7 +446,7 @@ def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", s
     "sequential" is plain XLA loops."""
     chk.check_pools(pools)
     validate_plan(pools.geometry, plan)
-    for i, p in enumerate(pools.geometry.pools):
+    for i in range(len(pools.geometry.pools)):
         if pools.secondary[i] is None and len(plan) and ((plan.pool == i) & (plan.kind != TransferKind.COPY)).any():
             raise ValueError(f"plan moves blocks of pool {i} to/from a secondary tier it does not have (secondary_blocks=0)")
     impl = backend.resolve(impl, "apply_transfers")
@@ -456,8 +459,8 @@ def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", s
     for seg in split_segments(pools.geometry, plan):
         writes_prim = bool(seg.on_src.shape[1] or seg.cp_src.shape[1])
         writes_sec = bool(seg.off_src.shape[1])
-        prim = tuple(zip(pools.primary, pools.primary_scales))
-        sec = tuple(zip(pools.secondary, pools.secondary_scales))
+        prim = tuple(zip(pools.primary, pools.primary_scales, strict=True))
+        sec = tuple(zip(pools.secondary, pools.secondary_scales, strict=True))
         new_prim, new_sec = _apply_segment(
             prim if writes_prim else (), sec if writes_sec else (),
             () if writes_prim else prim, () if writes_sec else sec,
@@ -501,6 +504,6 @@ def apply_transfers_reference(pools: KVPools, plan: TransferPlan) -> KVPools:
             blk(dst_a, d)[...] = rescaled(blk(dst_a, d), s_dst, s_new)
             blk(dst_s, d)[...] = s_new
         blk(dst_a, d)[..., :n, :] = new_blk[..., :n, :]
-    put = lambda xs, like: tuple(None if a is None else jax.device_put(x, a.sharding) for x, a in zip(xs, like))  # noqa: E731
+    put = lambda xs, like: tuple(None if a is None else jax.device_put(x, a.sharding) for x, a in zip(xs, like, strict=True))  # noqa: E731
     return pools.replace(primary=put(prim, pools.primary), secondary=put(sec, pools.secondary),
                          primary_scales=put(prim_s, pools.primary_scales), secondary_scales=put(sec_s, pools.secondary_scales))

@@ -238,7 +238,11 @@ def write_kv_reference(
         return _write_scaled_reference(pools, layer, k, v, slot_mapping)
     arr, pool, j = pools.layer_view(layer)
     tpb = pools.geometry.tokens_per_block
-    xs = (k, v)[: pools.geometry.kv_factor]
+    xs = [k]
+    if pools.geometry.kv_factor == 2:
+        if v is None:
+            raise ValueError("v is required: this cache stores values (kv_factor 2)")
+        xs.append(v)
     kv = jnp.stack([x.astype(arr.dtype) for x in xs], axis=1)  # [tokens, F, H, D]
     ba = pools.block_axis
 
@@ -265,7 +269,9 @@ def _write_scaled_reference(pools: KVPools, layer: int, k, v, slot_mapping) -> K
     geo = pools.geometry
     tpb, dtype = geo.tokens_per_block, geo.jnp_dtype
     q = np.array(jnp.copy(pools.primary[pool.index])).view(dtype)  # [..., F, H, T, D] fp8
-    s = np.array(jnp.copy(pools.primary_scales[pool.index]))  # [..., F, H]
+    scales = pools.primary_scales[pool.index]
+    assert scales is not None  # an FP8 pool always has its block scales
+    s = np.array(jnp.copy(scales))  # [..., F, H]
     if pools.block_axis == 1:
         q, s = np.swapaxes(q, 0, 1), np.swapaxes(s, 0, 1)  # block axis first
     xs = np.stack([np.asarray(x, np.float32) for x in (k, v)[: geo.kv_factor]], axis=1)  # [n, F, H, D]
@@ -289,5 +295,5 @@ def _write_scaled_reference(pools: KVPools, layer: int, k, v, slot_mapping) -> K
     if pools.block_axis == 1:
         q, s = np.swapaxes(q, 0, 1), np.swapaxes(s, 0, 1)
     q = np.ascontiguousarray(q).view(np.uint8)
-    arr, sarr = pools.primary[pool.index], pools.primary_scales[pool.index]
-    return pools.with_primary(pool.index, jax.device_put(q, arr.sharding), jax.device_put(s, sarr.sharding))
+    arr = pools.primary[pool.index]
+    return pools.with_primary(pool.index, jax.device_put(q, arr.sharding), jax.device_put(s, scales.sharding))

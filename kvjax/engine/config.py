@@ -78,7 +78,7 @@ class EngineConfig:
             raise ValueError(f"rank_check_interval must be a positive int, got {v!r}")
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> "EngineConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> EngineConfig:
         _check_keys("engine", values, cls.KEYS, source)
         v = dict(values)
         try:
@@ -104,7 +104,9 @@ class EngineConfig:
             raise ValueError(f"{source}: [engine] {e}") from None
 
 
-def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>") -> CacheConfig:
+def cache_config(
+    model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>"
+) -> CacheConfig:
     """The run's `CacheConfig`: the model's KV geometry, `CACHE_DEFAULTS` overridden by `values`.
 
     `max_num_tokens` (the engine's chunk budget) sizes TensorRT-LLM's temporary attention window.

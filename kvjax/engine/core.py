@@ -162,7 +162,9 @@ class EngineCore:
         tpb = cfg.tokens_per_block
         for w in cfg.windows:
             # SWA windows hold the whole prompt until decoding starts releasing front blocks
-            need = max(-(-len(prompt) // tpb), max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb))
+            need = max(
+                -(-len(prompt) // tpb), max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb)
+            )
             have = cfg.primary_blocks_for(w)
             if need > have:
                 raise InvalidRequestError(
@@ -194,7 +196,9 @@ class EngineCore:
         self._live[rid] = r
         return r
 
-    def abort_request(self, request_id: Hashable, *, reason: str = "abort", stop_reason: int | str | None = None) -> CoreOutput | None:
+    def abort_request(
+        self, request_id: Hashable, *, reason: str = "abort", stop_reason: int | str | None = None
+    ) -> CoreOutput | None:
         """Take a queued or running request out: its blocks are stored for reuse and released.
         Returns its final output (finish reason `reason`), or None if no such request is
         queued or running (already finished, or never added): aborting is idempotent."""
@@ -263,6 +267,7 @@ class EngineCore:
         # 2. the pending token of every scheduled generating request enters the ledger
         decode: list[LiveRequest] = []
         for r in sched.generation:
+            assert r.pending is not None  # a scheduled generating request holds its sampled token
             try:
                 led.add_token(r.request_id, r.pending)
             except OutOfBlocksError:  # the scheduler's accounting let this through: recover
@@ -302,15 +307,15 @@ class EngineCore:
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
             toks, chosen, margins = self._forward(rows, decode, chunk_bucket=1)
-            for r, t, c, m in zip(decode, toks, chosen, margins):
+            for r, t, c, m in zip(decode, toks, chosen, margins, strict=True):
                 led.store_new_block(r.request_id)
                 outputs.append(self._emit(r, int(t), float(c), float(m)))
-        sampled = []
+        sampled: list[tuple] = []
         group = self.cfg.buckets.prefill_rows
         for g in range(0, len(prefill), group):
             part = prefill[g : g + group]
             rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
-            sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part])))
+            sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part]), strict=True))
         for (r, n), t, c, m in sampled:
             r.context_pos += n
             self.counters.computed_prompt_tokens += n
@@ -339,6 +344,7 @@ class EngineCore:
         """Fold this step's ledger decisions into the rank digest and compare it across ranks
         at the configured interval (`RankDivergenceError` if they differ)."""
         d, led = self.rank_digest, self.ledger
+        assert d is not None  # only called on multi-process ranks, which keep a digest
         d.update(
             self.step_index, len(self.waiting), len(self.running),
             [r.request_id for r in paused],
@@ -425,10 +431,12 @@ class EngineCore:
         ids = {id(r) for r in chosen}
         self.waiting = collections.deque(r for r in self.waiting if id(r) not in ids)
         c = self.counters
-        for r, p in zip(chosen, prepopulated):
+        for r, p in zip(chosen, prepopulated, strict=True):
             stats = led.request_stats(r.request_id)
             if stats.prepopulated_tokens != p:
-                raise EngineInvariantError(f"{r.request_id}: add_sequence returned {p}, request_stats says {stats.prepopulated_tokens}")
+                raise EngineInvariantError(
+                    f"{r.request_id}: add_sequence returned {p}, request_stats says {stats.prepopulated_tokens}"
+                )
             c.reused_blocks += stats.reused_blocks
             c.missed_blocks += stats.missed_blocks
             r.admission_stats = stats
@@ -510,6 +518,7 @@ class EngineCore:
         it = self.ledger.iteration_stats()
         st = self.ledger.stats()
         c = self.counters
+        assert self.steps is not None  # only called with record_steps
         self.steps.append(
             StepRecord(
                 step=self.step_index,

@@ -43,8 +43,15 @@ class Engine:
     policy alone compile nothing new). `core(cache_config)` starts a
     step-wise `EngineCore` on the same model and runner."""
 
-    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None,
-                 mesh=None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig = EngineConfig(),
+        *,
+        impl: str = "auto",
+        runner: ModelRunner | None = None,
+        mesh=None,
+    ) -> None:
         """`mesh`: tensor parallelism over its devices (weights and KV pools sharded over kv
         heads; a mesh spanning processes makes every process a rank, see `kvjax.engine.ranks`)."""
         if runner is not None and runner.model is not model:
@@ -80,7 +87,9 @@ class Engine:
 class _Replay:
     """One `run`: the trace's arrival schedule and follow-ups on top of an `EngineCore`."""
 
-    def __init__(self, engine: Engine, items: Sequence[WorkItem], cache_config: CacheConfig, label: str, seed: int, progress) -> None:
+    def __init__(
+        self, engine: Engine, items: Sequence[WorkItem], cache_config: CacheConfig, label: str, seed: int, progress
+    ) -> None:
         self.engine = engine
         self.label = label
         self.seed = seed
@@ -120,6 +129,7 @@ class _Replay:
                 self.progress(finished)
         wall = core.clock.now()
         self._final_checks()
+        assert core.steps is not None  # a run's core always records its steps
         metrics = RunMetrics(
             label=self.label,
             requests=[_record(r) for r in sorted(self.done, key=lambda r: r.request_id)],
@@ -172,7 +182,7 @@ class _Replay:
 def _record(r: LiveRequest) -> RequestRecord:
     ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
     tpot = None
-    if r.first_token_time is not None and len(r.output) > 1:
+    if r.first_token_time is not None and r.finish_time is not None and len(r.output) > 1:
         tpot = (r.finish_time - r.first_token_time) / (len(r.output) - 1)
     return RequestRecord(
         request_id=r.request_id,
@@ -201,7 +211,7 @@ def max_logit_difference(a: RunResult, b: RunResult) -> float:
     worst = 0.0
     for k, la in a.chosen_logits.items():
         lb = b.chosen_logits.get(k, [])
-        for x, y in zip(la, lb):
+        for x, y in zip(la, lb, strict=True):
             worst = max(worst, abs(x - y))
     return worst
 

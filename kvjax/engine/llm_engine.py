@@ -67,7 +67,7 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
-                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> "LLMEngine":
+                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> LLMEngine:
         """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.llm.load_model`
         takes: a built-in model name or a checkpoint directory) with `options` (see above);
         `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""
@@ -183,7 +183,9 @@ class LLMEngine:
                 if out.finished:  # stopped by length in the same step: the stop string says why
                     r.finish_reason, r.stop_reason = "stop", hit
                 else:
-                    out = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+                    stopped = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+                    assert stopped is not None  # the request was running this step
+                    out = stopped
             results.append(self._output(out))
         return results
 

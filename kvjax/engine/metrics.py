@@ -3,8 +3,8 @@
 TTFT is measured from a request's arrival (the start of the step that released it) to the
 end of the step that sampled its first token; TPOT is the mean time between its later
 tokens. All times are on the serving clock (wall time minus JAX compile time, which is
-reported on its own; see `serving_clock.py`). Token hit rate = prompt tokens reused / prompt tokens admitted; block hit rate is the
-ledger's `cache_hit_rate` (reused / (reused + missed) blocks).
+reported on its own; see `serving_clock.py`). Token hit rate = prompt tokens reused / prompt
+tokens admitted; block hit rate is the ledger's `cache_hit_rate` (reused / (reused + missed) blocks).
 """
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def _fmt(value: Any, fmt: str) -> str:
 
 def format_table(columns: Sequence[tuple[str, dict[str, Any]]], extra_rows: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
     """A plain-text table: one row per metric, one column per (label, summary)."""
-    rows = [("", [label for label, _ in columns])]
+    rows: list[tuple[str, Sequence[str]]] = [("", [label for label, _ in columns])]
     for key, name, fmt in _ROWS:
         rows.append((name, [_fmt(s.get(key), fmt) for _, s in columns]))
     rows.extend(extra_rows)
@@ -171,7 +171,7 @@ def format_table(columns: Sequence[tuple[str, dict[str, Any]]], extra_rows: Sequ
     widths = [max(len(r[1][i]) for r in rows) for i in range(len(columns))]
     lines = []
     for i, (name, cells) in enumerate(rows):
-        lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths)]))
+        lines.append("  ".join([name.ljust(w0)] + [c.rjust(w) for c, w in zip(cells, widths, strict=True)]))
         if i == 0:
             lines.append("-" * len(lines[0]))
     return "\n".join(lines)

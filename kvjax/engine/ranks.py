@@ -96,8 +96,8 @@ def agree_on_cache(config: CacheConfig, extra_settings: Iterable = ()) -> CacheC
              list(agreed[:n]), list(agreed[n:]), counts[:n], counts[n:])
     return dataclasses.replace(
         config,
-        primary_blocks={w: int(b) for w, b in zip(windows, agreed[:n])},
-        secondary_blocks={w: int(b) for w, b in zip(windows, agreed[n:])},
+        primary_blocks={w: int(b) for w, b in zip(windows, agreed[:n], strict=True)},
+        secondary_blocks={w: int(b) for w, b in zip(windows, agreed[n:], strict=True)},
     )
 
 

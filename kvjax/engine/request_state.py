@@ -9,8 +9,8 @@ The token sampled at the end of a step is *pending*: it enters the ledger (`add_
 the start of the next step that schedules the request, which is when its KV gets written.
 
 A request ends with a finish reason: "stop" (an end-of-sequence token: the work item's
-`eos_id` or one of `eos_ids`; a stop token of `stop_ids`; or a stop string found by `LLMEngine`), "length" (`max_new_tokens` reached)
-or "abort" (taken out by `abort_request` or a shutdown).
+`eos_id` or one of `eos_ids`; a stop token of `stop_ids`; or a stop string found by
+`LLMEngine`), "length" (`max_new_tokens` reached) or "abort" (taken out by `abort_request` or a shutdown).
 """
 from __future__ import annotations
 

@@ -44,14 +44,14 @@ from collections.abc import Sequence
 from kvjax.engine.request_state import LiveRequest, Phase
 
 
-class QueuePolicy(str, enum.Enum):
+class QueuePolicy(enum.StrEnum):
     """Order of the waiting queue: first come first served, or longest cached prefix first."""
 
     FCFS = "fcfs"
     LPM = "lpm"
 
     @classmethod
-    def parse(cls, value: "str | QueuePolicy") -> "QueuePolicy":
+    def parse(cls, value: str | QueuePolicy) -> QueuePolicy:
         if isinstance(value, cls):
             return value
         text = str(value).strip().lower()
@@ -61,12 +61,12 @@ class QueuePolicy(str, enum.Enum):
         raise ValueError(f"queue policy must be one of {[p.value for p in cls]}, got {value!r}")
 
 
-class SchedulerPolicy(str, enum.Enum):
+class SchedulerPolicy(enum.StrEnum):
     GUARANTEED_NO_EVICT = "guaranteed_no_evict"
     MAX_UTILIZATION = "max_utilization"
 
     @classmethod
-    def parse(cls, value: "str | SchedulerPolicy") -> "SchedulerPolicy":
+    def parse(cls, value: str | SchedulerPolicy) -> SchedulerPolicy:
         if isinstance(value, cls):
             return value
         text = str(value).strip().lower().replace("-", "_")
@@ -138,7 +138,9 @@ class CapacityScheduler:
             self._admit(out, running, ordered, fits, summaries)
         return out
 
-    def order_waiting(self, waiting: Sequence[LiveRequest], step: int | None = None, summaries: dict | None = None) -> list[LiveRequest]:
+    def order_waiting(
+        self, waiting: Sequence[LiveRequest], step: int | None = None, summaries: dict | None = None
+    ) -> list[LiveRequest]:
         """The waiting queue in admission order (see the module docstring). `summaries`, if
         given, receives each walked request's prefix summary (keyed by `id(request)`)."""
         waiting = list(waiting)
@@ -214,13 +216,17 @@ class CapacityScheduler:
         return out, try_fit
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits, summaries: dict | None = None) -> None:
+    def _admit(
+        self, out: Schedule, running: list[LiveRequest], waiting: Sequence[LiveRequest], fits, summaries: dict | None = None
+    ) -> None:
         cfg = self.config
         led = self.ledger
         slots = cfg.max_batch_size - len(running)
         tokens_left = cfg.max_num_tokens - len(out.generation) - sum(r.context_remaining for r in out.context)
         # (tokens, lora id, cache salt) of prompts whose prefill has not been stored yet
-        in_prefill = [(r.context, r.item.lora_task_id, r.item.cache_salt) for r in out.context]
+        in_prefill: list[tuple[Sequence[int], int | None, str | None]] = [
+            (r.context, r.item.lora_task_id, r.item.cache_salt) for r in out.context
+        ]
         for r in waiting:
             if slots <= 0 or tokens_left <= 0:
                 break
@@ -238,7 +244,7 @@ class CapacityScheduler:
             tokens_left -= len(prompt) - min(summary.total_matched_tokens, len(prompt) - 1)
             in_prefill.append((prompt, *key))
 
-    def _should_defer(self, prompt: list[int], key: tuple, cached_blocks: int, in_prefill: list[tuple]) -> bool:
+    def _should_defer(self, prompt: Sequence[int], key: tuple, cached_blocks: int, in_prefill: list[tuple]) -> bool:
         """True if a prompt still in prefill (same LoRA id and salt) will give this one more
         full blocks than the cache holds now."""
         tpb = self.tpb

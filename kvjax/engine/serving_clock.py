@@ -23,10 +23,10 @@ _events: list[tuple[str, float]] = []
 _installed = False
 
 
-def _listener(event: str, duration: float, **_: object) -> None:
+def _listener(event: str, duration_secs: float, **_: str | int) -> None:
     if event == _TRACE or event in _COUNTED:
         with _lock:
-            _events.append((event, duration))
+            _events.append((event, duration_secs))
 
 
 def _install() -> None:

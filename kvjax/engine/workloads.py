@@ -2,8 +2,9 @@
 
 A workload file (`configs/workloads/NAME.toml`) has a `[workload]` table (the trace: `kind`
 plus its parameters, below), optional `[cache]` / `[engine]` tables (the run's cache and
-engine settings; see `kvjax.engine.config`) and an optional top-level `model` (name or path). `Workload.build(vocab_size)` turns the trace
-into `WorkItem`s: the same seed gives the same tokens, arrivals and options every time.
+engine settings; see `kvjax.engine.config`) and an optional top-level `model` (name or path).
+`Workload.build(vocab_size)` turns the trace into `WorkItem`s: the same seed gives the same
+tokens, arrivals and options every time.
 
 Kinds:
   chat                  users hold multi-turn conversations: turn k's prompt is the whole
@@ -181,11 +182,13 @@ class Workload(abc.ABC):
     def _items(self, rng: np.random.Generator, vocab_size: int) -> list[WorkItem]:
         """The kind's request trace."""
 
-    def _prefix_items(self, rng, vocab_size, prefixes, prefix_tokens, count, suffix_tokens, id_format) -> list[WorkItem]:
-        """`count` one-shot requests, each one of `prefixes` shared prefixes (picked with this
-        workload's Zipf exponent; retained at its priority) followed by a fresh suffix."""
+    def _prefix_items(
+        self, rng, vocab_size, zipf: float, prefixes, prefix_tokens, count, suffix_tokens, id_format
+    ) -> list[WorkItem]:
+        """`count` one-shot requests, each one of `prefixes` shared prefixes (picked with
+        Zipf exponent `zipf`; retained at this workload's priority) followed by a fresh suffix."""
         shared = [self._tokens(rng, self._draw(rng, prefix_tokens), vocab_size) for _ in range(prefixes)]
-        picks = _zipf(rng, prefixes, self.zipf, count)
+        picks = _zipf(rng, prefixes, zipf, count)
         items = []
         for i, p in enumerate(picks):
             prefix = shared[p]
@@ -206,8 +209,7 @@ class Workload(abc.ABC):
         return {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
 
-def _check_zipf(workload: "Workload") -> None:
-    z = workload.zipf
+def _check_zipf(workload: Workload, z: object) -> None:
     if isinstance(z, bool) or not isinstance(z, (int, float)) or z < 0:
         raise ValueError(f"workload {workload.name!r}: zipf must be a number >= 0, got {z!r}")
 
@@ -281,11 +283,18 @@ class SharedSystemPromptWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_zipf(self)
+        _check_zipf(self, self.zipf)
 
     def _items(self, rng, vocab_size):
         return self._prefix_items(
-            rng, vocab_size, self.system_prompts, self.system_prompt_tokens, self.requests, self.user_tokens, "r{i}-sys{p}"
+            rng,
+            vocab_size,
+            self.zipf,
+            self.system_prompts,
+            self.system_prompt_tokens,
+            self.requests,
+            self.user_tokens,
+            "r{i}-sys{p}",
         )
 
 
@@ -347,11 +356,11 @@ class LongDocQAWorkload(Workload):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_zipf(self)
+        _check_zipf(self, self.zipf)
 
     def _items(self, rng, vocab_size):
         return self._prefix_items(
-            rng, vocab_size, self.documents, self.document_tokens, self.questions, self.question_tokens, "q{i}-doc{p}"
+            rng, vocab_size, self.zipf, self.documents, self.document_tokens, self.questions, self.question_tokens, "q{i}-doc{p}"
         )
 
 
@@ -372,7 +381,9 @@ def workload_from_dict(data: Mapping[str, Any], source: str = "<workload>") -> W
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - fields)
     if unknown:
-        raise ValueError(f"{source}: [workload] unknown key {unknown[0]!r} for kind {kind!r} (known: {', '.join(sorted(fields))})")
+        raise ValueError(
+            f"{source}: [workload] unknown key {unknown[0]!r} for kind {kind!r} (known: {', '.join(sorted(fields))})"
+        )
     for key in ("lora_ids",):
         if isinstance(data.get(key), list):
             data[key] = tuple(data[key])

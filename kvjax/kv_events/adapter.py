@@ -159,6 +159,7 @@ class LedgerEventAdapter:
 
         def emit():
             if run:
+                assert run_level is not None  # set with the run's first block
                 out.append(self._stored_event(
                     window, run_parent, [h for h, _, _ in run], [t for _, toks, _ in run for t in toks],
                     run_lora, run_level, [e for _, _, e in run],

@@ -87,7 +87,7 @@ class ZmqEventPublisher:
         self.replays = 0  # replay requests answered
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
-        self._replay = None
+        self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
@@ -167,7 +167,7 @@ class ZmqEventPublisher:
             return  # its sockets are still in use: leave them to the daemon thread
         self._close_sockets()
 
-    def __enter__(self) -> "ZmqEventPublisher":
+    def __enter__(self) -> ZmqEventPublisher:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -209,6 +209,7 @@ class ZmqEventPublisher:
 
     def _serve_replays(self) -> None:
         sock = self._replay
+        assert sock is not None  # only called when the replay socket is bound
         while sock.poll(0):
             frames = sock.recv_multipart()
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:

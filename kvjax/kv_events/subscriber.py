@@ -58,7 +58,7 @@ class KVEventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        self._dealer = None
+        self._dealer: zmq.Socket[bytes] | None = None
         try:
             self._sub.connect(endpoint)
         except zmq.ZMQError as e:
@@ -170,11 +170,12 @@ class KVEventSubscriber:
     def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
         """The publisher's buffered batches from `start` ([] on timeout: the socket is reset so
         a late answer cannot be mistaken for the next one)."""
-        if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.connect(self.replay_endpoint)
         dealer = self._dealer
+        if dealer is None:
+            dealer = self._dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            assert self.replay_endpoint is not None  # replay is only asked for when there is an endpoint
+            dealer.connect(self.replay_endpoint)
         dealer.send_multipart((b"", seq_bytes(start)))
         deadline = time.monotonic() + self.replay_timeout_s
         got: list[tuple[int, bytes]] = []
@@ -237,7 +238,7 @@ class KVEventSubscriber:
         self._dealer = None
         self._ctx.term()
 
-    def __enter__(self) -> "KVEventSubscriber":
+    def __enter__(self) -> KVEventSubscriber:
         return self
 
     def __exit__(self, *exc) -> None:

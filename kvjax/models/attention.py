@@ -72,15 +72,15 @@ class Attention(nnx.Module):
         fan_in = num_heads * head_dim
         self.wo = nnx.Param(normal_init(rngs.params(), (num_heads, head_dim, dim), fan_in, dtype))  # [N, H, D]
         if qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((num_heads, head_dim), dtype))  # [N, H]
-            self.bk = nnx.Param(jnp.zeros((num_kv_heads, head_dim), dtype))  # [K, H]
-            self.bv = nnx.Param(jnp.zeros((num_kv_heads, head_dim), dtype))  # [K, H]
+            self.bq: nnx.Param[jax.Array] | None = nnx.Param(jnp.zeros((num_heads, head_dim), dtype))  # [N, H]
+            self.bk: nnx.Param[jax.Array] | None = nnx.Param(jnp.zeros((num_kv_heads, head_dim), dtype))  # [K, H]
+            self.bv: nnx.Param[jax.Array] | None = nnx.Param(jnp.zeros((num_kv_heads, head_dim), dtype))  # [K, H]
         else:
             self.bq = self.bk = self.bv = None
         self.bo = nnx.Param(jnp.zeros((dim,), dtype)) if out_bias else None  # [D]
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, offset=norm_offset)
-            self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, offset=norm_offset)
+            self.q_norm: RMSNorm | None = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, offset=norm_offset)
+            self.k_norm: RMSNorm | None = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, offset=norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -92,11 +92,11 @@ class Attention(nnx.Module):
         q = einsum("btd,dnh->btnh", x, self.wq[...])  # [B, T, N, H]
         k = einsum("btd,dkh->btkh", x, self.wk[...])  # [B, T, K, H]
         v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
-        if self.bq is not None:
+        if self.bq is not None and self.bk is not None and self.bv is not None:  # all three or none
             q = q + self.bq[...]  # [B, T, N, H]
             k = k + self.bk[...]  # [B, T, K, H]
             v = v + self.bv[...]  # [B, T, K, H]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
             q = self.q_norm(q)  # [B, T, N, H]
             k = self.k_norm(k)  # [B, T, K, H]
         q = self._rope(q, positions)  # [B, T, N, H]

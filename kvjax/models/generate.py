@@ -38,7 +38,7 @@ def dense_greedy(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     limit = model.spec.max_seq_len
-    for p, n in zip(prompts, max_new_tokens):
+    for p, n in zip(prompts, max_new_tokens, strict=True):
         if n < 0 or len(p) + n > limit:
             raise ValueError(f"prompt of {len(p)} tokens + {n} new tokens exceeds max_seq_len={limit}")
     fwd = forward or jit_dense_forward(model)

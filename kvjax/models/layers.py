@@ -123,7 +123,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float | np.ndarray) ->
     """
     head_dim = x.shape[-1]
     half = head_dim // 2
-    inv_freq = rope_frequencies(head_dim, theta) if np.ndim(theta) == 0 else np.asarray(theta, np.float32)  # [H/2]
+    inv_freq = rope_frequencies(head_dim, float(theta)) if np.ndim(theta) == 0 else np.asarray(theta, np.float32)  # [H/2]
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
     sin = jnp.sin(angles)[:, :, None, :]  # [B, T, 1, H/2]

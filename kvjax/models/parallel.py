@@ -33,6 +33,7 @@ def shard_model(model, mesh: Mesh):
 
     def place(path, value):
         sharding = sharding_of(_name(path), value.ndim)
+        assert sharding is not None  # with a mesh, every parameter has a sharding
         if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim):
             return value
         if isinstance(value, jax.Array) and not value.is_fully_addressable:

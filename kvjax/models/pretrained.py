@@ -109,7 +109,9 @@ def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
         if f"{prefix}embed_tokens.weight" in tensors:
             head = "language_model.lm_head.weight" if prefix == "language_model.model." else "lm_head.weight"
             return prefix, head
-    raise CheckpointError(f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})")
+    raise CheckpointError(
+        f"{tensors.directory}: no embedding tensor ({' / '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)})"
+    )
 
 
 def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
@@ -176,7 +178,7 @@ def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = 
         if sharding is None:
             _set(var, jax.device_put(host))
         else:
-            _set(var, jax.make_array_from_callback(host.shape, sharding, lambda index, a=host: a[index]))
+            _set(var, jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
         del host, stored  # this tensor's file mapping and host copy go before the next one
     return model
 

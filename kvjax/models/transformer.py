@@ -38,6 +38,8 @@ class Block(nnx.Module):
     def __init__(self, spec: ModelSpec, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.window = spec.layer_windows[layer]
         local = spec.uses_local_rope(layer)
+        theta = spec.rope_local_theta if local else spec.rope_theta
+        assert theta is not None  # a layer is local only when the model sets rope_local_theta
         d = spec.hidden_size
         norm = functools.partial(RMSNorm, eps=spec.norm_eps, dtype=dtype, offset=spec.norm_weight_offset)
         self.attn_norm = norm(d)
@@ -46,7 +48,7 @@ class Block(nnx.Module):
             spec.num_attention_heads,
             spec.kv_heads_per_layer[layer],
             spec.head_dim,
-            rope_theta=spec.rope_local_theta if local else spec.rope_theta,
+            rope_theta=theta,
             rope_scaling=None if local else spec.rope_scaling,
             scale=spec.attention_scale,
             qkv_bias=spec.qkv_bias,
@@ -104,7 +106,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> "Transformer":
+    def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> Transformer:
         """Build from a spec (or a model name / TOML path) with random weights; same seed, same weights."""
         if not isinstance(spec, ModelSpec):
             spec = ModelSpec.load(spec)

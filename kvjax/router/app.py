@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from typing import cast
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -139,6 +140,7 @@ def prompt_token_ids(parsed: Parsed, tokenizer) -> list[int] | None:
         return tokenizer.encode(text, add_special_tokens=False)
     if isinstance(parsed.prompt, str):
         return None if tokenizer is None else tokenizer.encode(parsed.prompt, add_special_tokens=True)
+    assert parsed.prompt is not None  # a completion request without a prompt was refused when parsed
     return list(parsed.prompt)
 
 
@@ -194,7 +196,9 @@ def build_router_app(config: RouterConfig) -> Starlette:
                 return _Retry("connection_lost")
             except httpx.TimeoutException:
                 state["metrics"].failed.labels("timeout").inc()
-                return _error(APIError(504, f"replica {url} did not answer within {config.request_timeout} s", type="server_error"))
+                return _error(
+                    APIError(504, f"replica {url} did not answer within {config.request_timeout} s", type="server_error")
+                )
             finally:
                 await resp.aclose()
                 router.finished(url)
@@ -269,7 +273,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
                 decision = router.route(ids or [0], exclude=tried)
             except RuntimeError:
                 break
-            url = decision.replica
+            url = cast(str, decision.replica)  # the front's router is built on replica URLs
             tpb = router.tokens_per_block or 0
             metrics.request_routed(url, len(ids or ()), decision.match.blocks * tpb)
             out = await forward(request, url, path, body, parsed.stream)
@@ -318,7 +322,9 @@ def build_router_app(config: RouterConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        async with httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        ) as client:
             rs = ReplicaSet(router, client, tokenizer=tokenizer, tokenizer_spec=config.tokenizer,
                             health_timeout=config.health_timeout)
             state.update(client=client, replicas=rs, metrics=RouterMetrics(rs))
@@ -342,7 +348,8 @@ def build_router_app(config: RouterConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: http_error},
+        # starlette types every handler as taking Exception; this one is registered for HTTPException only
+        exception_handlers={HTTPException: http_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
     app.state.router = router

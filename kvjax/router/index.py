@@ -70,7 +70,7 @@ class PrefixIndex:
         events = list(batch.events)
         hashes = [self._checked(ev) for ev in events]
         with self._lock:
-            for ev, hs in zip(events, hashes):
+            for ev, hs in zip(events, hashes, strict=True):
                 self._apply_event(replica, ev, hs)
 
     def apply_event(self, replica: Hashable, ev) -> None:
@@ -103,7 +103,7 @@ class PrefixIndex:
         elif isinstance(ev, BlockRemoved):
             group = ev.group_idx or 0
             bit = self._bit(ev.medium)
-            held = self._held.get(replica)
+            held = self._held.get(replica, set())
             for h in hashes:
                 key = (group, h)
                 where = self._where.get(key)

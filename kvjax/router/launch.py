@@ -43,7 +43,7 @@ class RouterThread:
     def replicas(self):
         return self.app.state.replicas
 
-    def start(self) -> "RouterThread":
+    def start(self) -> RouterThread:
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout
         while not self.server.started:
@@ -59,7 +59,7 @@ class RouterThread:
             self.server.force_exit = True
             self._thread.join(5)
 
-    def __enter__(self) -> "RouterThread":
+    def __enter__(self) -> RouterThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -19,8 +19,9 @@ class _ReplicaCollector:
     def collect(self):
         rs = self.replicas
         available = GaugeMetricFamily("kvjax_router_replica_available", "1 while the replica is routed to", labels=["replica"])
-        in_flight = GaugeMetricFamily("kvjax_router_replica_requests_in_flight", "Requests routed to the replica and not finished",
-                                      labels=["replica"])
+        in_flight = GaugeMetricFamily(
+            "kvjax_router_replica_requests_in_flight", "Requests routed to the replica and not finished", labels=["replica"]
+        )
         blocks = GaugeMetricFamily("kvjax_router_index_blocks", "Cached blocks the router's index holds for the replica "
                                    "(learned from its KV events)", labels=["replica"])
         restarts = CounterMetricFamily("kvjax_router_replica_restarts", "Replica restarts seen by health checks",

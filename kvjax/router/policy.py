@@ -111,8 +111,8 @@ class KVAwarePolicy(RoutingPolicy):
     def _choose(self, prompt_tokens, candidates):
         n = len(candidates)
         scores = self.scores(prompt_tokens, candidates)
-        eligible = [i for i in range(n) if scores[i] is not None]
-        return min(eligible, key=lambda i: (-scores[i], candidates[i].load, self._rotation(i, n)))
+        eligible = {i: s for i, s in enumerate(scores) if s is not None}
+        return min(eligible, key=lambda i: (-eligible[i], candidates[i].load, self._rotation(i, n)))
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -25,9 +25,13 @@ import dataclasses
 import logging
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 from kvjax.router.router import Router
+
+if TYPE_CHECKING:
+    from kvjax.kv_events.subscriber import KVEventSubscriber
 
 log = logging.getLogger("kvjax.router")
 
@@ -51,6 +55,8 @@ def connect_endpoint(endpoint: str, replica_url: str) -> str:
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
     if host in _WILDCARD_HOSTS:
         replica_host = urlsplit(replica_url).hostname
+        if replica_host is None:
+            raise ValueError(f"replica URL {replica_url!r} names no host to reach {endpoint} on")
         if ":" in replica_host:
             replica_host = f"[{replica_host}]"
         return f"tcp://{replica_host}:{port}"
@@ -75,7 +81,7 @@ class Replica:
     problem: str | None = "not checked yet"  # why it is not routed to
     instance_id: str | None = None
     info: dict | None = None
-    subscriber: object | None = None
+    subscriber: KVEventSubscriber | None = None
     generation: int = 0  # bumped whenever the index must stop taking this replica's batches
     restarts: int = 0  # instance changes seen by health checks
     marked_down: int = 0
@@ -93,7 +99,8 @@ class ReplicaSet:
                  health_timeout: float = 2.0) -> None:
         self.router = router
         self.client = client  # an httpx.AsyncClient
-        self.replicas = {url: Replica(url) for url in router.replicas}
+        # a ReplicaSet's router is built on the replicas' base URLs
+        self.replicas = {url: Replica(url) for url in cast(list[str], router.replicas)}
         for url in router.replicas:
             router.set_available(url, False)  # nothing is routed before a health check says so
         self.tokenizer = tokenizer
@@ -109,7 +116,7 @@ class ReplicaSet:
         first."""
         reps = list(self.replicas.values())
         answers = await asyncio.gather(*(self._ask(r) for r in reps))
-        for rep, answer in zip(reps, answers):
+        for rep, answer in zip(reps, answers, strict=True):
             await self._apply_answer(rep, answer)
 
     async def run(self, interval: float) -> None:
@@ -212,6 +219,8 @@ class ReplicaSet:
         router = self.router
         tpb, kind = info.get("tokens_per_block"), info.get("hash_kind")
         if router.tokens_per_block is None:
+            if not isinstance(tpb, int) or not isinstance(kind, str):
+                return f"incompatible: cannot hash like it (tokens_per_block {tpb!r}, hash_kind {kind!r})"
             try:
                 router.configure_hashing(tpb, kind)
             except (ValueError, TypeError) as e:

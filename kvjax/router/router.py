@@ -75,7 +75,7 @@ class Router:
             raise RuntimeError("no replica is available")
         hashes = self.request_hashes(prompt, lora_task_id=lora_task_id, cache_salt=cache_salt)
         matches = self.index.match(hashes, live)
-        tpb = self.tokens_per_block
+        tpb = self.tokens_per_block or 0  # not known yet: no prompt was hashed, nothing matched
         candidates = [
             Candidate(r, self.loads[r], matches[r].gpu_blocks * tpb, matches[r].other_blocks * tpb) for r in live
         ]

@@ -30,6 +30,7 @@ import dataclasses
 import heapq
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -78,7 +79,8 @@ def simulated_tokens(seeds: np.ndarray, indices: np.ndarray, vocab_size: int, av
     max_new_tokens). The same request gets the same tokens wherever it runs."""
     x = (np.asarray(seeds, np.uint64) * np.uint64(0x9E3779B97F4A7C15)
          + np.asarray(indices, np.uint64) * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x632BE59BD9B4E019))
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser
+    # numpy's stubs type uint64 array * uint64 scalar as float64; it stays uint64 at run time
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # type: ignore[operator]  # splitmix64's finaliser
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
     out = (x % np.uint64(vocab_size - 1)).astype(np.int64) + 1  # [n] in [1, vocab)
@@ -169,7 +171,9 @@ class SimReplica:
         self.rid = rid
         self.config = dataclasses.replace(cache_config, event_buffer_max_size=EVENT_BUFFER)
         runner = TimeModelRunner(vocab_size, avoid)
-        self.core = EngineCore(Engine(runner.model, EngineConfig(scheduler), runner=runner), self.config, clock=clock)
+        # duck-typed stand-ins: the time model answers ModelRunner's calls, the virtual clock ServingClock's
+        engine = Engine(runner.model, EngineConfig(scheduler), runner=runner)  # type: ignore[arg-type]
+        self.core = EngineCore(engine, self.config, clock=clock)  # type: ignore[arg-type]
         self.adapter = LedgerEventAdapter(self.config, data_parallel_rank=rid)
         self.time_model = time_model
         self.busy = False
@@ -340,7 +344,7 @@ def simulate(
 
     while heap:
         t, _, _, kind, payload = heapq.heappop(heap)
-        for i, rep in enumerate(reps):
+        for i in range(len(reps)):
             outstanding_area[i] += router.loads[i] * (t - last_t)
         last_t = clock.t = t
         if kind == "arrive":
@@ -350,7 +354,7 @@ def simulate(
                                  f"{item.max_new_tokens} exceed max_seq_len={cache_config.max_seq_len}")
             decision = router.route(prompt, lora_task_id=item.lora_task_id, cache_salt=item.cache_salt)
             predicted += decision.match.blocks * cache_config.tokens_per_block
-            rep = reps[decision.replica]
+            rep = reps[cast(int, decision.replica)]  # the simulated replicas are numbered
             arrival[item.request_id] = t
             where[item.request_id] = rep.rid
             rep.add(item, prompt)
@@ -438,9 +442,9 @@ def format_table(results: Sequence[SimResult], reference: SimResult | None = Non
                      f"{r.ttft_p99_s * 1e3:.0f}", f"{r.imbalance:.2f}", f"{r.imbalance_outstanding:.2f}",
                      f"{r.makespan_s:.1f}", " ".join(map(str, r.routed))))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
     for row in rows:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     return "\n".join(lines)
 
 

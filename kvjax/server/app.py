@@ -221,6 +221,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
                     raise bad("this model has no tokenizer: send the prompt as token ids", param="prompt")
                 text, ids = parsed.prompt, tokenizer.encode(parsed.prompt, add_special_tokens=True)
             else:
+                assert parsed.prompt is not None  # a completion request without a prompt was refused when parsed
                 text, ids = None, list(parsed.prompt)
             max_tokens = parsed.max_tokens if parsed.max_tokens is not None else 16
             check_fits(ids, max_tokens, "prompt")
@@ -327,7 +328,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
             Route("/kv_events_info", kv_events_info, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: http_error, Exception: server_error},
+        # starlette types every handler as taking Exception; http_error is registered for HTTPException only
+        exception_handlers={HTTPException: http_error, Exception: server_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
     app.state.engine_loop = loop_

@@ -74,6 +74,7 @@ class OutputStream:
         if self._error is not None:
             raise self._error
         out = self._latest
+        assert out is not None  # the event is set only after an output (or an error) arrived
         if out.finished:
             self.finished = True
         return out
@@ -254,8 +255,9 @@ class EngineLoop:
             return
         n = len(out.outputs[0].token_ids)
         if self.metrics is not None and n:
-            first = stream.last_token_time is None
-            since = now - (stream.arrival if first else stream.last_token_time)
+            last = stream.last_token_time
+            first = last is None
+            since = now - (stream.arrival if last is None else last)
             new = n - stream.tokens_seen
             if new > 0:
                 self.metrics.request_tokens(first, since, new)

@@ -41,7 +41,9 @@ class ServerThread:
     """`with ServerThread(engine, config) as srv: ... srv.url ...`: a server on 127.0.0.1 and a
     free port, running in this process until `stop()` (or the end of the `with`)."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig, *, log_level: str = "warning", start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, engine: LLMEngine, config: ServerConfig, *, log_level: str = "warning", start_timeout: float = 30.0
+    ) -> None:
         self.app = build_app(engine, config)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -56,7 +58,7 @@ class ServerThread:
     def engine_loop(self):
         return self.app.state.engine_loop
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout
         while not self.server.started:
@@ -72,7 +74,7 @@ class ServerThread:
             self.server.force_exit = True
             self._thread.join(5)
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

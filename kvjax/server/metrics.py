@@ -26,12 +26,24 @@ class ServerMetrics:
         def counter(name, doc, extra=()):
             return Counter(name, doc, labels + extra, registry=r)
 
-        self.blocks_used = gauge("kvjax_kv_blocks_used", "KV cache blocks referenced by requests (primary) or holding offloaded KV (secondary)", ("tier",))
-        self.blocks_free = gauge("kvjax_kv_blocks_free", "KV cache blocks free for allocation (cached but unreferenced blocks count as free)", ("tier",))
+        self.blocks_used = gauge(
+            "kvjax_kv_blocks_used",
+            "KV cache blocks referenced by requests (primary) or holding offloaded KV (secondary)",
+            ("tier",),
+        )
+        self.blocks_free = gauge(
+            "kvjax_kv_blocks_free",
+            "KV cache blocks free for allocation (cached but unreferenced blocks count as free)",
+            ("tier",),
+        )
         self.running = gauge("kvjax_num_requests_running", "Requests in the ledger (prefill or decode)")
         self.waiting = gauge("kvjax_num_requests_waiting", "Requests queued for admission (new or paused)")
-        self.hit_rate = gauge("kvjax_prefix_cache_hit_rate", "Prompt tokens reused from the prefix cache / prompt tokens admitted, since start")
-        self.block_hit_rate = gauge("kvjax_prefix_cache_block_hit_rate", "Ledger block hit rate: reused / (reused + missed) blocks, since start")
+        self.hit_rate = gauge(
+            "kvjax_prefix_cache_hit_rate", "Prompt tokens reused from the prefix cache / prompt tokens admitted, since start"
+        )
+        self.block_hit_rate = gauge(
+            "kvjax_prefix_cache_block_hit_rate", "Ledger block hit rate: reused / (reused + missed) blocks, since start"
+        )
         self.reused = counter("kvjax_prompt_tokens_reused", "Prompt tokens whose KV came from the prefix cache")
         self.computed = counter("kvjax_prompt_tokens_computed", "Prompt tokens run through the model (prefill)")
         self.generated = counter("kvjax_generation_tokens", "Tokens generated")

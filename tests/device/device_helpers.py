@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import CacheConfig
-from kvjax.device import allocate_pools
 from kvjax.device.pools import KVPools
 
 DTYPES = ("float32", "bfloat16")
@@ -30,7 +29,7 @@ def fill(pools: KVPools, seed: int = 0) -> KVPools:
     rng = np.random.default_rng(seed)
     ba = pools.block_axis
     prim, sec = [], []
-    for a, s in zip(pools.primary, pools.secondary):
+    for a, s in zip(pools.primary, pools.secondary, strict=True):
         x = rng.standard_normal(a.shape).astype(np.float32)
         if ba == 0:
             x[-1] = 0
@@ -54,9 +53,9 @@ def snapshot(pools: KVPools):
 
 def assert_pools_equal(pools: KVPools, expected) -> None:
     prim, sec = snapshot(pools)
-    for i, (a, e) in enumerate(zip(prim, expected[0])):
+    for i, (a, e) in enumerate(zip(prim, expected[0], strict=True)):
         np.testing.assert_array_equal(a, e, err_msg=f"primary pool {i}")
-    for i, (a, e) in enumerate(zip(sec, expected[1])):
+    for i, (a, e) in enumerate(zip(sec, expected[1], strict=True)):
         if e is not None:
             np.testing.assert_array_equal(a, e, err_msg=f"secondary pool {i}")
 
@@ -81,7 +80,7 @@ def random_tables(rng, pool, batch: int, max_blocks: int, tpb: int, *, disjoint:
 def assert_pools_match(a: KVPools, b: KVPools) -> None:
     """Every array of two pools equal (primary, secondary and, for FP8, their scales)."""
     arrays = lambda p: (*p.primary, *p.secondary, *p.primary_scales, *p.secondary_scales)  # noqa: E731
-    for i, (x, y) in enumerate(zip(arrays(a), arrays(b))):
+    for i, (x, y) in enumerate(zip(arrays(a), arrays(b), strict=True)):
         assert (x is None) == (y is None)
         if x is not None:
             np.testing.assert_array_equal(np.array(jnp.copy(x)), np.array(jnp.copy(y)), err_msg=f"array {i}")

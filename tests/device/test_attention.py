@@ -38,12 +38,16 @@ def test_matches_reference_and_dense(filled, impl):
         out = paged_attention(q, pools, layer, table, lens, impl=impl)
         assert out.shape == q.shape and out.dtype == q.dtype
         ref = reference(q, pools, layer, jnp.asarray(table), jnp.asarray(lens))
-        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=TOL[cfg.dtype], rtol=TOL[cfg.dtype])
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=TOL[cfg.dtype], rtol=TOL[cfg.dtype]
+        )
         if impl != "xla":
             continue
         k, v = gather_kv(pools, layer, table, lens)
         d = dense(q, k, v, jnp.asarray(lens), scale=1 / 4.0, window=cfg.layer_windows[layer])
-        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(d, np.float32), atol=TOL[cfg.dtype], rtol=TOL[cfg.dtype])
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(d, np.float32), atol=TOL[cfg.dtype], rtol=TOL[cfg.dtype]
+        )
         qpos = lens[:, None] - q_len + np.arange(q_len)[None]
         assert not np.asarray(out, np.float32)[qpos < 0].any(), "padding queries must return zeros"
 

@@ -104,7 +104,7 @@ def test_write_matches_reference(layout, impl):
     pools = allocate_pools(cfg)
     rng = np.random.default_rng(2 if impl == "xla" else 3)
     tpb = cfg.tokens_per_block
-    for step in range(6):
+    for _step in range(6):
         n = 8
         blocks = rng.choice(cfg.pools[0].primary_blocks, 3, replace=False)
         pos = rng.choice(3 * tpb, n, replace=False)
@@ -183,7 +183,10 @@ def test_capacity_counts_the_scales():
     pools = allocate_pools(cfg)
     per_block = sum(cfg.cache_size_per_token.values()) * cfg.tokens_per_block
     assert pools.nbytes == per_block * (cfg.pools[0].num_slots)
-    assert sum(cfg.kv_scale_bytes_per_token.values()) * cfg.tokens_per_block == sum(s.nbytes for s in pools.primary_scales) / cfg.pools[0].num_slots
+    assert (
+        sum(cfg.kv_scale_bytes_per_token.values()) * cfg.tokens_per_block
+        == sum(s.nbytes for s in pools.primary_scales) / cfg.pools[0].num_slots
+    )
     bf16 = make_config(num_kv_heads=(2, 4), attention_windows=None, secondary_blocks=0, dtype="bfloat16",
                        num_layers=2, head_dim=8, tokens_per_block=4)
     assert all(s is None for s in allocate_pools(bf16).primary_scales) and not any(bf16.kv_scale_bytes_per_token.values())
@@ -194,8 +197,9 @@ def test_capacity_counts_the_scales():
 # ------------------------------------------------------------------------------ accuracy
 # Tolerances, with margin above the figures measured on these seeds (attention at q_len 4:
 # rms 0.053, max 0.100; seeds 0-4 spread 0.028-0.064 / 0.038-0.106; greedy: teacher-forced
-# agreement 0.927, prefix before the first difference 0.578). e4m3 keeps 3 mantissa bits: a value is off by up to 2^-4 of itself, so a
-# few % is the format's floor. Larger runs: benchmarks/fp8_accuracy.py and docs/device.md.
+# agreement 0.927, prefix before the first difference 0.578). e4m3 keeps 3 mantissa bits: a
+# value is off by up to 2^-4 of itself, so a few % is the format's floor. Larger runs:
+# benchmarks/fp8_accuracy.py and docs/device.md.
 ATTN_MAX_REL, ATTN_RMS_REL = 0.15, 0.08
 GREEDY_FORCED_AGREE, GREEDY_PREFIX = 0.90, 0.50
 

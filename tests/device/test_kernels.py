@@ -45,7 +45,7 @@ def test_mgpu_gather_pages_interpret(layout):
     layer = jnp.array([1], jnp.int32)
     got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layout=layout, interpret=interp()))(pool, table, lens, layer)
     want = gather_pages.gather_pages_portable(pool, table, lens, layer, layout=layout)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert_no_races()
 

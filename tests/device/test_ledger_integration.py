@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 
 from kvjax import CacheConfig, KVCacheManager, OutOfBlocksError, Request, TransferKind
-from kvjax.device import allocate_pools, apply_transfers, build_kvcache_offsets, gather_kv, pad_block_table, pad_seq_lens, pad_slot_mapping, write_kv
+from kvjax.device import (
+    allocate_pools,
+    apply_transfers,
+    build_kvcache_offsets,
+    gather_kv,
+    pad_block_table,
+    pad_seq_lens,
+    pad_slot_mapping,
+    write_kv,
+)
 
 TPB, LAYERS, HEADS, DIM = 4, 2, 1, 4
 
@@ -126,7 +135,7 @@ def test_ledger_driven_integrity(layout, impl, dtype):
     rng = np.random.default_rng(7)
     systems = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
     next_id = 0
-    for step in range(40 if impl == "xla" else 16):
+    for _step in range(40 if impl == "xla" else 16):
         live = sorted(eng.tokens)
         action = rng.random()
         if action < 0.45 or not live:

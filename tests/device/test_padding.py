@@ -45,7 +45,7 @@ def test_adversarial_tables_and_slots_never_cross_requests(dtype, impl):
     pools = allocate_pools(cfg)
     gather = jax.jit(lambda p, t, s: gather_kv(p, 0, t, s, impl=impl, dtype=jnp.float32))
     written = np.zeros((reqs,), int)
-    for step in range(3):
+    for _step in range(3):
         # each request writes its next 4 positions; padding/junk entries aimed at forbidden places
         sm, ks, vs = [], [], []
         for r in range(reqs):
@@ -81,7 +81,8 @@ def test_adversarial_tables_and_slots_never_cross_requests(dtype, impl):
         # attention over a table of junk only: every query sees zero keys and values
         q = jnp.ones((reqs, 1, 2 * HEADS, DIM), jnp.float32)
         junk_table = jnp.asarray(rng.choice(junk, (reqs, 4)), jnp.int32)
-        out = jax.jit(lambda p, t, s: paged_attention(q, p, 0, t, s, impl=impl))(pools, junk_table, jnp.asarray(lens, jnp.int32))
+        attend = jax.jit(lambda p, t, s: paged_attention(q, p, 0, t, s, impl=impl))  # noqa: B023  # called at once
+        out = attend(pools, junk_table, jnp.asarray(lens, jnp.int32))
         assert not np.asarray(out).any()
 
 

@@ -13,7 +13,7 @@ def test_shapes_and_memory_kinds(layout):
     cfg = make_config(layout=layout, dtype="bfloat16")
     pools = allocate_pools(cfg)
     assert isinstance(pools, KVPools) and len(pools.primary) == len(cfg.pools) == 2
-    for pool, prim, sec in zip(cfg.pools, pools.primary, pools.secondary):
+    for pool, prim, sec in zip(cfg.pools, pools.primary, pools.secondary, strict=True):
         inner = (2, pool.num_kv_heads, 4, pool.head_dim)
         lead = (pool.num_slots, pool.num_layers) if layout == "block_first" else (pool.num_layers, pool.num_slots)
         assert prim.shape == lead + inner and prim.dtype == np.dtype("bfloat16")

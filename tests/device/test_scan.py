@@ -34,7 +34,7 @@ def layer_step(p, x, pools, layer, table, seq_lens, slots, impl, pool=None):
 
 def unrolled(params, x, pools, table, seq_lens, slots, impl="xla"):
     for layer in range(params["wq"].shape[0]):
-        p = jax.tree.map(lambda a: a[layer], params)
+        p = jax.tree.map(lambda a: a[layer], params)  # noqa: B023  # mapped at once, not kept
         x, pools = layer_step(p, x, pools, layer, table, seq_lens, slots, impl)
     return x, pools
 
@@ -148,7 +148,7 @@ def test_several_pools_need_a_static_pool():
     # layer 3 lives in pool 1: with pool=0 it is outside the pool: nothing written, zeros read
     before = [np.array(jnp.copy(a)) for a in pools.primary]
     pools = jax.jit(lambda p: write_kv(p, jnp.int32(3), k * 9, k, slots, pool=0))(pools)
-    for a, b in zip(pools.primary, before):
+    for a, b in zip(pools.primary, before, strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     out = jax.jit(lambda p: gather_kv(p, jnp.int32(3), jnp.zeros((1, 1), jnp.int32), jnp.array([4]), pool=0)[0])(pools)
     assert not np.asarray(out).any()

@@ -29,8 +29,14 @@ def test_sharded_matches_single_device(mesh, impl):
     sharded = allocate_pools(cfg, sharding=mesh)
     assert sharded.primary[0].sharding.spec[3] == "kv"
     assert sharded.secondary[0].sharding.memory_kind == "pinned_host"
-    sharded = sharded.replace(primary=tuple(jax.device_put(np.asarray(a), b.sharding) + 0 for a, b in zip(single.primary, sharded.primary)),
-                              secondary=tuple(jax.device_put(np.asarray(a), b.sharding) for a, b in zip(single.secondary, sharded.secondary)))
+    sharded = sharded.replace(
+        primary=tuple(
+            jax.device_put(np.asarray(a), b.sharding) + 0 for a, b in zip(single.primary, sharded.primary, strict=True)
+        ),
+        secondary=tuple(
+            jax.device_put(np.asarray(a), b.sharding) for a, b in zip(single.secondary, sharded.secondary, strict=True)
+        ),
+    )
     assert sharded.primary[0].addressable_shards[0].data.shape[3] == 1
     rng = np.random.default_rng(0)
     pool = cfg.pools[0]
@@ -50,7 +56,7 @@ def test_sharded_matches_single_device(mesh, impl):
         kk, vv = gather_kv(pools, 1, table, lens, impl=impl)
         o = paged_attention(q, pools, 1, table, lens, impl=impl)
         outs.append([np.asarray(x) for x in (*pools.primary, kk, vv, o)])
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -95,5 +101,5 @@ def test_sharded_fp8_matches_single_device(mesh, impl="pallas"):
         arrays = (*pools.primary, *pools.secondary, *pools.primary_scales, *pools.secondary_scales)
         outs.append([np.asarray(x, np.float32) for x in (*arrays, kk, vv, o)])
     assert outs[0][2].max() > 1  # scales grew past the first write's
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)

@@ -98,7 +98,7 @@ def test_decode_loop_built_with_the_helpers_matches_dense_attention():
     k_all = rng.standard_normal((3, 16, 2, 8)).astype(np.float32)
     pools = allocate_pools(cfg)
     seq, chunk = prompt.copy(), prompt.copy()
-    for step in range(4):
+    for _step in range(4):
         s = step_inputs(cfg, table, seq, chunk)
         b, t, _ = s.shape
         k = np.zeros((b, t, 2, 8), np.float32)

@@ -63,8 +63,13 @@ def test_sequential_runs_keep_order_per_pool():
     plan = TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 2, 4), (K.OFFLOAD, 1, 0, 2, 4), (K.ONBOARD, 0, 1, 0, 4),
                                   (K.ONBOARD, 1, 1, 0, 4), (K.COPY, 0, 0, 3, 2), (K.COPY, 0, 1, 4, 4)])
     runs = [(p, k, n, ops[:, :n].tolist()) for p, k, ops, n in tr.split_runs(cfg, plan)]
-    assert runs == [(0, K.OFFLOAD, 1, [[0], [2], [4]]), (0, K.ONBOARD, 1, [[1], [0], [4]]),
-                    (0, K.COPY, 2, [[0, 1], [3, 4], [2, 4]]), (1, K.OFFLOAD, 1, [[0], [2], [4]]), (1, K.ONBOARD, 1, [[1], [0], [4]])]
+    assert runs == [
+        (0, K.OFFLOAD, 1, [[0], [2], [4]]),
+        (0, K.ONBOARD, 1, [[1], [0], [4]]),
+        (0, K.COPY, 2, [[0, 1], [3, 4], [2, 4]]),
+        (1, K.OFFLOAD, 1, [[0], [2], [4]]),
+        (1, K.ONBOARD, 1, [[1], [0], [4]]),
+    ]
 
 
 def test_hazards_split_segments_and_war_does_not():
@@ -77,7 +82,10 @@ def test_hazards_split_segments_and_war_does_not():
     # two writes to one slot (write after write: two segments)
     assert len(split_segments(cfg, TransferPlan.from_ops([(K.COPY, 0, 1, 3, 4), (K.COPY, 0, 2, 3, 2)]))) == 2
     # same slot numbers in different pools or tiers do not conflict
-    assert len(split_segments(cfg, TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 2, 4), (K.COPY, 1, 2, 0, 4), (K.OFFLOAD, 0, 2, 0, 4)]))) == 1
+    assert (
+        len(split_segments(cfg, TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 2, 4), (K.COPY, 1, 2, 0, 4), (K.OFFLOAD, 0, 2, 0, 4)])))
+        == 1
+    )
     segs = split_segments(cfg, TransferPlan.from_ops([(K.COPY, 0, 1, 3, 4)] * 1 + [(K.COPY, 0, 2, 4, 4), (K.COPY, 0, 0, 5, 4)]))
     assert segs[0].cp_src.shape == (2, 4) and not segs[0].partial  # 3 copies bucketed to 4
 

@@ -87,7 +87,7 @@ def test_bucketed_steps_do_not_retrace():
     write_mod._write_xla = chex.assert_max_traces(orig_w, n=1)
     try:
         jax.clear_caches()
-        for step in range(4):
+        for _step in range(4):
             table, lens = random_tables(rng, pool, 4, 8, cfg.tokens_per_block)
             k, v, sm = _tokens(rng, pool, 8, cfg.tokens_per_block, "float32")
             pools = write_kv(pools, 0, k, v, sm, impl="xla")

@@ -47,7 +47,7 @@ class Served:
         if key not in self._dense:
             max_new = [len(result.outputs[i]) for i in ids]
             out = dense_greedy(self.model, [result.prompts[i] for i in ids], max_new, eos_id=eos_id, forward=self.dense_forward)
-            self._dense[key] = dict(zip(ids, out))
+            self._dense[key] = dict(zip(ids, out, strict=True))
         return self._dense[key]
 
 

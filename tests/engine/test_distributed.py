@@ -84,7 +84,7 @@ def test_two_processes_match_one_and_stop_together_on_divergence(tmp_path):
     assert r0["outputs"] == single["outputs"] and len(single["outputs"]) == 7
     assert r0["reused"] == single["reused"] > 0  # same prefix reuse (the follow-up and the shared system prompt)
     assert r0["copied"] == single["copied"] > 0  # a partial block copied on the cross-process pools
-    diff = max(abs(a - b) for k in single["logits"] for a, b in zip(r0["logits"][k], single["logits"][k]))
+    diff = max(abs(a - b) for k in single["logits"] for a, b in zip(r0["logits"][k], single["logits"][k], strict=True))
     assert diff < 1e-4, diff
 
     for r in (r0, r1):  # process 1 corrupted its ledger after 3 steps: both stop at the next step's check

@@ -36,7 +36,9 @@ class FlakyTransfers:
         failed = list(range(0, len(ops), 2))
         kept = TransferPlan.from_ops([op for i, op in enumerate(ops) if i not in failed])
         self.failed_ops += len(failed)
-        raise TransferError(f"injected failure of ops {failed} of plan {plan.seq}", op_indices=failed, pools=self.real(pools, kept, **kw))
+        raise TransferError(
+            f"injected failure of ops {failed} of plan {plan.seq}", op_indices=failed, pools=self.real(pools, kept, **kw)
+        )
 
 
 def run_flaky(served, monkeypatch, every, partial, users=4):

@@ -2,6 +2,8 @@
 while others run, outputs per step, aborts that free and store blocks, rejection at
 `add_request`, stop tokens / strings / EOS, streaming text that only grows, seeded sampling,
 LPM vs FCFS end to end, and prefix-cache resets; greedy tokens equal the dense oracle's."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -47,7 +49,7 @@ def drain(engine, steps=None):
 def dense(micro, ps, max_new):
     """The dense oracle, one prompt at a time (batch-1 shapes only: few compilations)."""
     max_new = [max_new] * len(ps) if isinstance(max_new, int) else max_new
-    return [dense_greedy(micro.model, [p], n, forward=micro.dense_forward)[0] for p, n in zip(ps, max_new)]
+    return [dense_greedy(micro.model, [p], n, forward=micro.dense_forward)[0] for p, n in zip(ps, max_new, strict=True)]
 
 
 def test_requests_arrive_while_others_run(micro):
@@ -103,7 +105,7 @@ def test_abort_frees_and_stores_blocks(micro):
     assert done == {f"r{i}" for i in range(4)} - aborted
     idx = sorted(int(r[1:]) for r in done)
     want = dense(micro, [ps[i] for i in idx], 20)
-    for i, w in zip(idx, want):
+    for i, w in zip(idx, want, strict=True):
         assert rest[f"r{i}"][-1].outputs[0].token_ids == w
     eng.core.verify_idle()
     assert led.stats().used_num_blocks == 0
@@ -178,7 +180,7 @@ def test_stop_tokens_strings_and_eos(micro, tok):
     assert final.text == text[:j] and (final.finish_reason, final.stop_reason) == ("stop", stop)
     assert len(final.token_ids) < len(ids) and ids[: len(final.token_ids)] == final.token_ids
     texts = [o.outputs[0].text for o in outs]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # streamed text only grows
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # streamed text only grows
     assert all(stop not in t for t in texts)
     eng.core.verify_idle()
     eng2.core.verify_idle()
@@ -191,7 +193,7 @@ def test_streamed_text_is_stable_and_whole(micro, tok):
     eng.add_request("a", "héllo wörld ✓", SamplingParams(max_tokens=40, temperature=1.0, seed=5))
     outs = drain(eng)["a"]
     texts = [o.outputs[0].text for o in outs]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
     final = outs[-1].outputs[0]
     assert final.text == tok.decode(final.token_ids)
     assert outs[-1].prompt == "héllo wörld ✓" and outs[-1].prompt_token_ids == tok.encode("héllo wörld ✓")

@@ -25,7 +25,7 @@ _order = iter(range(10**6))
 def admit(led, reqs, *, done=True):
     """What the engine does on admission; `done` also finishes prefill (stores the context)."""
     pre = led.add_sequences([r.ledger_request() for r in reqs])
-    for r, p in zip(reqs, pre):
+    for r, p in zip(reqs, pre, strict=True):
         r.context, r.context_pos, r.phase, r.order = list(r.prompt), p, Phase.CONTEXT, next(_order)
         led.set_context_position(r.request_id, p)
         if done:
@@ -162,7 +162,9 @@ def test_deferral_waits_for_a_shared_prefix_in_prefill():
     s = scheduler(led, GNE).schedule([a, c], [b])
     assert [r.request_id for r in s.admit] == ["b"]
     assert admit(led, s.admit) == [24]  # b reuses a's stored system prompt
-    no_defer = scheduler(ledger(primary=64), GNE, defer_shared_prefix=False).schedule([], [req("a", a.prompt), req("b", b.prompt)])
+    no_defer = scheduler(ledger(primary=64), GNE, defer_shared_prefix=False).schedule(
+        [], [req("a", a.prompt), req("b", b.prompt)]
+    )
     assert len(no_defer.admit) == 2
 
 

@@ -1,5 +1,6 @@
 """Workload traces: deterministic from the seed, shaped like their traffic, loadable from files."""
 import collections
+import itertools
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_few_shot_prefixes_nest():
         by_task[task].append((int(k[1:]), it.tokens[:-3]))  # prefix without the query
     for prefixes in by_task.values():
         prefixes.sort()
-        for (k1, p1), (k2, p2) in zip(prefixes, prefixes[1:]):
+        for (_, p1), (_, p2) in itertools.pairwise(prefixes):
             assert p2[: len(p1)] == p1  # fewer shots: a prefix of more shots
 
 

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kvjax import InvalidRequestError, KVCacheManager, OutOfBlocksError, Request
-from ledger_helpers import SlotModel, make_config, plan_ops, tag
+from ledger_helpers import SlotModel, make_config, tag
 
 R = range
 
@@ -38,10 +38,10 @@ class Model:
         ps = self.m.add_sequences(requests)
         plan = self.m.take_transfers()
         self.slots.apply(plan)
-        for r, p in zip(requests, ps):
+        for r, p in zip(requests, ps, strict=True):
             self.tokens[r.request_id] = list(r.prompt)
             self.check(r.request_id, p)  # reused positions already hold this request's KV
-        for r, p in zip(requests, ps):
+        for r, p in zip(requests, ps, strict=True):
             table = self.m.block_table([r.request_id])[0]
             for i in range(p, len(r.prompt)):
                 self.slots.write(64, int(table[i // 4]), i % 4, tag(None, None, r.prompt, i))
@@ -147,14 +147,18 @@ def _random_config(rng):
         primary_blocks=rng.randint(5, 14),
         secondary_blocks=rng.choice([0, 0, 1, 3]),
         max_beam_width=rng.choice([1, 2]),
-        **rng.choice([{}, {}, dict(copy_on_partial_reuse=False), dict(enable_partial_reuse=False), dict(enable_block_reuse=False)]),
+        **rng.choice(
+            [{}, {}, dict(copy_on_partial_reuse=False), dict(enable_partial_reuse=False), dict(enable_block_reuse=False)]
+        ),
     )
     shape = rng.choice(["full", "swa", "vswa"])
     if shape == "swa":
         kw.update(attention_windows=(rng.choice([3, 5, 2 * tpb + 1]),))
     elif shape == "vswa":
         w = rng.choice([3, 5, 2 * tpb + 1])
-        kw.update(num_layers=2, attention_windows=(16 * tpb, w), primary_blocks={16 * tpb: kw["primary_blocks"], w: rng.randint(4, 12)})
+        kw.update(
+            num_layers=2, attention_windows=(16 * tpb, w), primary_blocks={16 * tpb: kw["primary_blocks"], w: rng.randint(4, 12)}
+        )
     return make_config(**kw)
 
 

@@ -69,7 +69,9 @@ class Engine:
                         got = self.model.read(w, 0, blk.slot)[i % tpb]
                         assert got == tag(None, None, toks, i), f"window {w}: query {q} reads {got} at {i}"
             for i in range(lo, hi):
-                self.model.write(w, self.m.block(ids[i // tpb], w if len(tables) > 1 else None).slot, i % tpb, tag(None, None, toks, i))
+                self.model.write(
+                    w, self.m.block(ids[i // tpb], w if len(tables) > 1 else None).slot, i % tpb, tag(None, None, toks, i)
+                )
         self.computed[rid] = hi
 
     def rewind(self, rid, n):
@@ -255,7 +257,9 @@ def test_rewind_copy_of_a_pinned_block_without_a_free_block_raises():
     assert e.m.snapshot() == before
 
 
-@pytest.mark.parametrize(("window", "drafts", "prompt_len", "max_new"), [(8, 3, 10, 30), (9, 4, 5, 40), (5, 2, 12, 20), (16, 7, 6, 40)])
+@pytest.mark.parametrize(
+    ("window", "drafts", "prompt_len", "max_new"), [(8, 3, 10, 30), (9, 4, 5, 40), (5, 2, 12, 20), (16, 7, 6, 40)]
+)
 def test_remaining_blocks_cover_the_blocks_drafts_keep(window, drafts, prompt_len, max_new):
     """A pool of `remaining_blocks_to_completion` blocks serves a speculative request to the end
     (each step: newest token + all drafts, all rejected but one)."""

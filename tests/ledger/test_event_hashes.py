@@ -98,7 +98,9 @@ mm_keys = st.lists(st.builds(MmKey, st.binary(min_size=1, max_size=32), st.integ
 @st.composite
 def block_keys(draw):
     tokens = tuple(draw(st.lists(st.one_of(st.integers(0, 4), ints), max_size=5)))
-    extra = draw(st.one_of(st.none(), st.lists(st.one_of(st.integers(0, 4), ints), min_size=len(tokens), max_size=len(tokens)).map(tuple)))
+    extra = draw(
+        st.one_of(st.none(), st.lists(st.one_of(st.integers(0, 4), ints), min_size=len(tokens), max_size=len(tokens)).map(tuple))
+    )
     return BlockKey(
         tokens,
         extra,
@@ -140,7 +142,9 @@ def test_encoding_separates_fields_that_used_to_mix_alike():
     encodings = {canonical_key_bytes(k) for k in [base, *variants]}
     assert len(encodings) == len(variants) + 1
     # the salt is part of every block's key (not only the first one's, as in TensorRT-LLM)
-    assert sha256_block_hash(BlockKey((5,), cache_salt_id=1), b"\1" * 32) != sha256_block_hash(BlockKey((5,), cache_salt_id=2), b"\1" * 32)
+    assert sha256_block_hash(BlockKey((5,), cache_salt_id=1), b"\1" * 32) != sha256_block_hash(
+        BlockKey((5,), cache_salt_id=2), b"\1" * 32
+    )
 
 
 def test_sha256_hash_is_pinned():

@@ -55,7 +55,7 @@ def test_pruned_nodes_are_unreachable():
     prefixes = [[rng.randrange(10**6) for _ in range(8)] for _ in range(12)]  # 2 blocks each
     base = _radix_nodes_alive()
     n = 0
-    for rnd in range(6):
+    for _round in range(6):
         for p in prefixes:
             # the first store behind each prefix builds a long run (40 blocks)...
             m.add_sequence(Request(n, p + [rng.randrange(10**6) for _ in range(160)]))

@@ -18,7 +18,7 @@ def K(*tokens, **kw):
 
 def chain(tree, keys, blocks, window=W):
     node = tree.root
-    for key, b in zip(keys, blocks):
+    for key, b in zip(keys, blocks, strict=True):
         node = tree.get_or_create_child(node, key)
         tree.attach(node, window, b)
     return node

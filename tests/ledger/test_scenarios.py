@@ -11,7 +11,6 @@ import pytest
 
 from kvjax import (
     InvalidRequestError,
-    KVCacheManager,
     MultimodalItem,
     Request,
     RetentionConfig,
@@ -28,7 +27,6 @@ from ledger_helpers import (
     cached_tokens,
     free_order,
     free_queue,
-    make_config,
     make_manager,
     plan_ops,
 )

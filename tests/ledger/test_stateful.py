@@ -26,7 +26,6 @@ KV unnoticed.
 """
 from __future__ import annotations
 
-import copy
 
 import hypothesis.strategies as st
 from hypothesis import event, settings
@@ -278,11 +277,11 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         event("add_batch: ok")
         self._engine_step()
-        for req, p in zip(reqs, ps):
+        for req, p in zip(reqs, ps, strict=True):
             self._admitted(req, p)
             self._check_seq_content(req.request_id, p)
             self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
-        for req, p in zip(reqs, ps):
+        for req, p in zip(reqs, ps, strict=True):
             self._write(req.request_id, range(p, len(req.prompt)))
 
     @precondition(lambda self: self.live)
@@ -302,7 +301,7 @@ class LedgerMachine(RuleBasedStateMachine):
         except OutOfBlocksError:
             assert self.m.snapshot() == before
             return
-        for beam, t in zip(info["beams"], toks):
+        for beam, t in zip(info["beams"], toks, strict=True):
             beam.append(t)
         info["longest"] = max(info["longest"], n + 1)
         if info["extra"] is not None:

@@ -74,7 +74,7 @@ def check_snapshot(snap: tuple) -> None:
     for rid, tokens, num_tokens, _cp, per_window in sequences:
         assert len(tokens) == num_tokens, f"torn sequence {rid}: {len(tokens)} tokens, num_tokens {num_tokens}"
         for w, (beams, slots, _front) in enumerate(per_window):
-            for beam, row in zip(beams, slots):
+            for beam, row in zip(beams, slots, strict=True):
                 assert len(beam) == len(row) == -(-num_tokens // TPB), f"torn block list of {rid}"
             for b in {b for beam in beams for b in beam if b >= 0}:
                 refs[w][b] = refs[w].get(b, 0) + 1
@@ -129,7 +129,10 @@ def test_readers_never_see_a_torn_ledger():
     old = sys.getswitchinterval()
     sys.setswitchinterval(2e-5)
     try:
-        readers = [threading.Thread(target=reader_loop, args=(m, k, done, errors, counts)) for k in ("stats", "tables", "integrity", "router")]
+        readers = [
+            threading.Thread(target=reader_loop, args=(m, k, done, errors, counts))
+            for k in ("stats", "tables", "integrity", "router")
+        ]
         writer = threading.Thread(target=writer_ops, args=(m, clock, 6000, 7, done, errors))
         for t in readers:
             t.start()

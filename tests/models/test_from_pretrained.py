@@ -37,7 +37,7 @@ def prompt_logit_error(model, family: str) -> float:
     out = np.asarray(jit_dense_forward(model)(jnp.asarray(tokens)))  # [B, S, V]
     worst = 0.0
     for row, ref in enumerate(exp["logits"]):
-        for pos, values in zip(ref["positions"], ref["values"]):
+        for pos, values in zip(ref["positions"], ref["values"], strict=True):
             worst = max(worst, float(np.max(np.abs(out[row, pos] - np.asarray(values, np.float32)))))
     return worst
 
@@ -65,7 +65,9 @@ def test_default_dtype_is_the_checkpoints_and_weights_are_exact():
     assert model.spec.dtype == "bfloat16" and model.embed[...].dtype == jnp.bfloat16
     assert model.lm_head is None  # tied
     stored = read_all(FIXTURES / "llama3-tied-bf16")
-    np.testing.assert_array_equal(np.asarray(model.embed[...]).view(np.uint16), stored["model.embed_tokens.weight"].view(np.uint16))
+    np.testing.assert_array_equal(
+        np.asarray(model.embed[...]).view(np.uint16), stored["model.embed_tokens.weight"].view(np.uint16)
+    )
     q = stored["model.layers.1.self_attn.q_proj.weight"].astype(np.float32)  # [N * H, D]
     wq = np.asarray(model.blocks[1].attn.wq[...]).astype(np.float32)  # [D, N, H]
     np.testing.assert_array_equal(wq, q.reshape(4, 16, 64).transpose(2, 0, 1))

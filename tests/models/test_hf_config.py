@@ -169,7 +169,11 @@ REFUSED = [
     (LLAMA_31_8B, "model_type", {"model_type": "phi3"}),
     (LLAMA_31_8B, "quantization_config", {"quantization_config": {"quant_method": "awq", "bits": 4}}),
     (LLAMA_31_8B, "some_new_field", {"some_new_field": 1}),
-    (LLAMA_31_8B, "rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}}),
+    (
+        LLAMA_31_8B,
+        "rope_scaling",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}},
+    ),
     (LLAMA_31_8B, "rope_scaling", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
     (LLAMA_31_8B, "rope_scaling", {"rope_scaling": {**LLAMA_31_8B["rope_scaling"], "partial_rotary_factor": 0.5}}),
     (LLAMA_31_8B, "rope_scaling", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),  # incomplete
@@ -196,14 +200,24 @@ REFUSED = [
     (GEMMA3_1B, "hidden_act", {"hidden_act": "gelu"}),  # Gemma 3 reads hidden_activation only
     (GEMMA3_1B, "sliding_window", {"sliding_window": 40000}),  # no longer distinguishable from global
     (GEMMA3_1B, "layer_types", {"layer_types": ["full_attention"] * 26}),  # disagrees with the pattern
-    (GEMMA3_1B, "rope_parameters", {"rope_scaling": _DROP, "rope_parameters": {
-        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}}),
+    (
+        GEMMA3_1B,
+        "rope_parameters",
+        {
+            "rope_scaling": _DROP,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+            },
+        },
+    ),
     (GEMMA3_27B_IT, "audio_config", {"audio_config": {}}),
 ]
 
 
-@pytest.mark.parametrize(("config", "field", "change"), REFUSED, ids=[f"{c['model_type']}-{f}-{i}" for i, (c, f, _) in enumerate(REFUSED)])
+@pytest.mark.parametrize(
+    ("config", "field", "change"), REFUSED, ids=[f"{c['model_type']}-{f}-{i}" for i, (c, f, _) in enumerate(REFUSED)]
+)
 def test_unsupported_fields_are_refused_by_name(config, field, change):
     with pytest.raises(UnsupportedConfigError, match=f"'{field}'"):
         spec_from_hf_config(_edit(config, **change))

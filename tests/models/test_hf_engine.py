@@ -24,7 +24,9 @@ def items(prompts: list[list[int]], new_tokens: int) -> list[WorkItem]:
     """Prompt 0 first; 1 (shares 40 tokens) and 2 (shares 21) once 0's prompt is cached; 3 unrelated;
     then all four again after the tier has cycled."""
     arrivals = [0, 6, 10, 1]
-    out = [WorkItem(f"p{i}", tuple(p), new_tokens, arrival_step=a) for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    out = [
+        WorkItem(f"p{i}", tuple(p), new_tokens, arrival_step=a) for i, (p, a) in enumerate(zip(prompts, arrivals, strict=True))
+    ]
     out += [WorkItem(f"again{i}", tuple(p), new_tokens, arrival_step=60 + 3 * i) for i, p in enumerate(prompts)]
     return out
 
@@ -51,7 +53,22 @@ def test_engine_greedy_tokens_match_transformers(served):
         result.ledger.verify_integrity()
         results[reuse] = result.metrics.summary()
     on, off = results[True], results[False]
-    print(family, {k: on[k] for k in ("prefill_reused_tokens", "blocks_evicted", "blocks_offloaded", "blocks_onboarded", "blocks_reused_partially", "blocks_copied", "steps", "compilations")})
+    print(
+        family,
+        {
+            k: on[k]
+            for k in (
+                "prefill_reused_tokens",
+                "blocks_evicted",
+                "blocks_offloaded",
+                "blocks_onboarded",
+                "blocks_reused_partially",
+                "blocks_copied",
+                "steps",
+                "compilations",
+            )
+        },
+    )
     assert off["prefill_reused_tokens"] == 0
     assert on["prefill_reused_tokens"] >= 40 + 16  # p1 and p2 reuse their shared prefix (full blocks at least)
     assert on["blocks_evicted"] > 0 and on["blocks_offloaded"] > 0 and on["blocks_onboarded"] > 0

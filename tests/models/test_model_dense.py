@@ -54,9 +54,9 @@ def test_tiny_structure(tiny):
 
 def test_init_is_deterministic_per_seed():
     a, b, c = (Transformer.from_spec(SMALL, seed=s) for s in (7, 7, 8))
-    for x, y in zip(_params(a), _params(b)):
+    for x, y in zip(_params(a), _params(b), strict=True):
         np.testing.assert_array_equal(x, y)
-    assert any(not np.array_equal(x, y) for x, y in zip(_params(a), _params(c)))
+    assert any(not np.array_equal(x, y) for x, y in zip(_params(a), _params(c), strict=True))
 
 
 def test_untied_head_and_dtype_override():

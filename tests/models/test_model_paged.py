@@ -175,7 +175,7 @@ def test_paged_greedy_decode_matches_dense_greedy(swa):
     prompts = [rng.integers(0, 4096, n).tolist() for n in (67, 30, 0, 1)]
     sequences = [list(p) for p in prompts]
     run_schedule(model, config, sequences, ONE_SHOT, seed=7, fwd=fwd, greedy_from=[len(p) for p in prompts])
-    generated = [s[len(p):] for s, p in zip(sequences, prompts)]
+    generated = [s[len(p):] for s, p in zip(sequences, prompts, strict=True)]
     assert [len(g) for g in generated] == [4, 4, 0, 4]
     expected = dense_greedy(model, [prompts[0], prompts[1], prompts[3]], 4)
     assert [generated[0], generated[1], generated[3]] == expected

@@ -48,7 +48,7 @@ class ServeProcess:
                     self.name, "--data-parallel-rank", "0"]
         return cmd
 
-    def start(self) -> "ServeProcess":
+    def start(self) -> ServeProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.starts += 1
         with open(self.log, "ab") as out:

@@ -1,6 +1,5 @@
 """Ledger events -> wire events: each mapping of docs/kv_events.md, and a seeded random serving
 run whose wire stream rebuilds exactly the full blocks the ledger holds, per tier and group."""
-import dataclasses
 
 import pytest
 

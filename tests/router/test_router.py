@@ -6,8 +6,15 @@ import pytest
 
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
-from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockKey, cache_salt_id, prompt_block_hashes, sha256_block_hash, trtllm64_block_hash
-from kvjax.router import KVAwarePolicy, PrefixIndex, RoundRobinPolicy, Router
+from kvjax.ledger.block_key import (
+    SHA256_ROOT_HASH,
+    BlockKey,
+    cache_salt_id,
+    prompt_block_hashes,
+    sha256_block_hash,
+    trtllm64_block_hash,
+)
+from kvjax.router import KVAwarePolicy, RoundRobinPolicy, Router
 
 from kv_helpers import RandomDriver, small_config
 
@@ -61,7 +68,9 @@ def test_router_match_equals_the_replicas_reuse(seed):
         if step % 5:
             continue
         for _ in range(4):
-            prompt = list(rng.choice(drv.prefixes))[: rng.randrange(1, 30)] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 6))]
+            prompt = list(rng.choice(drv.prefixes))[: rng.randrange(1, 30)] + [
+                rng.randrange(1, 50) for _ in range(rng.randrange(0, 6))
+            ]
             lora, salt = rng.choice([None, 3]), rng.choice([None, "t1"])
             want = led.analyze_prefix_reuse(Request("probe", prompt, lora_task_id=lora, cache_salt=salt)).reusable_blocks_all
             decision = router.route(prompt, lora_task_id=lora, cache_salt=salt)
@@ -100,6 +109,15 @@ def _stored(hashes):
     from kvjax.kv_events import KVEventBatch
 
     return KVEventBatch(0.0, [BlockStored(hashes, None, [0] * 4 * len(hashes), 4, None, "GPU")])
+
+
+def test_router_routes_before_it_knows_the_block_size():
+    """A front that learns tokens_per_block from the replicas may route first: no prompt is
+    hashed, every replica matches nothing, and the load still counts."""
+    router = Router(["a", "b"], KVAwarePolicy(), tokens_per_block=None)
+    decision = router.route([1, 2, 3, 4, 5])
+    assert decision.num_hashes == 0 and decision.match.blocks == 0
+    assert router.loads[decision.replica] == 1
 
 
 def test_events_and_router_never_import_jax():

@@ -4,7 +4,6 @@ short to fill a gap, a full send queue and a publisher restart."""
 import queue
 import time
 
-import msgspec
 import pytest
 import zmq
 

@@ -65,7 +65,7 @@ def test_greedy_outputs_equal_offline_and_dense(stack, server, client):
     llm = LLM(stack.model, tokenizer=stack.tokenizer, runner=stack.runner, **OPTIONS, **ENGINE)
     prompts = ["Hello", "The sky is", "kvjax pages"]  # prompt + 8 tokens <= 16: one dense shape
     offline = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
-    for prompt, off in zip(prompts, offline):
+    for prompt, off in zip(prompts, offline, strict=True):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"return_token_ids": True})
         choice = r.choices[0]
@@ -234,7 +234,9 @@ def test_bad_requests_get_400_and_change_nothing(server, client):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
     after = metrics(server.url)
     assert core.ledger.snapshot() == snapshot and core.counters.generated_tokens == generated
-    rejected = metric(after, "kvjax_requests_rejected_total", reason="invalid") - metric(before, "kvjax_requests_rejected_total", reason="invalid")
+    rejected = metric(after, "kvjax_requests_rejected_total", reason="invalid") - metric(
+        before, "kvjax_requests_rejected_total", reason="invalid"
+    )
     assert rejected == len(BAD_BODIES) + len(BAD_CHAT) + 3 + 3
     for name in ("kvjax_prompt_tokens_computed_total", "kvjax_generation_tokens_total", "kvjax_num_requests_running"):
         assert metric(after, name) == metric(before, name)
