@@ -24,7 +24,7 @@ def test_fp8_pools_serve_a_tight_pool_workload(micro):
     check_accounting(fp8)
     # e4m3 keeps ~2 significant digits: most greedy tokens survive (0.82 measured; one flip on this
     # random-weight model changes the rest of its request), a broken scale path keeps almost none
-    pairs = [(a, b) for k in full.outputs for a, b in zip(full.outputs[k], fp8.outputs[k])]
+    pairs = [(a, b) for k in full.outputs for a, b in zip(full.outputs[k], fp8.outputs[k], strict=True)]
     agreement = np.mean([a == b for a, b in pairs])
     assert len(pairs) > 100 and agreement >= 0.6, agreement
 

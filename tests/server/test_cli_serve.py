@@ -13,7 +13,8 @@ def test_serve_flags(monkeypatch, capsys):
     monkeypatch.setattr(kvjax.server, "serve", fake_serve)
     code = main(["serve", "micro", "--port", "8123", "--served-model-name", "m", "--queue-policy", "lpm",
                  "--max-wait-steps", "7", "--max-batch-size", "3", "--max-num-tokens", "48", "--primary-blocks", "40",
-                 "--tokens-per-block", "8", "--max-seq-len", "128", "--kv-cache-dtype", "fp8", "--no-prefix-caching", "--max-pending", "5",
+                 "--tokens-per-block", "8", "--max-seq-len", "128", "--kv-cache-dtype", "fp8",
+                 "--no-prefix-caching", "--max-pending", "5",
                  "--default-max-tokens", "9", "--shutdown-timeout", "2", "--option", "min_chunk_bucket=32"])
     assert code == 0, capsys.readouterr().err
     eng, cfg = seen["engine"], seen["config"]
