@@ -32,6 +32,7 @@ def test_floor_and_kvjax_reuse_the_same_prefix_for_every_request_without_evictio
     assert digest == trace_digest(trace)
     assert len(ours["hits"]) == len(floor["hits"]) == a.requests
     assert ours["hits"] == floor["hits"]
+    assert ledger_bench.compare_hits(ours["hits"], {"floor": floor["hits"]}, a.block_size) == ({"floor": 0}, (0, 0))
     assert floor["evicted_blocks"] == 0  # the pool outlasts the trace: nothing was lost to eviction
     # every repeat of a system prompt hits all its blocks, nothing else hits
     seen = set()
