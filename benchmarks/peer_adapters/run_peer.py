@@ -68,7 +68,7 @@ def main() -> int:
         # shared machine from slowing the other sides.
         torch.set_num_threads(1)
         cls = driver_class(peer)
-        driver = None
+        driver = cls(a)  # imports the peer now, so a broken venv fails before `ready`
         say(f"ready {ours}")
         for line in sys.stdin:
             cmd = line.split()

@@ -84,3 +84,20 @@ def test_without_the_peer_venv_the_benchmark_runs_and_says_how_to_get_the_peers(
     assert result["peers"] == {} and "ratio_to_best_peer" not in result
     saved = json.loads(out.read_text())
     assert saved["ratio_to_floor"] == result["ratio_to_floor"] > 0
+
+
+def test_a_peer_venv_that_cannot_import_the_peer_is_reported_and_the_rest_still_runs(tmp_path, capsys):
+    """A 'peer venv' whose torch cannot be imported: the peer fails before `ready`, the benchmark
+    says so and measures kvjax and the floor."""
+    broken = tmp_path / "python"
+    broken.write_text(
+        "#!/bin/sh\n"
+        f"exec {sys.executable} -c \"import runpy, sys; sys.modules['torch'] = None; "
+        "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')\" \"$@\"\n"
+    )
+    broken.chmod(0o755)
+    result = ledger_bench.main(TINY + ["--peers", "--peer-python", str(broken), "--only-peers", "vllm",
+                                       "--no-extras", "--out", str(tmp_path / "bench.json")])
+    text = capsys.readouterr().out
+    assert "peer vllm not measured: vllm: error ModuleNotFoundError" in text
+    assert result["peers"] == {} and result["ratio_to_floor"] > 0
