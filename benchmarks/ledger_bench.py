@@ -128,7 +128,7 @@ class PeerProcess:
         self.peer = peer
         params = {k: getattr(a, k) for k in TRACE_PARAMS}
         params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks,
-                      events=a.events, gc=a.gc)
+                      events=a.events, gc=a.gc, clock=a.clock)
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [python, str(PEER_RUNNER), peer, json.dumps(params), digest],
@@ -186,11 +186,14 @@ class _PeerRun:
         return json.loads(self.p.ask("result"))
 
 
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
 def run_lockstep(trace, a, drivers) -> list[dict]:
     """Replay the trace through every driver, wave by wave, rotating which goes first each wave
     (each also evicts the others' working set from the CPU caches, as a model forward between
     ledger calls would). `--mode sequential` runs each driver alone, one after the other."""
-    clock = time.perf_counter
+    clock = CLOCKS[a.clock]
     if a.mode == "sequential":
         for d in drivers:
             for start, wave in waves(trace, a.concurrency):
@@ -309,6 +312,9 @@ def parse_args(argv=None):
     p.add_argument("--only-peers", default="vllm,sglang", help="with --peers, which of vllm,sglang to run")
     p.add_argument("--gc", action="store_true",
                    help="leave Python's cyclic GC on during the replay (default: off on every side alike)")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                   help="time each side's calls in CPU time of its thread (default: what other jobs on the "
+                        "machine take is not counted) or wall time")
     p.add_argument("--repeats", type=int, default=1, help="replay this many times with fresh caches, report each side's best")
     p.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved")
     p.add_argument("--no-extras", action="store_true", help="skip the decode-step and event-hash measurements")
@@ -360,7 +366,7 @@ def main(argv=None):
 
     print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
           f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} "
-          f"events={a.events} gc={'on' if a.gc else 'off'} mode={a.mode} repeats={a.repeats} digest={digest[:16]}")
+          f"events={a.events} gc={'on' if a.gc else 'off'} clock={a.clock} mode={a.mode} repeats={a.repeats} digest={digest[:16]}")
     print(f"{'':26}{'req/s':>9}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}{'kvjax x':>9}")
     rows = [("kvjax (priorities on)", ours), ("floor (dict+LRU)", floor)] + list(peers.items())
     for name, r in rows:

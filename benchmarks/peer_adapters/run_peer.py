@@ -61,6 +61,7 @@ def main() -> int:
             say(f"error trace digest {ours} differs from the benchmark's {digest}: not the same trace")
             return 2
         wave_list = list(waves(trace, a.concurrency))
+        clock = {"cpu": time.thread_time, "wall": time.perf_counter}[a.clock]
         import torch
 
         # The peers' tensor ops here are tiny (a few to a few thousand elements): one intra-op
@@ -84,7 +85,7 @@ def main() -> int:
                 say("ok")
             elif cmd[0] == "wave":
                 start, wave = wave_list[int(cmd[1])]
-                driver.wave(start, wave, time.perf_counter)
+                driver.wave(start, wave, clock)
                 say("ok")
             elif cmd[0] == "result":
                 r = driver.result()

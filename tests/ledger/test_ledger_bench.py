@@ -67,7 +67,7 @@ def test_a_peer_refuses_a_trace_other_than_the_benchmarks():
     runs under the project's own Python."""
     a = tiny()
     params = {k: getattr(a, k) for k in TRACE_PARAMS}
-    params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks, events=False, gc=False)
+    params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks, events=False, gc=False, clock="cpu")
     wrong = TINY_DIGEST[::-1]
     out = subprocess.run([sys.executable, str(BENCH / "peer_adapters" / "run_peer.py"), "vllm", json.dumps(params), wrong],
                          capture_output=True, text=True, timeout=60)
