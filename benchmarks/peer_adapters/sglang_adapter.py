@@ -26,16 +26,27 @@ import types
 from array import array
 
 
+_TORCHVISION = None  # how torchvision was found, once per process
+
+
 def _import_without_torchvision():
     """Import the radix cache where torchvision is not installed.
 
     `sglang.srt.mem_cache` imports `sglang.srt.configs`, whose package imports every model
     config, one of which imports torchvision at module level (an image transform never used by
-    the cache). A CPU torchvision from the PyTorch CPU index satisfies it; without one, names
-    under `torchvision` resolve to inert placeholders for the duration of the import, after
-    transformers has recorded torchvision as absent, so no library takes the placeholder for a
-    real torchvision. Nothing the benchmark calls reaches them.
+    the cache). A CPU torchvision from the PyTorch CPU index satisfies it; without one, what that
+    import takes from `torchvision` is an inert placeholder (the finder that makes them is in
+    place for that import only, and is installed after transformers has recorded torchvision as
+    absent, so no library takes a placeholder for a real torchvision). Nothing the benchmark
+    calls reaches them. Returns how torchvision was found, decided once per process.
     """
+    global _TORCHVISION
+    if _TORCHVISION is None:
+        _TORCHVISION = _find_or_stand_in_for_torchvision()
+    return _TORCHVISION
+
+
+def _find_or_stand_in_for_torchvision():
     try:
         import torchvision  # noqa: F401
 
