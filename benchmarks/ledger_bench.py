@@ -1,70 +1,51 @@
-"""Ledger throughput on a deterministic shared-system-prompt trace, against the pure-Python floor.
+"""Ledger throughput on a deterministic shared-system-prompt trace, against the floor and the peers.
 
-Trace: N requests, each = one of P system prompts (S tokens, uniform or Zipf popularity) + U
-unique tokens, then G generated tokens; block size B; requests served in waves of C: admit
-(`add_sequence` + `store_context_blocks`), G decode steps of `add_token` over the wave, finish
-(`remove_sequence`). The same trace drives `shared/reference/ledger_floor.py`'s minimal
-dict + LRU prefix cache (no features) in the same run, and the ratio is printed.
+Trace (`ledger_trace.py`): N requests, each = one of P system prompts (S tokens, uniform or Zipf
+popularity) + U unique tokens, then G generated tokens; block size B; requests served in waves
+of C: admit (`add_sequence` + `store_context_blocks`), G decode steps of `add_token` over the
+wave, finish (`remove_sequence`). kvjax runs with retention priorities on (system prompts 80,
+decode blocks 20). The same waves drive, in the same run:
+  floor   `ledger_floor.py`, a dict + LRU prefix cache with no features (always);
+  peers   with --peers, vLLM v1's `KVCacheManager` and SGLang's `RadixCache`, each in a
+          subprocess of a Python 3.11 venv that has them (benchmarks/peer_adapters/; create it
+          with `bash benchmarks/peer_adapters/setup_peer_venv.sh`), each driven as its own
+          scheduler drives it.
+All sides advance wave by wave in lockstep, the order rotating each wave, so load on a shared
+machine hits every side alike. Ratios are kvjax's requests/s over each side's.
 
-    python benchmarks/ledger_bench.py            # default trace, writes results/ledger_bench.json
+    python benchmarks/ledger_bench.py                 # kvjax and floor, writes results/ledger_bench.json
+    python benchmarks/ledger_bench.py --peers         # + vLLM and SGLang from .venv-peers/bin/python
     python benchmarks/ledger_bench.py --requests 2000 --zipf 1.1 --events
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import pathlib
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(ROOT), str(HERE)]
 
 from kvjax import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRangeRetention  # noqa: E402
 from kvjax.ledger import BlockHasher, BlockKey, StoredData  # noqa: E402
+from ledger_floor import FloorDriver  # noqa: E402
+from ledger_trace import TRACE_PARAMS, ideal_hit_rate, make_trace, trace_digest, waves  # noqa: E402
 
-# Peers measured on these 2-core machines with the same trace (shared/reference/vllm_sglang.md):
-# median requests/s, and the floor's rate measured alongside them (about 5,000 req/s). Load on a
-# shared machine moves absolute rates, so the peer estimate for *this* run is scaled by the
-# floor measured here: peer_now = peer_ref * floor_now / FLOOR_REF.
-PEER_REQ_PER_S = {"vllm_v1_kv_cache_manager": 454, "sglang_radix_cache": 485}
-FLOOR_REF_REQ_PER_S = 5000
-FLOOR_PATHS = [ROOT.parent / "shared" / "reference" / "ledger_floor.py", ROOT / "shared" / "reference" / "ledger_floor.py"]
-
-
-def make_trace(a):
-    rng = random.Random(a.seed)
-    prompts = [[rng.randrange(a.vocab) for _ in range(a.system_tokens)] for _ in range(a.num_prompts)]
-    if a.zipf > 0:
-        weights = [1.0 / (k + 1) ** a.zipf for k in range(a.num_prompts)]
-        choice = rng.choices(range(a.num_prompts), weights=weights, k=a.requests)
-    else:
-        choice = [rng.randrange(a.num_prompts) for _ in range(a.requests)]
-    trace = []
-    for i in range(a.requests):
-        prompt = prompts[choice[i]] + [rng.randrange(a.vocab) for _ in range(a.unique_tokens)]
-        gen = [rng.randrange(a.vocab) for _ in range(a.gen_tokens)]
-        trace.append((choice[i], prompt, gen))
-    return trace
-
-
-def ideal_hit_rate(trace, a) -> float:
-    seen, reusable, total = set(), 0, 0
-    for p, prompt, _ in trace:
-        total += len(prompt)
-        if p in seen:
-            reusable += a.system_tokens
-        seen.add(p)
-    return reusable / total
-
-
-def waves(trace, c):
-    for start in range(0, len(trace), c):
-        yield start, trace[start : start + c]
+PEERS = {"vllm": "vLLM v1 KVCacheManager", "sglang": "SGLang RadixCache"}
+PEER_RUNNER = HERE / "peer_adapters" / "run_peer.py"
+DEFAULT_PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+PEER_SETUP_HINT = ("create it with `bash benchmarks/peer_adapters/setup_peer_venv.sh` (Python 3.11, CPU torch, "
+                   "vLLM and SGLang without their CUDA dependency trees), then pass --peers "
+                   "[--peer-python PATH]; see docs/benchmarks.md")
+TARGET_VS_PEERS, TARGET_VS_FLOOR = 5.0, 0.5
 
 
 class KvjaxDriver:
@@ -89,14 +70,17 @@ class KvjaxDriver:
         self.retention = RetentionConfig([TokenRangeRetention(0, a.system_tokens, 80)], decode_priority=20)
         self.t = dict(admit=0.0, decode=0.0, finish=0.0)
         self.ops = self.hit_tokens = self.prompt_tokens = self.stored_blocks = 0
+        self.hits: list[int] = []  # cached prefix length of each request, in trace order
 
-    def wave(self, start, wave):
-        a, m, clock = self.a, self.m, time.perf_counter
+    def wave(self, start, wave, clock):
+        a, m = self.a, self.m
         ids = list(range(start, start + len(wave)))
         t0 = clock()
         for rid, (_, prompt, _) in zip(ids, wave):
-            self.hit_tokens += m.add_sequence(Request(rid, prompt, max_new_tokens=a.gen_tokens, retention=self.retention))
+            hit = m.add_sequence(Request(rid, prompt, max_new_tokens=a.gen_tokens, retention=self.retention))
             m.store_context_blocks(rid)
+            self.hits.append(hit)
+            self.hit_tokens += hit
             self.prompt_tokens += len(prompt)
         t1 = clock()
         for step in range(a.gen_tokens):
@@ -126,62 +110,99 @@ class KvjaxDriver:
             admit_s=self.t["admit"], decode_s=self.t["decode"], finish_s=self.t["finish"], ops=self.ops,
             hit_rate=self.hit_tokens / self.prompt_tokens, evicted=s.evicted_blocks, offloaded=s.offloaded_blocks,
             onboarded=s.onboarded_blocks, block_hit_rate=s.cache_hit_rate, stored_blocks=self.stored_blocks,
+            hits=self.hits,
         )
 
 
-class FloorDriver:
-    """Drives the reference floor (`ledger_floor.Naive`) through the same waves."""
+class PeerError(RuntimeError):
+    """A peer subprocess could not start, refused the trace, or failed mid-run."""
 
-    name = "floor"
 
-    def __init__(self, a, Naive):
-        self.a = a
-        self.cache = Naive(argparse.Namespace(block_size=a.block_size, num_blocks=a.num_blocks))
-        self.t = dict(admit=0.0, decode=0.0, finish=0.0)
-        self.hit_tokens = self.prompt_tokens = 0
+class PeerProcess:
+    """One peer's driver in a subprocess of the peer venv (`peer_adapters/run_peer.py`), stepped
+    wave by wave over a pipe. The subprocess times its own phases, so the pipe's round trip is
+    outside every timed region."""
 
-    def wave(self, start, wave):
-        cache, clock = self.cache, time.perf_counter
-        t0 = clock()
-        states = []
-        for i, (_, prompt, _) in enumerate(wave):
-            st, hit = cache.lookup(start + i, prompt)
-            cache.prefill(st)
-            states.append(st)
-            self.hit_tokens += hit
-            self.prompt_tokens += len(prompt)
-        t1 = clock()
-        for step in range(self.a.gen_tokens):
-            cache.decode(states, [gen[step] for _, _, gen in wave])
-        t2 = clock()
-        for st in states:
-            cache.finish(st)
-        t3 = clock()
-        self.t["admit"] += t1 - t0
-        self.t["decode"] += t2 - t1
-        self.t["finish"] += t3 - t2
+    def __init__(self, peer: str, python: str, a, digest: str, start_timeout_s: float = 600.0):
+        self.name = PEERS[peer]
+        self.peer = peer
+        params = {k: getattr(a, k) for k in TRACE_PARAMS}
+        params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks,
+                      events=a.events, gc=a.gc, clock=a.clock)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [python, str(PEER_RUNNER), peer, json.dumps(params), digest],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1,
+        )
+        ready = self._read()
+        if ready != f"ready {digest}":
+            raise PeerError(f"{peer}: expected 'ready {digest}', got {ready!r}")
+
+    def _read(self) -> str:
+        line = self.proc.stdout.readline().strip()
+        if not line or line.startswith("error"):
+            self.proc.wait(timeout=60)
+            self.log.seek(0)
+            tail = "".join(self.log.readlines()[-15:])
+            raise PeerError(f"{self.peer}: {line or 'exited with status %s' % self.proc.returncode}\n{tail}")
+        return line
+
+    def ask(self, command: str) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def new(self):
+        if self.ask("new") != "ok":
+            raise PeerError(f"{self.peer}: 'new' not acknowledged")
+        return _PeerRun(self)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class _PeerRun:
+    """A fresh peer cache for one repeat, with the drivers' wave/result interface."""
+
+    def __init__(self, process: PeerProcess):
+        self.p = process
+        self.name = process.name
+        self.wave_index = 0
+
+    def wave(self, start, wave, clock):
+        if self.p.ask(f"wave {self.wave_index}") != "ok":
+            raise PeerError(f"{self.p.peer}: wave {self.wave_index} not acknowledged")
+        self.wave_index += 1
 
     def result(self):
-        return dict(
-            admit_s=self.t["admit"], decode_s=self.t["decode"], finish_s=self.t["finish"],
-            hit_rate=self.hit_tokens / self.prompt_tokens, **self.cache.stats(),
-        )
+        return json.loads(self.p.ask("result"))
 
 
-def run_both(trace, a, Naive):
-    """Run both caches over the trace. `--mode interleaved` (default) runs them in lockstep,
-    alternating which goes first each wave, so load on a shared machine hits both alike (each
-    also evicts the other's working set from the CPU caches, as a model forward between ledger
-    calls would); `--mode sequential` runs each alone, one after the other."""
-    drivers = [KvjaxDriver(a)] + ([FloorDriver(a, Naive)] if Naive is not None else [])
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def run_lockstep(trace, a, drivers) -> list[dict]:
+    """Replay the trace through every driver, wave by wave, rotating which goes first each wave
+    (each also evicts the others' working set from the CPU caches, as a model forward between
+    ledger calls would). `--mode sequential` runs each driver alone, one after the other."""
+    clock = CLOCKS[a.clock]
     if a.mode == "sequential":
         for d in drivers:
             for start, wave in waves(trace, a.concurrency):
-                d.wave(start, wave)
+                d.wave(start, wave, clock)
     else:
+        n = len(drivers)
         for k, (start, wave) in enumerate(waves(trace, a.concurrency)):
-            for d in (drivers if k % 2 == 0 else drivers[::-1]):
-                d.wave(start, wave)
+            for j in range(n):
+                drivers[(k + j) % n].wave(start, wave, clock)
     return [d.result() for d in drivers]
 
 
@@ -239,17 +260,7 @@ def run_hash_cost(trace, a, max_blocks: int = 20_000) -> dict[str, float]:
     return out
 
 
-def load_floor():
-    for p in FLOOR_PATHS:
-        if p.exists():
-            spec = importlib.util.spec_from_file_location("ledger_floor", p)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod.Naive
-    return None
-
-
-def summarise(name, r, n):
+def summarise(r, n):
     total = r["admit_s"] + r["decode_s"] + r["finish_s"]
     r["total_s"] = total
     r["requests_per_s"] = n / total
@@ -259,7 +270,27 @@ def summarise(name, r, n):
     return r
 
 
-def main(argv=None):
+def compare_hits(ours, others, block_size):
+    """Per side: how many requests found a different number of whole cached blocks than kvjax;
+    and (requests, tokens) kvjax reused beyond whole blocks (its partial-block reuse)."""
+    whole = [h // block_size for h in ours]
+    same = {name: sum(1 for w, h in zip(whole, hits) if w != h // block_size) for name, hits in others.items()}
+    extra = [h % block_size for h in ours]
+    return same, (sum(1 for e in extra if e), sum(extra))
+
+
+def resolve_peer_python(a):
+    """The peer venv's interpreter, or None (with the reason printed) when --peers cannot run."""
+    if not a.peers:
+        return None
+    path = pathlib.Path(a.peer_python) if a.peer_python else DEFAULT_PEER_PYTHON
+    if not path.exists():
+        print(f"peers not measured: no peer venv at {path}; {PEER_SETUP_HINT}")
+        return None
+    return str(path)
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--num-prompts", type=int, default=8)
@@ -269,64 +300,118 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=4096)
-    p.add_argument("--secondary-blocks", type=int, default=0, help="host tier blocks (offload on when > 0)")
+    p.add_argument("--secondary-blocks", type=int, default=0, help="host tier blocks (offload on when > 0; kvjax only)")
     p.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of prompt popularity (0 = uniform)")
     p.add_argument("--vocab", type=int, default=32_000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--events", action="store_true", help="also publish KV events (computes block hashes)")
-    p.add_argument("--repeats", type=int, default=1, help="run each side this many times, report the best")
+    p.add_argument("--events", action="store_true",
+                   help="KV events on for every side that has them (kvjax, vLLM, SGLang; not the floor)")
+    p.add_argument("--peers", action="store_true", help="also run vLLM's and SGLang's managers (peer venv)")
+    p.add_argument("--peer-python", default=None,
+                   help=f"the peer venv's python (default: {DEFAULT_PEER_PYTHON.relative_to(ROOT)})")
+    p.add_argument("--only-peers", default="vllm,sglang", help="with --peers, which of vllm,sglang to run")
+    p.add_argument("--gc", action="store_true",
+                   help="leave Python's cyclic GC on during the replay (default: off on every side alike)")
+    p.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                   help="time each side's calls in CPU time of its thread (default: what other jobs on the "
+                        "machine take is not counted) or wall time")
+    p.add_argument("--repeats", type=int, default=1, help="replay this many times with fresh caches, report each side's best")
     p.add_argument("--mode", choices=("interleaved", "sequential"), default="interleaved")
+    p.add_argument("--no-extras", action="store_true", help="skip the decode-step and event-hash measurements")
     p.add_argument("--out", default=str(ROOT / "results" / "ledger_bench.json"))
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def measure(a, trace, peer_python=None):
+    """Replay the trace `a.repeats` times through kvjax, the floor and (given the peer venv's
+    python) the peers; each side's best repeat by total time, keyed by side name."""
+    digest = trace_digest(trace)
+    procs = []
+    try:
+        if peer_python:
+            for peer in a.only_peers.split(","):
+                try:
+                    procs.append(PeerProcess(peer.strip(), peer_python, a, digest))
+                except PeerError as e:
+                    print(f"peer {peer} not measured: {e}")
+        best: dict[str, dict] = {}
+        for _ in range(a.repeats):
+            drivers = [KvjaxDriver(a), FloorDriver(a)] + [p.new() for p in procs]
+            names = ["kvjax", "floor"] + [p.name for p in procs]
+            if not a.gc:
+                gc.collect()
+                gc.disable()  # every side alike (the peers do the same in their processes)
+            try:
+                results = run_lockstep(trace, a, drivers)
+            finally:
+                gc.enable()
+            for name, r in zip(names, results):
+                r = summarise(r, a.requests)
+                if name not in best or r["total_s"] < best[name]["total_s"]:
+                    best[name] = r
+        return best, digest
+    finally:
+        for p in procs:
+            p.close()
+
+
+def main(argv=None):
+    a = parse_args(argv)
     trace = make_trace(a)
     ideal = ideal_hit_rate(trace, a)
-    Naive = load_floor()
-    gc.disable()  # both sides alike; collections would add noise unrelated to the bookkeeping
-    runs = [run_both(trace, a, Naive) for _ in range(a.repeats)]
-    ours = min((summarise("kvjax", r[0], a.requests) for r in runs), key=lambda r: r["total_s"])
-    floor = None
-    if Naive is not None:
-        floor = min((summarise("floor", r[1], a.requests) for r in runs), key=lambda r: r["total_s"])
-    step_ms = run_decode_step(a)
-    hash_us = run_hash_cost(trace, a) if a.events else None
-    gc.enable()
+    peer_python = resolve_peer_python(a)
+    best, digest = measure(a, trace, peer_python)
+    ours, floor = best["kvjax"], best["floor"]
+    peers = {name: r for name, r in best.items() if name in PEERS.values()}
 
     print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
-          f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} events={a.events} "
-          f"mode={a.mode}")
-    print(f"{'':24}{'req/s':>10}{'ops/s':>12}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}")
-    rows = [("kvjax", ours)] + ([("floor (dict+LRU)", floor)] if floor else [])
+          f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} "
+          f"events={a.events} gc={'on' if a.gc else 'off'} clock={a.clock} mode={a.mode} repeats={a.repeats} digest={digest[:16]}")
+    print(f"{'':26}{'req/s':>9}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}{'kvjax x':>9}")
+    rows = [("kvjax (priorities on)", ours), ("floor (dict+LRU)", floor)] + list(peers.items())
     for name, r in rows:
         us = r["us_per_request"]
-        ops = f"{r['ops_per_s']:>12.0f}" if "ops_per_s" in r else f"{'-':>12}"
-        print(f"{name:24}{r['requests_per_s']:>10.0f}{ops}{us['admit']:>10.1f}{us['decode']:>11.1f}{us['finish']:>11.1f}{r['hit_rate']:>10.4f}")
+        ratio = ours["requests_per_s"] / r["requests_per_s"]
+        print(f"{name:26}{r['requests_per_s']:>9.0f}{us['admit']:>10.1f}{us['decode']:>11.1f}{us['finish']:>11.1f}"
+              f"{r['hit_rate']:>10.4f}{ratio:>9.2f}")
+    same, partial = compare_hits(ours["hits"], {name: r["hits"] for name, r in rows[1:]}, a.block_size)
     print(f"ideal hit rate {ideal:.4f}; kvjax reaches {ours['hit_rate'] / ideal:.3f} of it "
           f"(evicted {ours['evicted']}, offloaded {ours['offloaded']}, onboarded {ours['onboarded']} blocks)")
-    print(f"per-step bookkeeping of a 256-request decode batch (add_token x256 + block table + plan): {step_ms:.3f} ms")
-    result = dict(args=vars(a), ideal_hit_rate=ideal, kvjax=ours, floor=floor, peers_req_per_s=PEER_REQ_PER_S, decode_step_ms_256=step_ms)
-    if hash_us is not None:
-        stored = ours["stored_blocks"]
-        share = {k: stored * us * 1e-6 / ours["total_s"] for k, us in hash_us.items()}
-        print(f"event block hash per stored block: sha256 {hash_us['sha256']:.2f} us (default), trtllm64 "
-              f"{hash_us['trtllm64']:.2f} us; {stored} blocks stored in this run: sha256 is "
-              f"{100 * share['sha256']:.1f}% of kvjax's time (trtllm64 would be {100 * share['trtllm64']:.1f}%)")
-        result["event_hash_us_per_block"] = hash_us
-        result["event_hash_share_of_time"] = share
-    if floor:
-        ratio = ours["requests_per_s"] / floor["requests_per_s"]
-        result["ratio_to_floor"] = ratio
-        print(f"kvjax / floor requests/s: {ratio:.2f}x (target >= 0.5x)")
-    else:
-        print("floor (shared/reference/ledger_floor.py) not found: ratio to floor not measured")
-    for peer, rps in PEER_REQ_PER_S.items():
-        result[f"ratio_to_{peer}_raw"] = ours["requests_per_s"] / rps
-        line = f"kvjax / {peer}: {ours['requests_per_s'] / rps:.1f}x against its recorded {rps} req/s"
-        if floor:
-            scaled = rps * floor["requests_per_s"] / FLOOR_REF_REQ_PER_S
-            result[f"ratio_to_{peer}"] = ours["requests_per_s"] / scaled
-            line += f"; {ours['requests_per_s'] / scaled:.1f}x against {scaled:.0f} req/s scaled to this run's floor"
-        print(line + " (target >= 5x)")
+    print("whole blocks of cached prefix, request by request, the same as kvjax's: "
+          + ", ".join(f"{n} {'yes' if k == 0 else f'NO ({k} requests differ)'}" for n, k in same.items())
+          + f"; kvjax also reused {partial[1]} tokens of partial blocks on {partial[0]} requests (the others reuse only whole blocks)")
+
+    result = dict(args=vars(a), trace_digest=digest, ideal_hit_rate=ideal, kvjax=ours, floor=floor,
+                  peers=peers, requests_with_other_whole_block_hits=same,
+                  kvjax_partial_block_hits=dict(requests=partial[0], tokens=partial[1]))
+    result["ratio_to_floor"] = ours["requests_per_s"] / floor["requests_per_s"]
+    print(f"kvjax / floor: {result['ratio_to_floor']:.2f}x (target >= {TARGET_VS_FLOOR}x)")
+    if peers:
+        best_name = max(peers, key=lambda n: peers[n]["requests_per_s"])
+        ratio = ours["requests_per_s"] / peers[best_name]["requests_per_s"]
+        result.update(best_peer=best_name, ratio_to_best_peer=ratio,
+                      ratio_to_peer={n: ours["requests_per_s"] / r["requests_per_s"] for n, r in peers.items()})
+        print(f"kvjax / best peer ({best_name}): {ratio:.2f}x (target >= {TARGET_VS_PEERS}x)")
+    elif not a.peers:
+        print(f"peers (vLLM, SGLang) not run: add --peers; without a peer venv, {PEER_SETUP_HINT}")
+
+    if not a.no_extras:
+        gc.disable()
+        step_ms = run_decode_step(a)
+        hash_us = run_hash_cost(trace, a) if a.events else None
+        gc.enable()
+        result["decode_step_ms_256"] = step_ms
+        print(f"per-step bookkeeping of a 256-request decode batch (add_token x256 + block table + plan): {step_ms:.3f} ms")
+        if hash_us is not None:
+            stored = ours["stored_blocks"]
+            share = {k: stored * us * 1e-6 / ours["total_s"] for k, us in hash_us.items()}
+            print(f"event block hash per stored block: sha256 {hash_us['sha256']:.2f} us (default), trtllm64 "
+                  f"{hash_us['trtllm64']:.2f} us; {stored} blocks stored in this run: sha256 is "
+                  f"{100 * share['sha256']:.1f}% of kvjax's time (trtllm64 would be {100 * share['trtllm64']:.1f}%)")
+            result["event_hash_us_per_block"] = hash_us
+            result["event_hash_share_of_time"] = share
+    for r in [ours, floor, *peers.values()]:
+        r.pop("hits", None)  # per-request lists stay out of the JSON
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
