@@ -76,7 +76,7 @@ class KvjaxDriver:
         a, m = self.a, self.m
         ids = list(range(start, start + len(wave)))
         t0 = clock()
-        for rid, (_, prompt, _) in zip(ids, wave):
+        for rid, (_, prompt, _) in zip(ids, wave, strict=True):
             hit = m.add_sequence(Request(rid, prompt, max_new_tokens=a.gen_tokens, retention=self.retention))
             m.store_context_blocks(rid)
             self.hits.append(hit)
@@ -84,7 +84,7 @@ class KvjaxDriver:
             self.prompt_tokens += len(prompt)
         t1 = clock()
         for step in range(a.gen_tokens):
-            for rid, (_, _, gen) in zip(ids, wave):
+            for rid, (_, _, gen) in zip(ids, wave, strict=True):
                 m.add_token(rid, gen[step])
         t2 = clock()
         for rid in ids:
@@ -144,7 +144,7 @@ class PeerProcess:
             self.proc.wait(timeout=60)
             self.log.seek(0)
             tail = "".join(self.log.readlines()[-15:])
-            raise PeerError(f"{self.peer}: {line or 'exited with status %s' % self.proc.returncode}\n{tail}")
+            raise PeerError(f"{self.peer}: {line or f'exited with status {self.proc.returncode}'}\n{tail}")
         return line
 
     def ask(self, command: str) -> str:
@@ -274,7 +274,7 @@ def compare_hits(ours, others, block_size):
     """Per side: how many requests found a different number of whole cached blocks than kvjax;
     and (requests, tokens) kvjax reused beyond whole blocks (its partial-block reuse)."""
     whole = [h // block_size for h in ours]
-    same = {name: sum(1 for w, h in zip(whole, hits) if w != h // block_size) for name, hits in others.items()}
+    same = {name: sum(1 for w, h in zip(whole, hits, strict=True) if w != h // block_size) for name, hits in others.items()}
     extra = [h % block_size for h in ours]
     return same, (sum(1 for e in extra if e), sum(extra))
 
@@ -345,7 +345,7 @@ def measure(a, trace, peer_python=None):
                 results = run_lockstep(trace, a, drivers)
             finally:
                 gc.enable()
-            for name, r in zip(names, results):
+            for name, r in zip(names, results, strict=True):
                 r = summarise(r, a.requests)
                 if name not in best or r["total_s"] < best[name]["total_s"]:
                     best[name] = r
@@ -366,7 +366,8 @@ def main(argv=None):
 
     print(f"trace: N={a.requests} P={a.num_prompts} S={a.system_tokens} U={a.unique_tokens} G={a.gen_tokens} "
           f"B={a.block_size} C={a.concurrency} blocks={a.num_blocks}+{a.secondary_blocks} zipf={a.zipf} "
-          f"events={a.events} gc={'on' if a.gc else 'off'} clock={a.clock} mode={a.mode} repeats={a.repeats} digest={digest[:16]}")
+          f"events={a.events} gc={'on' if a.gc else 'off'} clock={a.clock} mode={a.mode} repeats={a.repeats} "
+          f"digest={digest[:16]}")
     print(f"{'':26}{'req/s':>9}{'admit us':>10}{'decode us':>11}{'finish us':>11}{'hit rate':>10}{'kvjax x':>9}")
     rows = [("kvjax (priorities on)", ours), ("floor (dict+LRU)", floor)] + list(peers.items())
     for name, r in rows:
@@ -379,7 +380,8 @@ def main(argv=None):
           f"(evicted {ours['evicted']}, offloaded {ours['offloaded']}, onboarded {ours['onboarded']} blocks)")
     print("whole blocks of cached prefix, request by request, the same as kvjax's: "
           + ", ".join(f"{n} {'yes' if k == 0 else f'NO ({k} requests differ)'}" for n, k in same.items())
-          + f"; kvjax also reused {partial[1]} tokens of partial blocks on {partial[0]} requests (the others reuse only whole blocks)")
+          + f"; kvjax also reused {partial[1]} tokens of partial blocks on {partial[0]} requests "
+          "(the others reuse only whole blocks)")
 
     result = dict(args=vars(a), trace_digest=digest, ideal_hit_rate=ideal, kvjax=ours, floor=floor,
                   peers=peers, requests_with_other_whole_block_hits=same,

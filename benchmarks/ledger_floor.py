@@ -108,14 +108,14 @@ class FloorDriver:
         cache = self.cache
         ids = range(start, start + len(wave))
         t0 = clock()
-        for rid, (_, prompt, _) in zip(ids, wave):
+        for rid, (_, prompt, _) in zip(ids, wave, strict=True):
             hit = cache.admit(rid, prompt)
             self.hits.append(hit)
             self.hit_tokens += hit
             self.prompt_tokens += len(prompt)
         t1 = clock()
         for step in range(self.a.gen_tokens):
-            for rid, (_, _, gen) in zip(ids, wave):
+            for rid, (_, _, gen) in zip(ids, wave, strict=True):
                 cache.append(rid, gen[step])
         t2 = clock()
         for rid in ids:

@@ -206,7 +206,7 @@ class SglangDriver:
             if out is None:
                 raise RuntimeError("SGLang: out of pages during decode")
             table[row_ids, seq - 1] = out.to(table.dtype)
-            for req, (_, _, gen) in zip(reqs, wave):
+            for req, (_, _, gen) in zip(reqs, wave, strict=True):
                 req.full_untruncated_fill_ids.append(gen[step])
                 req.seq_len += 1
         t2 = clock()

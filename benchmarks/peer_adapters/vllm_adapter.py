@@ -69,7 +69,7 @@ class VllmDriver:
         t1 = clock()
         for step in range(a.gen_tokens):
             m.new_step_starts()
-            for req, (_, _, gen) in zip(reqs, wave):
+            for req, (_, _, gen) in zip(reqs, wave, strict=True):
                 req.append_output_token_ids(gen[step])
                 if m.allocate_slots(req, 1) is None:
                     raise RuntimeError("vLLM: out of blocks during decode")

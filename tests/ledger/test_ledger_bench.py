@@ -36,7 +36,7 @@ def test_floor_and_kvjax_reuse_the_same_prefix_for_every_request_without_evictio
     assert floor["evicted_blocks"] == 0  # the pool outlasts the trace: nothing was lost to eviction
     # every repeat of a system prompt hits all its blocks, nothing else hits
     seen = set()
-    for (p, _, _), hit in zip(trace, ours["hits"]):
+    for (p, _, _), hit in zip(trace, ours["hits"], strict=True):
         assert hit == (a.system_tokens if p in seen else 0)
         seen.add(p)
 
@@ -67,7 +67,8 @@ def test_a_peer_refuses_a_trace_other_than_the_benchmarks():
     runs under the project's own Python."""
     a = tiny()
     params = {k: getattr(a, k) for k in TRACE_PARAMS}
-    params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks, events=False, gc=False, clock="cpu")
+    params.update(block_size=a.block_size, concurrency=a.concurrency, num_blocks=a.num_blocks, events=False, gc=False,
+                  clock="cpu")
     wrong = TINY_DIGEST[::-1]
     out = subprocess.run([sys.executable, str(BENCH / "peer_adapters" / "run_peer.py"), "vllm", json.dumps(params), wrong],
                          capture_output=True, text=True, timeout=60)
