@@ -278,22 +278,20 @@ class Episode:
                         got = self.held(w, blk.level, blk.slot, i % tpb + 1)[i % tpb]
                         if got != info.tags[b][i]:
                             raise Violation(f"deep: request {info.rid} window {w} position {i} holds {got!r}")
-        tree = m._bm.tree
-        for wm in m._bm.windows:
-            for blk in wm.blocks:
-                node = blk.node
-                if node is None:
-                    continue
-                keys = tree.path_keys(node)
+        inspector = m.inspector
+        for w in self.config.windows:
+            for bid in inspector.cached_block_ids(self.win(w)):
+                blk = m.block(bid, self.win(w))
+                keys = inspector.cached_path(bid, self.win(w))
                 tag = seq_seed(keys[0].lora_task_id, keys[0].cache_salt_id)
                 want = []
-                for key in keys:
+                for i, key in enumerate(keys):
                     for j, t in enumerate(key.tokens):
                         tag = next_tag(tag, t, None if key.extra_ids is None else key.extra_ids[j])
-                        if key is node.key:
+                        if i == len(keys) - 1:
                             want.append(tag)
-                if self.held(wm.window, blk.level, blk.slot, len(want)) != want:
-                    raise Violation(f"deep: cached block {blk.block_id} (window {wm.window}) does not hold its tree path")
+                if self.held(w, blk.level, blk.slot, len(want)) != want:
+                    raise Violation(f"deep: cached block {bid} (window {w}) does not hold its tree path")
         for (w, bid), want in list(self.pinned_content.items()):
             blk = m.block(bid, self.win(w))
             if blk.pin_count == 0:

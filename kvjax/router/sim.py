@@ -38,7 +38,7 @@ from kvjax.errors import OutOfBlocksError
 from kvjax.kv_events.adapter import LedgerEventAdapter
 from kvjax.kv_events.wire import decode_batch, encode_batch
 from kvjax.ledger.kv_cache_manager import KVCacheManager
-from kvjax.ledger.transfer_plan import TransferKind
+from kvjax.transfer_plan import TransferKind
 from kvjax.router.policy import RoutingPolicy
 from kvjax.router.router import Router
 

@@ -194,7 +194,7 @@ def test_hash_matches_an_independent_transcription(key, parent):
 def test_trtllm64_memo_is_bounded_and_per_manager():
     m1 = KVCacheManager(make_config(event_hash="trtllm64"))
     m2 = KVCacheManager(make_config(event_hash="trtllm64"))
-    h1, h2 = m1._bm.tree.hasher, m2._bm.tree.hasher
+    h1, h2 = m1.inspector.event_hasher, m2.inspector.event_hasher
     assert h1.memo is not h2.memo
     keys = [BlockKey(tuple(range(i, i + 64))) for i in range(0, TOKEN_MEMO_MAX + 5000, 64)]
     for k in keys:
@@ -215,4 +215,4 @@ def test_sha256_hasher_keeps_no_memo():
     for i in range(20):
         m.add_sequence(Request(i, list(range(i * 100, i * 100 + 30))))
         m.remove_sequence(i)
-    assert stored_hashes(m) and m._bm.tree.hasher.memo == {}
+    assert stored_hashes(m) and m.inspector.event_hasher.memo == {}
