@@ -10,6 +10,7 @@ and allocate. A failed check raises before anything changed.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
@@ -86,7 +87,7 @@ def prompt_path(bm: BlockManager, seq: TrackedSequence, usable: int) -> TokenPat
     """The prompt's first `usable` tokens encoded once for every window's walk."""
     try:
         return seq.token_path(0, usable, bm.tokens_per_block)
-    except OverflowError:  # a token id beyond int32 can match nothing; its check reports it
+    except (OverflowError, struct.error):  # a token id beyond int32 matches nothing
         raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)") from None
 
 
@@ -195,7 +196,7 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
         free_matched = [b for b in plans[0].windows[idx].matched if b is not None and not ref[b]]
     else:
         free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
-    held = sum(1 for b in free_matched if level[b] == PRIMARY)
+    held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
     claims = len(free_matched) - held  # onboard targets
     released = 0
     in_place: dict[int, int | None] = {}
@@ -245,19 +246,16 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
         ref = refs.ref  # read only: RefCounts changes it
         level = wm.columns.level
         bnode = wm.block_node
-        take = queues.take
+        has_secondary = wm.num_secondary > 0
         # Take every matched free block out of the queues first, so no allocation (an
         # onboard target, a copy, a fresh block, another request's) can evict a block the
         # batch is about to reuse or copy.
         held: list[int] = []
         for adm in plans:
             wa = adm.windows[widx]
-            for b in wa.matched:
-                if b is not None and queue[b] >= 0:
-                    take(b)
-                    held.append(b)
+            queues.take_many(wa.matched, held)
             if wa.partial is not None and queue[wa.partial[0]] >= 0:
-                take(wa.partial[0])
+                queues.take(wa.partial[0])
                 held.append(wa.partial[0])
         for i, adm in enumerate(plans):  # phase A: matches
             seq = adm.seq
@@ -267,19 +265,22 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             matched = wa.matched
             # full matches: claim (keeping a cached block's priority unless the request
             # states one), onboard secondary ones, then append to every beam
-            real = [b for b in matched if b is not None]
+            real = [b for b in matched if b is not None] if wm.is_swa else matched
             gaps = len(matched) - len(real)
             refs.acquire_all(real)
-            for b in real:
-                queues.set_duration(b, None)
-                if level[b]:
-                    wm.onboard(b)
+            queues.clear_durations(real)
+            if has_secondary:
+                for b in real:
+                    if level[b]:
+                        wm.onboard(b)
             if seq.retention is not None and matched:
                 seq.block_priority(0, tpb)  # builds the per-block retention table
+                priority = queues.priority
                 for b, (prio, dur) in zip(matched, seq.context_retention):
                     if b is not None:
-                        queues.set_duration(b, dur)
-                        if prio is not None and prio != queues.priority[b]:
+                        if dur is not None:
+                            queues.set_duration(b, dur)
+                        if prio is not None and prio != priority[b]:
                             wm.set_priority(b, prio)
             c.reused_full += len(matched) - gaps
             row = matched

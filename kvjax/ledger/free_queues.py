@@ -183,7 +183,9 @@ class FreeQueues:
     def set_retention(self, b: int, priority: int | None, duration: float | None) -> None:
         """A claimed block's retention: priority if given (None keeps it), the duration always
         (None clears it), and any pending expiry cancelled."""
-        self._disarm(b)
+        if self.armed:
+            self.armed.pop(b, None)
+            self.expiry.pop(b, None)
         if priority is not None:
             self.priority[b] = priority
         if duration is None:
@@ -191,6 +193,21 @@ class FreeQueues:
                 self.duration.pop(b, None)
         else:
             self.duration[b] = duration
+
+    def set_default_retention(self, blocks) -> None:
+        """`set_retention(b, DEFAULT_PRIORITY, None)` for blocks in use."""
+        priority = self.priority
+        for b in blocks:
+            priority[b] = DEFAULT_PRIORITY
+        if self.duration:
+            for b in blocks:
+                self.duration.pop(b, None)
+
+    def clear_durations(self, blocks) -> None:
+        """Blocks in use lose their retention durations."""
+        if self.duration:
+            for b in blocks:
+                self.duration.pop(b, None)
 
     def set_priority(self, b: int, priority: int) -> None:
         """Re-prioritise a block that is in use (not queued)."""
@@ -217,6 +234,31 @@ class FreeQueues:
         if self._unlink(b):
             self._disarm(b)
 
+    def take_many(self, blocks, taken: list[int]) -> None:
+        """`take` for each of `blocks` (None entries skipped); appends the ones that were free
+        to `taken`."""
+        queue, prev, nxt = self.queue, self.prev, self.next
+        nonempty, num_free = self.nonempty, self.num_free
+        armed = self.armed
+        for b in blocks:
+            if b is None:
+                continue
+            q = queue[b]
+            if q < 0:
+                continue
+            p, f = prev[b], nxt[b]
+            nxt[p] = f
+            prev[f] = p
+            level, priority = divmod(q, NUM_PRIORITIES)
+            if p == f:
+                nonempty[level] &= ~(1 << priority)
+            num_free[level] -= 1
+            queue[b] = NOT_FREE
+            if armed:
+                armed.pop(b, None)
+                self.expiry.pop(b, None)
+            taken.append(b)
+
     def release(self, b: int, to_front: bool = False) -> None:
         """Append a block whose last reference went away to its level's queue for its priority."""
         priority = self.priority[b]
@@ -228,27 +270,40 @@ class FreeQueues:
 
     def release_many(self, blocks: list[int]) -> None:
         """`release` for a run of blocks (a finished sequence), with the loop kept local."""
+        if self.duration:
+            for b in blocks:
+                self.release(b)
+            return
         n = self.num_blocks
         prev, nxt, queue, level, prio = self.prev, self.next, self.queue, self.level, self.priority
         nonempty, num_free = self.nonempty, self.num_free
-        durations = self.duration
+        # consecutive blocks bound for one queue are chained, then the chain is appended
+        cur_q = -1
+        tail = head_s = count = 0
         for b in blocks:
-            lvl = level[b]
-            p = prio[b]
-            q = lvl * NUM_PRIORITIES + p
-            s = n + q
-            t = prev[s]
-            prev[s] = b
-            nxt[b] = s
-            prev[b] = t
-            nxt[t] = b
+            q = level[b] * NUM_PRIORITIES + prio[b]
+            if q != cur_q:
+                if count:
+                    nxt[tail] = head_s
+                    prev[head_s] = tail
+                    lvl, p = divmod(cur_q, NUM_PRIORITIES)
+                    nonempty[lvl] |= 1 << p
+                    num_free[lvl] += count
+                cur_q = q
+                head_s = n + q
+                tail = prev[head_s]
+                count = 0
+            nxt[tail] = b
+            prev[b] = tail
             queue[b] = q
+            tail = b
+            count += 1
+        if count:
+            nxt[tail] = head_s
+            prev[head_s] = tail
+            lvl, p = divmod(cur_q, NUM_PRIORITIES)
             nonempty[lvl] |= 1 << p
-            num_free[lvl] += 1
-            if durations:
-                self._arm(b, p)
-        if len(self._heap) > self.heap_limit:
-            self._compact()
+            num_free[lvl] += count
 
     def _compact(self) -> None:
         """Drop the entries claims and re-releases disarmed (at most one per block stays)."""

@@ -148,8 +148,8 @@ def _verify_tree(bm: BlockManager) -> None:
             unit = tree.unit(n)
             if length < 1 or content is None:
                 _fail(f"live tree node {n} has no positions")
-            ntok = len(content) // unit
-            if len(content) % unit or not (length - 1) * tpb < ntok <= length * tpb:
+            ntok = len(content) // unit  # a truncated node keeps its dropped positions' tokens
+            if len(content) % unit or ntok <= (length - 1) * tpb:
                 _fail(f"tree node {n}: {ntok} tokens do not fill {length} positions (only the last may be partial)")
             if n in tree.mm and length != 1:
                 _fail(f"tree node {n} holds a multimodal block inside a run of {length}")
@@ -159,7 +159,7 @@ def _verify_tree(bm: BlockManager) -> None:
                 last = max((vals[n][length - 1] for vals in tree.values), default=NO_BLOCK)
                 if last == NO_BLOCK:
                     _fail(f"empty tree position left unpruned at the end of leaf node {n}")
-            elif ntok != length * tpb:
+            elif ntok < length * tpb:
                 _fail(f"tree node {n} ends on a partial block but has children")
             hs = tree.hashes[n]
             if hs is not None and len(hs) != length:

@@ -249,7 +249,7 @@ class RadixTree:
         tpb = self.tokens_per_block
         if o < self.length[n] - 1:
             return tpb
-        return len(self.content[n]) // self.unit(n) - o * tpb
+        return min(tpb, len(self.content[n]) // self.unit(n) - o * tpb)
 
     def previous(self, n: int, o: int) -> tuple[int, int]:
         """The position before `(n, o)` on its path ((ROOT, -1) before the first)."""
@@ -301,10 +301,19 @@ class RadixTree:
         if n < 0:
             return False
         o = self.block_offset[w][b]
-        self.values[w][n][o] = NO_BLOCK
+        row = self.values[w][n]
+        row[o] = NO_BLOCK
         bn[b] = NO_BLOCK
-        if o == self.length[n] - 1 and self.children[n] is None:
-            self.prune(n)
+        if o == len(row) - 1 and self.children[n] is None:
+            if o and self.num_windows == 1 and row[o - 1] != NO_BLOCK:  # the usual tail eviction
+                del row[o]
+                hs = self.hashes[n]
+                if hs is not None:
+                    del hs[o]
+                self.length[n] = o
+                self.num_positions -= 1
+            else:
+                self.prune(n)
         return True
 
     def prune(self, n: int) -> None:
@@ -331,9 +340,10 @@ class RadixTree:
             n = p
 
     def _truncate(self, n: int, keep: int) -> None:
+        """Keep the first `keep` positions of `n`. Its content keeps the dropped positions'
+        tokens (bounded by what the node was created with; they go with the node or a split):
+        only `length` says how many positions are live."""
         self.num_positions -= self.length[n] - keep
-        bb = self.unit(n) * self.tokens_per_block
-        self.content[n] = self.content[n][: keep * bb]
         for vals in self.values:
             del vals[n][keep:]
         hs = self.hashes[n]
@@ -363,7 +373,7 @@ class RadixTree:
         while d < n_full:
             if o + 1 < length[n]:  # along the current node's run
                 c = content[n]
-                k = min(len(c) // bb - (o + 1), n_full - d)
+                k = min(min(len(c) // bb, length[n]) - (o + 1), n_full - d)
                 if mm is not None:
                     k = min(k, _next_mm(mm, d) - d)  # a multimodal block has its own node
                 if k <= 0:
@@ -531,7 +541,7 @@ class RadixTree:
         while d < n_blocks:
             if o + 1 < length[n]:  # along the current node's run
                 c = content[n]
-                full_n = len(c) // bb
+                full_n = min(len(c) // bb, length[n])
                 k = min(full_n - (o + 1), n_full - d)
                 if mm is not None:
                     k = min(k, _next_mm(mm, d) - d)
@@ -595,14 +605,25 @@ class RadixTree:
             row = blocks[d:end]
             if min(row) < 0:  # placeholders hold no position
                 row = array.array("i", [b if b >= 0 else NO_BLOCK for b in row])
-            n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: array.array("i", [NO_BLOCK]) * len(row)})
-            for j, b in enumerate(row):
-                if b >= 0:
-                    if bnode[b] >= 0:
-                        on_move(d + j, b)
-                        self.detach(w, b)
-                    self.attach(w, n, j, b)
-                    attached.append((d + j, b))
+            moving = [(j, b) for j, b in enumerate(row) if b >= 0 and bnode[b] >= 0]
+            if moving:  # partial blocks that grew: attached one by one, after leaving their old key
+                empty = array.array("i", [NO_BLOCK]) * len(row)
+                n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: empty})
+                for j, b in enumerate(row):
+                    if b >= 0:
+                        if bnode[b] >= 0:
+                            on_move(d + j, b)
+                            self.detach(w, b)
+                        self.attach(w, n, j, b)
+                        attached.append((d + j, b))
+            else:
+                n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: row})
+                boff = self.block_offset[w]
+                for j, b in enumerate(row, d):
+                    if b >= 0:
+                        bnode[b] = n
+                        boff[b] = j - d
+                        attached.append((j, b))
             if d < n_full <= end:
                 cursor = (n, self.pid[n] + n_full - 1 - d)
             last = n
@@ -632,7 +653,7 @@ class RadixTree:
         while d <= depth:
             if o + 1 < self.length[n]:
                 c = self.content[n]
-                k = min(len(c) // bb - (o + 1), depth + 1 - d)
+                k = min(min(len(c) // bb, self.length[n]) - (o + 1), depth + 1 - d)
                 if mm is not None:
                     k = min(k, _next_mm(mm, d) - d)
                 m = _equal_blocks(path.content, d * bb, c, (o + 1) * bb, k, bb) if k > 0 else 0

@@ -99,7 +99,7 @@ class TrackedSequence:
     # ------------------------------------------------------------------ keys
     def token_path(self, first_block: int, end_token: int, tokens_per_block: int) -> TokenPath:
         """Tokens `[first_block * tokens_per_block, end_token)` encoded for the radix tree
-        (raises OverflowError for a token id outside int32)."""
+        (raises `struct.error` for a token id outside int32)."""
         start = first_block * tokens_per_block
         if self.extra_ids is None:
             content = encode_tokens(self.tokens[start:end_token])

@@ -125,7 +125,10 @@ class WindowBlockManager:
                 self.events.updated(self.window, self.block_hash(victim), cache_level=(PRIMARY, SECONDARY))
             b = spare
         else:
-            self.drop_cached(victim)
+            if self.events is not None:
+                self.events.removed(self.window, self.block_hash(victim))
+            self.tree.detach(self.index, victim)
+            c.evicted += 1
             b = victim
         queues.set_retention(b, DEFAULT_PRIORITY if priority is None else priority, duration)
         return b
@@ -268,8 +271,7 @@ class WindowBlockManager:
             return 0
         queues = self.queues
         if seq.retention is None:
-            for _, b in attached:
-                queues.set_retention(b, DEFAULT_PRIORITY, None)
+            queues.set_default_retention([b for _, b in attached])
         else:
             for d, b in attached:
                 prio, dur = seq.block_priority(d, tpb)
