@@ -32,6 +32,7 @@ __all__ = [
     "ceil_div",
     "sink_bubble_length",
     "cache_size_per_token",
+    "kv_scale_bytes_per_token",
     "window_size_shares",
     "calculate_max_num_blocks",
     "max_block_requirements_per_beam",
@@ -105,10 +106,30 @@ def cache_size_per_token(
     `kv_factor * sum over the window's layers of kv_heads * head_dim * dtype_bytes` (TensorRT-LLM
     `cacheSizeBytesPerToken`). Windows are the per-layer cycle clamped to `max_seq_len`, so a model
     whose sliding window exceeds `max_seq_len` has a single window. `dtype`, `max_seq_len`,
-    `cache_type` override the model's values (e.g. an fp8 cache).
+    `cache_type` override the model's values (e.g. an fp8 cache). FP8 caches also count their
+    block scales (`kv_scale_bytes_per_token`), which TensorRT-LLM's per-tensor scales do not have.
     """
     config = _as_config(model, dtype=dtype, max_seq_len=max_seq_len, cache_type=cache_type)
     return {w: _exact(b) for w, b in config.cache_size_per_token.items()}
+
+
+def kv_scale_bytes_per_token(
+    model: CacheConfig | "ModelSpec",
+    *,
+    dtype: str | None = None,
+    tokens_per_block: int | None = None,
+    max_seq_len: int | None = None,
+    cache_type: str | None = None,
+) -> dict[int, int | float]:
+    """Window -> bytes of FP8 block scales per token (already inside `cache_size_per_token`).
+
+    An FP8 pool keeps one float32 scale per (block, layer, K/V field, kv head), so a token
+    costs `kv_factor * kv_heads * 4 / tokens_per_block` bytes per layer on top of its KV
+    bytes; 0 for 16- and 32-bit caches.
+    """
+    config = _as_config(model, dtype=dtype, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                        cache_type=cache_type)
+    return {w: _exact(b) for w, b in config.kv_scale_bytes_per_token.items()}
 
 
 # --------------------------------------------------------------------------- window shares

@@ -7,6 +7,7 @@
   kvjax capacity  how many blocks and tokens a model's KV cache gets on a device, after its
                   weights and an activation reserve
   kvjax serve     an OpenAI-compatible HTTP server for a built-in model or a checkpoint
+  kvjax router    a KV-aware router in front of several `kvjax serve` replicas
   kvjax route-sim compare routing policies on a workload over N simulated replicas
 
 A bad flag or config file prints one line, `kvjax: error: ...`, and exits with status 2.
@@ -92,7 +93,7 @@ def _fail(message: str) -> int:
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvjax", description="kvjax: a paged KV-cache manager for LLM inference in JAX.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,serve,route-sim}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{demo,run,capacity,serve,router,route-sim}")
 
     def serving_flags(sp, workload_default: str | None):
         sp.add_argument("--workload", default=workload_default, required=workload_default is None,
@@ -168,7 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="max_tokens of chat requests that set none (default 256)")
     sv.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish at shutdown (default 10)")
+    sv.add_argument("--kv-events-endpoint", metavar="tcp://HOST:PORT",
+                    help="publish the cache's KV events (vLLM's wire format) on a ZeroMQ PUB socket bound here")
+    sv.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
+                    help="bind a ZeroMQ ROUTER socket here that replays event batches a subscriber missed")
+    sv.add_argument("--kv-events-topic", default="", help="topic prefixed to every KV-event message (default none)")
+    sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
+                    help="data-parallel rank written into the KV-event batches (default 0)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _router_parser(sub)
     return p
 
 
@@ -219,7 +228,9 @@ def cmd_capacity(args) -> int:
     shares = C.window_size_shares(config.window_to_layers, per_token)
     gib = 2**30
     print(f"model            {spec.name}  ({config.num_layers} layers, kv heads {config.num_kv_heads}, head dim {config.head_dim}, {config.dtype})")
-    print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V)")
+    scale_bytes = sum(config.kv_scale_bytes_per_token.values())
+    scales = f"; {_int(scale_bytes)} of them FP8 block scales" if scale_bytes else ""
+    print(f"KV bytes/token   {_int(sum(per_token.values()))} (all layers, K and V{scales})")
     print(f"weights          {_gib(weights)} ({weights_from})")
     print(f"activations      {_gib(reserve)} ({reserve_from})")
     print(f"primary budget   {args.fraction:g} x {_gib(args.gpu_memory)} - weights - activations = {primary} bytes "
@@ -447,6 +458,63 @@ def cmd_route_sim(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- router
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _router_parser(sub) -> None:
+    from kvjax.router.policy import POLICIES
+
+    r = sub.add_parser("router", help="KV-aware router in front of kvjax serve replicas (OpenAI-compatible)")
+    r.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a kvjax serve replica, e.g. http://10.0.0.5:8000 (repeat for each)")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    r.add_argument("--port", type=_int_at_least(0), default=8000)
+    r.add_argument("--policy", choices=sorted(POLICIES), default="kv-aware", help="routing policy (default kv-aware)")
+    r.add_argument("--alpha", type=float, help="kv-aware: weight of load against cached overlap (default 0.5)")
+    r.add_argument("--imbalance-cap", type=float, help="kv-aware: hard cap on load / mean load (default 1.25)")
+    r.add_argument("--tokenizer", help="tokenizer directory or built-in model name (default: what the replicas report)")
+    r.add_argument("--health-interval", type=_positive_float, default=2.0, help="seconds between health checks (default 2)")
+    r.add_argument("--request-timeout", type=_positive_float, default=600.0,
+                   help="seconds a replica may take to answer or between two stream chunks (default 600)")
+    r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def router_config(args):
+    from kvjax.router.app import RouterConfig
+
+    options = tuple((k, v) for k, v in (("alpha", args.alpha), ("imbalance_cap", args.imbalance_cap)) if v is not None)
+    if options and args.policy != "kv-aware":
+        raise ValueError("--alpha and --imbalance-cap apply to --policy kv-aware only")
+    return RouterConfig(tuple(args.replica), policy=args.policy, policy_options=options, tokenizer=args.tokenizer,
+                        health_interval=args.health_interval, request_timeout=args.request_timeout)
+
+
+def cmd_router(args) -> int:
+    import logging
+
+    from kvjax.router.launch import serve_router
+
+    config = router_config(args)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    for name in ("kvjax.router", "kvjax.kv_events"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(args.log_level.upper())
+    print(f"kvjax router: {args.policy} over {len(config.replicas)} replicas on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    serve_router(config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 # ---------------------------------------------------------------------- serve
 def serve_options(args) -> dict[str, Any]:
     """The engine and cache options of `kvjax serve`'s flags (checked by `LLMEngine.from_options`)."""
@@ -465,6 +533,18 @@ def serve_options(args) -> dict[str, Any]:
     return options
 
 
+def kv_events_config(args):
+    """The `KVEventsConfig` of `kvjax serve`'s --kv-events-* flags (None without an endpoint)."""
+    from kvjax.engine.event_publishing import KVEventsConfig
+
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None or args.kv_events_topic:
+            raise ValueError("--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint")
+        return None
+    return KVEventsConfig(args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
+                          topic=args.kv_events_topic, data_parallel_rank=args.data_parallel_rank)
+
+
 def cmd_serve(args) -> int:
     from kvjax.engine.llm_engine import split_options
 
@@ -472,6 +552,7 @@ def cmd_serve(args) -> int:
     split_options(options, "kvjax serve")  # unknown keys fail before the model loads
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    kv_events = kv_events_config(args)
     import logging
 
     from kvjax.engine.llm_engine import LLMEngine
@@ -486,13 +567,20 @@ def cmd_serve(args) -> int:
 
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=args.dtype)
     tokenizer = _resolve_tokenizer(args.tokenizer) or tokenizer
-    engine = LLMEngine.from_options(model, tokenizer=tokenizer, **options)
+    engine = LLMEngine.from_options(model, tokenizer=tokenizer, kv_events=kv_events, **options)
     name = args.served_model_name or args.model
     config = ServerConfig(name, max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout, tokenizer_source=args.tokenizer or args.model)
+    events = engine.kv_events_info()
+    where = "" if events is None else f"; KV events on {events['endpoint']}" + (
+        f" (replay {events['replay_endpoint']})" if events["replay_endpoint"] else "")
     print(f"kvjax serve: model {name!r} on http://{args.host}:{args.port} (max_seq_len {engine.max_seq_len}, "
-          f"{engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} primary blocks)", file=sys.stderr)
-    serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+          f"{engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} primary blocks{where})",
+          file=sys.stderr)
+    try:
+        serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()  # idempotent: the server's shutdown closed it already unless serving failed
     return 0
 
 
@@ -502,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a bad flag (already reported)
         return int(e.code or 0)
-    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity, "serve": cmd_serve, "route-sim": cmd_route_sim}
+    commands = {"demo": cmd_demo, "run": cmd_run, "capacity": cmd_capacity, "serve": cmd_serve, "router": cmd_router,
+                "route-sim": cmd_route_sim}
     try:
         return commands[args.command](args)
     except ValueError as e:  # bad config file, flag value or workload: one line, no traceback

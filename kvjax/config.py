@@ -27,6 +27,12 @@ DTYPE_BYTES: dict[str, float] = {
     "int8": 1,
 }
 
+#: KV dtypes that `kvjax.device` stores with per-block scales (FP8 pools): one float32 scale per
+#: (block, layer, K/V field, kv head) sits beside the pool, indexed by the same slot
+#: (see docs/device.md). int8 stays a capacity-maths dtype only: the device pools reject it.
+SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+SCALE_BYTES = 4
+
 DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -184,6 +190,23 @@ class CacheConfig:
     def dtype_bytes(self) -> float:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def is_scaled(self) -> bool:
+        """True for FP8 KV: the device keeps a float32 scale per (block, layer, field, kv head)."""
+        return self.dtype in SCALED_DTYPES
+
+    @functools.cached_property
+    def kv_scale_bytes_per_token(self) -> dict[int, float]:
+        """Bytes of block scales per token in each window (0 unless `is_scaled`): a block's
+        scales spread over its `tokens_per_block` tokens."""
+        out = {w: 0.0 for w in self.windows}
+        if self.is_scaled:
+            for layer in range(self.num_layers):
+                out[self.layer_windows[layer]] += (
+                    self.kv_factor * self.kv_heads_per_layer[layer] * SCALE_BYTES / self.tokens_per_block
+                )
+        return out
+
     @functools.cached_property
     def kv_heads_per_layer(self) -> tuple[int, ...]:
         return _per_layer("num_kv_heads", self.num_kv_heads, self.num_layers)
@@ -256,8 +279,9 @@ class CacheConfig:
 
     @functools.cached_property
     def cache_size_per_token(self) -> dict[int, float]:
-        """Bytes of KV one token occupies in each window (all that window's layers, K and V)."""
-        out = {w: 0.0 for w in self.windows}
+        """Bytes of KV one token occupies in each window (all that window's layers, K and V),
+        FP8 block scales included (`kv_scale_bytes_per_token`)."""
+        out = dict(self.kv_scale_bytes_per_token)
         for layer in range(self.num_layers):
             out[self.layer_windows[layer]] += (
                 self.kv_factor * self.kv_heads_per_layer[layer] * self.head_dim_per_layer[layer] * self.dtype_bytes

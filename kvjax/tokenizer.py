@@ -193,6 +193,20 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def fingerprint(self) -> str:
+        """A hex digest of everything that decides token ids: the backend's serialised model,
+        the special tokens and the chat template. Two processes (a replica and a router) that
+        agree on it tokenise every prompt and chat alike."""
+        import hashlib
+
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            h = hashlib.sha256(self.backend.to_str().encode("utf-8"))
+            h.update(json.dumps([sorted(self.special_tokens.items()), self.additional_special_tokens,
+                                 self.chat_template, sorted(self.eos_token_ids)], sort_keys=True).encode("utf-8"))
+            cached = self.__dict__["_fingerprint"] = h.hexdigest()[:32]
+        return cached
+
     def __getattr__(self, name: str):
         if name in _SPECIAL_NAMES:  # bos_token, eos_token, ...: None when the tokenizer has none
             return self.__dict__.get("special_tokens", {}).get(name)

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Int, Shaped
 
 from pallas_kernels._common import SMEM_CHUNK_BYTES, on_gpu
 
@@ -27,7 +28,7 @@ def _gather_kernel(idx_ref, pool_ref, out_ref, *, block_axis: int):
     out_ref[0] = _blk(pool_ref, block_axis, idx_ref[pl.program_id(0)])
 
 
-def gather_blocks_portable(pool, idx, *, block_axis: int, interpret=True):
+def gather_blocks_portable(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], idx: Int[Array, " n"], *, block_axis: int, interpret=True) -> Shaped[Array, "n layers fields kv_heads tpb head_dim"]:
     n = idx.shape[0]
     blk = pool.shape[:block_axis] + pool.shape[block_axis + 1:]  # [L, F, H, T, D]
     return pl.pallas_call(
@@ -57,7 +58,8 @@ def _scatter_kernel(dst_ref, num_ref, stage_ref, pool_in_ref, pool_ref, *, block
             pool_ref[:, d] = merged
 
 
-def scatter_blocks_portable(pool, staging, dst, num_tokens, *, block_axis: int, interpret=True):
+def scatter_blocks_portable(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], staging: Shaped[Array, "n layers fields kv_heads tpb head_dim"], dst: Int[Array, " n"], num_tokens: Int[Array, " n"], *,
+                            block_axis: int, interpret=True) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     n = staging.shape[0]
     return pl.pallas_call(
         functools.partial(_scatter_kernel, block_axis=block_axis),
@@ -95,7 +97,7 @@ def _unravel(c, dims: tuple[int, ...]):
     return tuple(reversed(out))
 
 
-def gather_blocks_mgpu(pool, idx, *, block_axis: int, interpret=None):
+def gather_blocks_mgpu(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], idx: Int[Array, " n"], *, block_axis: int, interpret=None) -> Shaped[Array, "n layers fields kv_heads tpb head_dim"]:
     """Mosaic GPU: one CTA per (entry, chunk): scalar-load the slot, TMA chunk in, TMA out."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -117,7 +119,8 @@ def gather_blocks_mgpu(pool, idx, *, block_axis: int, interpret=None):
                         interpret=interpret)(idx, pool)
 
 
-def scatter_blocks_mgpu(pool, staging, dst, num_tokens, *, block_axis: int, interpret=None):
+def scatter_blocks_mgpu(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], staging: Shaped[Array, "n layers fields kv_heads tpb head_dim"], dst: Int[Array, " n"], num_tokens: Int[Array, " n"], *,
+                        block_axis: int, interpret=None) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     """Mosaic GPU: one CTA per (entry, chunk): TMA the staged chunk in, then one TMA store of
     the whole chunk (full blocks) or one per live token row (partial copies)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -160,13 +163,14 @@ def scatter_blocks_mgpu(pool, staging, dst, num_tokens, *, block_axis: int, inte
     return jax.freeze(ref)
 
 
-def gather_blocks(pool, idx, *, block_axis: int):
+def gather_blocks(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], idx: Int[Array, " n"], *, block_axis: int) -> Shaped[Array, "n layers fields kv_heads tpb head_dim"]:
     if on_gpu():
         return gather_blocks_mgpu(pool, idx, block_axis=block_axis)
     return gather_blocks_portable(pool, idx, block_axis=block_axis)
 
 
-def scatter_blocks(pool, staging, dst, num_tokens, *, block_axis: int):
+def scatter_blocks(pool: Shaped[Array, "a b fields kv_heads tpb head_dim"], staging: Shaped[Array, "n layers fields kv_heads tpb head_dim"], dst: Int[Array, " n"], num_tokens: Int[Array, " n"], *,
+                   block_axis: int) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     if on_gpu():
         return scatter_blocks_mgpu(pool, staging, dst, num_tokens, block_axis=block_axis)
     return scatter_blocks_portable(pool, staging, dst, num_tokens, block_axis=block_axis)

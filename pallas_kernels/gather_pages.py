@@ -1,6 +1,11 @@
 """Gather pages: K/V of one layer, contiguous per request, read through a block table.
 
 Output per field: `[batch, max_blocks * T, kv_heads, head_dim]`, zero at positions >= seq_len.
+`layer` is a `[1]` int32 array (the index inside the pool; it may be traced). Tables must
+already be safe (entries in `[0, num_slots)`): `kvjax.device.gather` maps bad entries to the
+null slot first. With `scales` (FP8 pools, whose arrays hold uint8 bit patterns of
+`value_dtype`; scales `[slots, L, F, H]` or `[L, slots, F, H]`) every page is viewed as fp8,
+multiplied by its block scale and comes out as `out_dtype`.
 """
 from __future__ import annotations
 
@@ -9,46 +14,76 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, Shaped
 
 from pallas_kernels._common import on_gpu, page_ref
 
 
-def _portable_kernel(tbl_ref, lens_ref, pool_ref, *out_refs, layer: int, layout: str, tpb: int):
+def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str, tpb: int, fields: int, scaled: bool,
+                     value_dtype):
+    scale_ref = refs[0] if scaled else None
+    out_refs = refs[1:] if scaled else refs
     b = pl.program_id(0)
     seq_len = lens_ref[b]
+    layer = layer_ref[0]
     num_blocks = tbl_ref.shape[1]
 
     def body(m, carry):
         slot = tbl_ref[b, m]
+        idx = (slot, layer) if layout == "block_first" else (layer, slot)
         pos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (tpb, 1, 1), 0)  # [T, 1, 1]
         for f, out_ref in enumerate(out_refs):
-            page = pool_ref[(slot, layer, f) if layout == "block_first" else (layer, slot, f)]  # [H, T, D]
-            page = jnp.transpose(page, (1, 0, 2))  # [T, H, D]
+            page = pool_ref[idx + (f,)]  # [H, T, D]
+            if scaled:
+                page = jax.lax.bitcast_convert_type(page, value_dtype).astype(jnp.float32)
+                page = page * scale_ref[idx + (f,)][:, None, None]  # [H, T, D]
+            page = jnp.transpose(page, (1, 0, 2)).astype(out_ref.dtype)  # [T, H, D]
             out_ref[0, pl.ds(m * tpb, tpb)] = jnp.where(pos < seq_len, page, jnp.zeros((), page.dtype))
         return carry
 
     jax.lax.fori_loop(0, num_blocks, body, 0)
 
 
-def gather_pages_portable(pool, block_table, seq_lens, *, layer: int, layout: str, interpret=True):
-    """pallas_call, grid over the batch; pool and table are whole-array refs."""
+def gather_pages_portable(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    out_dtype=None,
+    value_dtype=None,
+    interpret=True,
+) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
+    """pallas_call, grid over the batch; pool, scales and table are whole-array refs."""
     f_, h, t, d = pool.shape[2:]
     b, m = block_table.shape
-    out_shape = [jax.ShapeDtypeStruct((b, m * t, h, d), pool.dtype) for _ in range(f_)]
+    out_dtype = jnp.dtype(pool.dtype if out_dtype is None else out_dtype)
+    out_shape = [jax.ShapeDtypeStruct((b, m * t, h, d), out_dtype) for _ in range(f_)]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    inputs = (block_table, seq_lens, layer, pool) + (() if scales is None else (scales,))
     return tuple(pl.pallas_call(
-        functools.partial(_portable_kernel, layer=layer, layout=layout, tpb=t),
+        functools.partial(_portable_kernel, layout=layout, tpb=t, fields=f_, scaled=scales is not None,
+                          value_dtype=value_dtype),
         grid=(b,),
-        in_specs=[pl.BlockSpec(block_table.shape, lambda i: (0, 0)),
-                  pl.BlockSpec(seq_lens.shape, lambda i: (0,)),
-                  pl.BlockSpec(pool.shape, lambda i: (0,) * 6)],
+        in_specs=[whole(x) for x in inputs],
         out_specs=[pl.BlockSpec((1, m * t, h, d), lambda i: (i, 0, 0, 0)) for _ in range(f_)],
         out_shape=out_shape,
         interpret=interpret,
-    )(block_table, seq_lens, pool))
+    )(*inputs))
 
 
-def gather_pages_mgpu(pool, block_table, seq_lens, *, layer: int, layout: str, interpret=None):
-    """Mosaic GPU: one CTA per (request, block). A scalar load of the table picks the slot,
+def gather_pages_mgpu(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+    interpret=None,
+) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
+    """Mosaic GPU: one CTA per (request, block). Scalar loads of the layer and the table pick the slot,
     a TMA copy brings `[H, T, D]` into shared memory and per-head TMA stores write it to
     `[T, D]` strided rows of the output. Blocks past seq_len read the zero null slot
     instead (the last table column is never needed for them); the one partial block gets
@@ -60,8 +95,9 @@ def gather_pages_mgpu(pool, block_table, seq_lens, *, layer: int, layout: str, i
     null_slot = pool.shape[0 if layout == "block_first" else 1] - 1
     zeros = jnp.zeros((t, d), pool.dtype)
 
-    def body(tbl, lens, pool_g, zeros_g, *rest):
+    def body(tbl, lens, lay, pool_g, zeros_g, *rest):
         out_refs, (smem, zsmem, bar) = rest[:f_], rest[f_:]
+        layer = lay[0]
         i = jax.lax.axis_index("b")
         blk = jax.lax.axis_index("m")
         seq_len = lens[i]
@@ -95,10 +131,48 @@ def gather_pages_mgpu(pool, block_table, seq_lens, *, layer: int, layout: str, i
         scratch_types=(plgpu.SMEM((h, t, d), pool.dtype), plgpu.SMEM((t, d), pool.dtype),
                        plgpu.Barrier(num_barriers=2)),
         interpret=interpret,
-    )(block_table, seq_lens, pool, zeros))
+    )(block_table, seq_lens, layer, pool, zeros))
 
 
-def gather_pages(pool, block_table, seq_lens, *, layer: int, layout: str):
-    if on_gpu():
-        return gather_pages_mgpu(pool, block_table, seq_lens, layer=layer, layout=layout)
-    return gather_pages_portable(pool, block_table, seq_lens, layer=layer, layout=layout)
+def dequantize_pages(
+    pages: Shaped[Array, "batch positions kv_heads head_dim"],
+    scales: Float[Array, "a b fields kv_heads"],
+    block_table: Int[Array, "batch blocks"],
+    layer: Int[Array, " 1"],
+    field: int,
+    *,
+    layout: str,
+    out_dtype,
+    value_dtype,
+) -> Float[Array, "batch positions kv_heads head_dim"]:
+    """Epilogue of the Mosaic GPU gather on FP8 pools: view the gathered bytes as fp8 and
+    multiply them by their block scales (an XLA fusion over the kernel's output; the kernel
+    moves the bytes)."""
+    tpb = pages.shape[1] // block_table.shape[1]
+    idx = (block_table, layer[0]) if layout == "block_first" else (layer[0], block_table)
+    s = scales[idx + (field,)]  # [batch, blocks, H]
+    s = jnp.repeat(s, tpb, axis=1)  # [batch, positions, H]
+    values = jax.lax.bitcast_convert_type(pages, value_dtype).astype(jnp.float32)
+    return (values * s[..., None]).astype(out_dtype)
+
+
+def gather_pages(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    out_dtype=None,
+    value_dtype=None,
+) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
+    out_dtype = jnp.dtype(pool.dtype if out_dtype is None else out_dtype)
+    if not on_gpu():
+        return gather_pages_portable(pool, block_table, seq_lens, layer, scales, layout=layout, out_dtype=out_dtype,
+                                     value_dtype=value_dtype)
+    pages = gather_pages_mgpu(pool, block_table, seq_lens, layer, layout=layout)
+    if scales is None:
+        return tuple(p.astype(out_dtype) for p in pages)
+    return tuple(dequantize_pages(p, scales, block_table, layer, f, layout=layout, out_dtype=out_dtype,
+                                  value_dtype=value_dtype) for f, p in enumerate(pages))

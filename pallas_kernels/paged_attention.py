@@ -5,6 +5,9 @@ One program per (request, kv head) handles all `q_len * G` query rows of that kv
 can hold visible keys are visited: from the window's first key to seq_len. Conventions as
 `kvjax.device.attention`: query row r is query i = r // G at position seq_len - q_len + i;
 key j visible iff p - window < j <= p; rows with no visible key return zeros.
+`layer` is a `[1]` int32 array (the index inside the pool; it may be traced); tables must be
+safe (`kvjax.device.attention` maps bad entries to the null slot first). The portable kernel
+takes FP8 pools with their `scales` and dequantises each page as it loads it.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, Shaped
 
 from pallas_kernels._common import on_gpu
 
@@ -41,8 +45,12 @@ def _block_range(seq_len, q_len: int, window: int, tpb: int, max_blocks: int):
     return lo, hi
 
 
-def _portable_kernel(tbl_ref, lens_ref, q_ref, pool_ref, o_ref, *, layer, layout, scale, window, q_len, group):
+def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layout, scale, window, q_len, group, scaled,
+                     value_dtype):
+    scale_ref = refs[0] if scaled else None
+    o_ref = refs[-1]
     b, kh = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     seq_len = lens_ref[b]
     tpb = pool_ref.shape[4]
     fv = pool_ref.shape[2] - 1  # V field (K itself for K-only caches)
@@ -55,8 +63,11 @@ def _portable_kernel(tbl_ref, lens_ref, q_ref, pool_ref, o_ref, *, layer, layout
         acc, m_i, l_i = carry
         slot = tbl_ref[b, m]
         idx = (slot, layer) if layout == "block_first" else (layer, slot)
-        k = pool_ref[idx + (0, kh)].astype(jnp.float32)  # [T, D]
-        v = pool_ref[idx + (fv, kh)].astype(jnp.float32)  # [T, D]
+        k, v = pool_ref[idx + (0, kh)], pool_ref[idx + (fv, kh)]  # [T, D] each
+        if scaled:  # FP8 (uint8 bit patterns): view as fp8, dequantise with the block scale
+            k = jax.lax.bitcast_convert_type(k, value_dtype).astype(jnp.float32) * scale_ref[idx + (0, kh)]
+            v = jax.lax.bitcast_convert_type(v, value_dtype).astype(jnp.float32) * scale_ref[idx + (fv, kh)]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * scale  # [R, T]
         kpos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (1, tpb), 1)  # [1, T]
         vis = (kpos <= qpos) & (kpos > qpos - window)  # [R, T]
@@ -72,25 +83,38 @@ def _portable_kernel(tbl_ref, lens_ref, q_ref, pool_ref, o_ref, *, layer, layout
     o_ref[0, 0] = jnp.where(l_i > 0, acc / jnp.where(l_i > 0, l_i, 1.0), 0.0).astype(o_ref.dtype)
 
 
-def paged_attention_portable(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int,
-                             interpret=True):
-    """pallas_call, grid over (request, kv head); pool and tables are whole-array refs."""
+def paged_attention_portable(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    scale: float,
+    window: int,
+    value_dtype=None,
+    interpret=True,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """pallas_call, grid over (request, kv head); pool, scales and tables are whole-array refs."""
     b, ql, hq, d = q.shape
     hkv = pool.shape[3]
     qg = _group_queries(q, hkv)  # [B, Hkv, R, D]
     rows = qg.shape[2]
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)  # noqa: E731
+    extra = () if scales is None else (scales,)
     out = pl.pallas_call(
-        functools.partial(_portable_kernel, layer=layer, layout=layout, scale=scale, window=window, q_len=ql,
-                          group=hq // hkv),
+        functools.partial(_portable_kernel, layout=layout, scale=scale, window=window, q_len=ql, group=hq // hkv,
+                          scaled=scales is not None, value_dtype=value_dtype),
         grid=(b, hkv),
-        in_specs=[pl.BlockSpec(block_table.shape, lambda i, h: (0, 0)),
-                  pl.BlockSpec(seq_lens.shape, lambda i, h: (0,)),
+        in_specs=[whole(block_table), whole(seq_lens), whole(layer),
                   pl.BlockSpec((1, 1, rows, d), lambda i, h: (i, h, 0, 0)),
-                  pl.BlockSpec(pool.shape, lambda i, h: (0,) * 6)],
+                  whole(pool)] + [whole(x) for x in extra],
         out_specs=pl.BlockSpec((1, 1, rows, d), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         interpret=interpret,
-    )(block_table, seq_lens, qg, pool)
+    )(block_table, seq_lens, layer, qg, pool, *extra)
     return _ungroup(out, q.shape)
 
 
@@ -99,16 +123,28 @@ BLOCK_Q = 64  # wgmma M: query rows per program (q_len * G rows, zero-padded)
 MIN_BLOCK_KV = 64  # keys per step: several pages are TMA'd side by side into one tile
 
 
-def mgpu_supported(dtype, head_dim: int, tokens_per_block: int) -> bool:
+def mgpu_supported(dtype, head_dim: int | None, tokens_per_block: int | None) -> bool:
     """Shapes the Mosaic GPU kernel handles: 16-bit K/V (wgmma, f32 accumulation),
     head_dim a multiple of 64 (128-byte swizzle), pages of >= 8 tokens."""
+    if head_dim is None or tokens_per_block is None:
+        return False
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
             and tokens_per_block % 8 == 0 and (tokens_per_block <= MIN_BLOCK_KV and MIN_BLOCK_KV % tokens_per_block == 0
                                                or tokens_per_block % MIN_BLOCK_KV == 0))
 
 
-def paged_attention_mgpu(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int,
-                         interpret=None):
+def paged_attention_mgpu(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+    scale: float,
+    window: int,
+    interpret=None,
+) -> Float[Array, "batch q_len heads head_dim"]:
     """Mosaic GPU, one warpgroup per (request, kv head, 64-row query tile).
 
     Each step TMA-loads `pages_per_step` pages of K and V (slots from scalar loads of the
@@ -138,12 +174,13 @@ def paged_attention_mgpu(q, pool, block_table, seq_lens, *, layer: int, layout: 
     steps_total = m_pad // pps
     dtype = pool.dtype
 
-    def page(pool_g, slot, field, kh):
+    def page(pool_g, slot, layer, field, kh):
         idx = (slot, layer, field, kh) if layout == "block_first" else (layer, slot, field, kh)
         return pool_g.at[idx]  # [T, D]
 
-    def body(tbl, lens, q_g, pool_g, o_g, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
+    def body(tbl, lens, lay, q_g, pool_g, o_g, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
         bi, kh, tile = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+        layer = lay[0]
         seq_len = lens[bi]
         first_key = jnp.maximum(seq_len - ql - window + 1, 0)
         lo = first_key // bk
@@ -152,8 +189,9 @@ def paged_attention_mgpu(q, pool, block_table, seq_lens, *, layer: int, layout: 
         def issue(step, slot):
             for p in range(pps):
                 s = tbl[bi, step * pps + p]
-                plgpu.copy_gmem_to_smem(page(pool_g, s, 0, kh), k_smem.at[slot, pl.ds(p * tpb, tpb)], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(page(pool_g, s, f_ - 1, kh), v_smem.at[slot, pl.ds(p * tpb, tpb)], v_bar.at[slot])
+                plgpu.copy_gmem_to_smem(page(pool_g, s, layer, 0, kh), k_smem.at[slot, pl.ds(p * tpb, tpb)], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(page(pool_g, s, layer, f_ - 1, kh), v_smem.at[slot, pl.ds(p * tpb, tpb)],
+                                        v_bar.at[slot])
 
         plgpu.copy_gmem_to_smem(q_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)], q_smem, q_bar)
 
@@ -226,11 +264,26 @@ def paged_attention_mgpu(q, pool, block_table, seq_lens, *, layer: int, layout: 
             plgpu.Barrier(num_arrivals=pps, num_barriers=2),
         ),
         interpret=interpret,
-    )(table, seq_lens, qg, pool)
+    )(table, seq_lens, layer, qg, pool)
     return _ungroup(out[:, :, :rows], q.shape).astype(q.dtype)
 
 
-def paged_attention(q, pool, block_table, seq_lens, *, layer: int, layout: str, scale: float, window: int):
-    if on_gpu():
-        return paged_attention_mgpu(q, pool, block_table, seq_lens, layer=layer, layout=layout, scale=scale, window=window)
-    return paged_attention_portable(q, pool, block_table, seq_lens, layer=layer, layout=layout, scale=scale, window=window)
+def paged_attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    scale: float,
+    window: int,
+    value_dtype=None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    if not on_gpu():
+        return paged_attention_portable(q, pool, block_table, seq_lens, layer, scales, layout=layout, scale=scale,
+                                        window=window, value_dtype=value_dtype)
+    if scales is not None:
+        raise ValueError("the Mosaic GPU attention kernel takes 16-bit K/V; FP8 pools run the XLA path (impl='xla')")
+    return paged_attention_mgpu(q, pool, block_table, seq_lens, layer, layout=layout, scale=scale, window=window)

@@ -1,7 +1,9 @@
 """Write pages: scatter new tokens' K/V of one layer into their (slot, offset), in place.
 
-`kv` is `[tokens, F, H, D]`; `slot`/`off` are `[tokens]` int32, a negative slot is padding
-(skipped). The pool is updated in place when the caller donates it.
+`kv` is `[tokens, F, H, D]` in the pool's dtype (FP8 pools: already quantised, their scales
+are kept by `kvjax.device.write`); `slot`/`off` are `[tokens]` int32, a negative slot is
+padding (skipped); `layer` is a `[1]` int32 array (the index inside the pool, may be traced).
+The pool is updated in place when the caller donates it.
 """
 from __future__ import annotations
 
@@ -10,14 +12,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jaxtyping import Array, Int, Shaped
 
 from pallas_kernels._common import on_gpu
 
 
-def _portable_kernel(slot_ref, off_ref, kv_ref, pool_in_ref, pool_ref, *, layer: int, layout: str):
+def _portable_kernel(slot_ref, off_ref, layer_ref, kv_ref, pool_in_ref, pool_ref, *, layout: str):
     del pool_in_ref  # aliased with pool_ref
     i = pl.program_id(0)
-    s, o = slot_ref[i], off_ref[i]
+    s, o, layer = slot_ref[i], off_ref[i], layer_ref[0]
 
     @pl.when(s >= 0)
     def _():
@@ -25,23 +28,42 @@ def _portable_kernel(slot_ref, off_ref, kv_ref, pool_in_ref, pool_ref, *, layer:
         pool_ref[idx + (slice(None), slice(None), pl.ds(o, 1), slice(None))] = kv_ref[0][:, :, None, :]
 
 
-def write_pages_portable(pool, kv, slot, off, *, layer: int, layout: str, interpret=True):
+def write_pages_portable(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    kv: Shaped[Array, "tokens fields kv_heads head_dim"],
+    slot: Int[Array, " tokens"],
+    off: Int[Array, " tokens"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+    interpret=True,
+) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     """pallas_call, grid over tokens; the whole pool is one aliased ref."""
     n = kv.shape[0]
     return pl.pallas_call(
-        functools.partial(_portable_kernel, layer=layer, layout=layout),
+        functools.partial(_portable_kernel, layout=layout),
         grid=(n,),
         in_specs=[pl.BlockSpec((n,), lambda i: (0,)), pl.BlockSpec((n,), lambda i: (0,)),
+                  pl.BlockSpec((1,), lambda i: (0,)),
                   pl.BlockSpec((1,) + kv.shape[1:], lambda i: (i, 0, 0, 0)),
                   pl.BlockSpec(pool.shape, lambda i: (0,) * 6)],
         out_specs=pl.BlockSpec(pool.shape, lambda i: (0,) * 6),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={4: 0},
         interpret=interpret,
-    )(slot, off, kv, pool)
+    )(slot, off, layer, kv, pool)
 
 
-def write_pages_mgpu(pool, kv, slot, off, *, layer: int, layout: str, interpret=None):
+def write_pages_mgpu(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    kv: Shaped[Array, "tokens fields kv_heads head_dim"],
+    slot: Int[Array, " tokens"],
+    off: Int[Array, " tokens"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+    interpret=None,
+) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     """Mosaic GPU: one CTA per token; TMA-load its `[F, H, 1, D]` K/V into shared memory,
     then one TMA store per field into the `[H, 1, D]` box at (slot, layer, field, :, off).
     `plgpu.kernel` has no input_output_aliases: the pool is written through a mutable ref."""
@@ -50,9 +72,9 @@ def write_pages_mgpu(pool, kv, slot, off, *, layer: int, layout: str, interpret=
     n, f_, h, d = kv.shape
     kv5 = kv.reshape(n, f_, h, 1, d)
 
-    def body(slot_g, off_g, kv_g, pool_g, smem, bar):
+    def body(slot_g, off_g, lay, kv_g, pool_g, smem, bar):
         i = jax.lax.axis_index("t")
-        s, o = slot_g[i], off_g[i]
+        s, o, layer = slot_g[i], off_g[i], lay[0]
 
         @pl.when(s >= 0)
         def _():
@@ -66,11 +88,19 @@ def write_pages_mgpu(pool, kv, slot, off, *, layer: int, layout: str, interpret=
     ref = jax.new_ref(pool)
     plgpu.kernel(body, out_type=(), grid=(n,), grid_names=("t",),
                  scratch_types=(plgpu.SMEM((f_, h, 1, d), kv.dtype), plgpu.Barrier()),
-                 interpret=interpret)(slot, off, kv5, ref)
+                 interpret=interpret)(slot, off, layer, kv5, ref)
     return jax.freeze(ref)
 
 
-def write_pages(pool, kv, slot, off, *, layer: int, layout: str):
+def write_pages(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    kv: Shaped[Array, "tokens fields kv_heads head_dim"],
+    slot: Int[Array, " tokens"],
+    off: Int[Array, " tokens"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     if on_gpu():
-        return write_pages_mgpu(pool, kv, slot, off, layer=layer, layout=layout)
-    return write_pages_portable(pool, kv, slot, off, layer=layer, layout=layout)
+        return write_pages_mgpu(pool, kv, slot, off, layer, layout=layout)
+    return write_pages_portable(pool, kv, slot, off, layer, layout=layout)

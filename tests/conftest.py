@@ -4,17 +4,21 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+try:
+    from hypothesis import HealthCheck, settings  # noqa: E402
+except ImportError:  # a bare GPU image (benchmarks/gpu_check.sh skips the hypothesis-based files)
+    settings = None
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", deadline=None, max_examples=200)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.register_profile("dev", deadline=None, max_examples=200)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 try:  # device tests need 8 CPU devices; must be set before any backend initialises
     import jax

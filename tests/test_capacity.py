@@ -98,7 +98,10 @@ def test_cache_size_per_token_of_specs_and_configs():
     llama = ModelSpec.load("llama-3.1-8b")
     assert C.cache_size_per_token(llama) == {131072: 131072}  # 2 * 32 * 8 * 128 * 2
     assert C.cache_size_per_token(llama.cache_config()) == {131072: 131072}
-    assert C.cache_size_per_token(llama, dtype="float8_e4m3fn") == {131072: 65536}
+    # fp8: 1 byte per value plus a float32 scale per (block of 32, layer, K/V, kv head)
+    assert C.cache_size_per_token(llama, dtype="float8_e4m3fn") == {131072: 65536 + 2 * 32 * 8 * 4 // 32}
+    assert C.kv_scale_bytes_per_token(llama, dtype="float8_e4m3fn", tokens_per_block=64) == {131072: 32}
+    assert C.kv_scale_bytes_per_token(llama) == {131072: 0}
     assert C.cache_size_per_token(llama, cache_type="self_k_only") == {131072: 65536}
     assert C.cache_size_per_token(llama, max_seq_len=8192) == {8192: 131072}
     gemma = ModelSpec.load("gemma-3-27b")
@@ -138,7 +141,8 @@ def test_cache_config_from_memory_single_window():
     # 40 GiB / 131072 B = 327680 tokens = 10240 blocks of 32 (the TensorRT-LLM default block size)
     assert (config.primary_blocks, config.secondary_blocks, config.tokens_per_block) == (10240, 2048, 32)
     fp8 = CacheConfig.from_memory(spec, 40 * GiB, dtype="float8_e4m3fn", max_seq_len=8192, max_beam_width=2)
-    assert (fp8.primary_blocks, fp8.dtype, fp8.max_seq_len, fp8.max_beam_width) == (20480, "float8_e4m3fn", 8192, 2)
+    # 40 GiB / (65536 + 64 scale bytes per token) = 654720 tokens = 20460 blocks of 32
+    assert (fp8.primary_blocks, fp8.dtype, fp8.max_seq_len, fp8.max_beam_width) == (20460, "float8_e4m3fn", 8192, 2)
     capped = CacheConfig.from_memory(spec, 40 * GiB, max_tokens=1000)
     assert capped.primary_blocks == 32  # ceil(1000 / 32)
     # a CacheConfig can be re-sized too

@@ -106,8 +106,9 @@ def test_capacity_multi_query_fp8(capsys):
     code, out, _ = run_cli(capsys, "capacity", "--model", "falcon-7b", "--gpu-memory", "80GB",
                            "--fraction", "0.5", "--dtype", "float8_e4m3fn", "--tokens-per-block", "64", "--activation-reserve", "0")
     assert code == 0
-    per_token = 2 * 32 * 1 * 64 * 1  # one kv head (multi-query), head dim 64, 1 byte
-    assert f"KV bytes/token   {per_token}" in out
+    scales = 2 * 32 * 1 * 4 // 64  # a float32 scale per (block, layer, K/V, kv head), over 64 tokens
+    per_token = 2 * 32 * 1 * 64 * 1 + scales  # one kv head (multi-query), head dim 64, 1 byte
+    assert f"KV bytes/token   {per_token} (all layers, K and V; {scales} of them FP8 block scales)" in out
     blocks = math.ceil((int(0.5 * 80e9) - 2 * 6_921_570_752) // per_token / 64)  # after 6.92B bf16 weights
     assert table_rows(out)[2048][4] == str(blocks)
 
@@ -138,7 +139,7 @@ def test_sizes(text, expected):
         (["demo", "--users", "0"], "expected a positive int"),
         (["run", "--workload", "no-such-workload"], "unknown workload 'no-such-workload'"),
         (["run", "--workload", "chat", "--model", "llama-3.1-8b"], "model 'llama-3.1-8b' describes a published model but kvjax has no weights"),
-        (["demo", "--model", "gemma-3-27b"], "pass its Hugging Face checkpoint directory (--model PATH)"),
+        (["demo", "--model", "gemma-3-27b"], "pass its Hugging Face checkpoint directory"),
         (["run", "--workload", "chat", "--model", "tests/fixtures"], "cannot read the checkpoint's config"),
         (["demo", "--set", "users"], "--set expects KEY=VALUE"),
         (["demo", "--set", "colour=3"], "unknown key 'colour'"),

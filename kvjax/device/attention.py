@@ -1,12 +1,17 @@
-"""`paged_attention`: attention whose K/V are read through a block table.
+"""Attention: the one visibility rule and grouped-query formula of kvjax, and
+`paged_attention`, attention whose K/V are read through a block table.
 
-Conventions (SPEC §4): q `[batch, q_len, heads, head_dim]` holds the last q_len positions of
-each sequence (query i sits at position seq_len - q_len + i), causal inside the chunk;
-query head h reads kv head h // (heads // kv_heads); key j is visible to the query at p iff
-p - window < j <= p, with the layer's window from `config.layer_windows`; a query at a
-negative position (padding) returns zeros. Scores, softmax and the weighted sum run in
-float32 at HIGHEST precision (no TF32) whatever the input dtype; the output has q's dtype.
-K-only caches (kv_factor 1) use K as V (MLA-style latent).
+Conventions (docs/device.md, "Attention"): q `[batch, q_len, heads, head_dim]` holds the
+last q_len positions of each sequence (query i sits at position seq_len - q_len + i), causal
+inside the chunk; query head h reads kv head h // (heads // kv_heads); key j is visible to
+the query at p iff p - window < j <= p, with the layer's window; a query that sees no key
+(padding: a negative position) returns zeros, never NaN. Scores, softmax and the weighted
+sum run in float32 at HIGHEST precision (no TF32) whatever the input dtype; the output has
+q's dtype. K-only caches (kv_factor 1) use K as V (MLA-style latent). FP8 pools are
+dequantised inside the op (the XLA gather's fusion, or the kernel's page loads).
+
+`visibility_mask` and `grouped_attention` are shared with `kvjax.models` (its dense path),
+so the model's oracle and the device ops cannot drift apart.
 """
 from __future__ import annotations
 
@@ -15,103 +20,155 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
 
-from kvjax.device import backend
 from kvjax.device import _checks as chk
+from kvjax.device import backend, layers
 from kvjax.device import sharding as shd
-from kvjax.device.gather import _gather_xla, check_table, gather_kv_reference
-from kvjax.device.pools import KVPools
+from kvjax.device.gather import _gather_xla, check_table, gather_kv_reference, run_table_checks, safe_table, validate_table
+from kvjax.device.pools import KVPools, PoolMeta
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def visibility(seq_lens, q_len: int, num_keys: int, window: int):
-    """Mask `[batch, q_len, num_keys]`: key j visible to query i. Also query positions."""
-    qpos = seq_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]  # [batch, q_len]
-    kpos = jnp.arange(num_keys, dtype=jnp.int32)  # [keys]
-    vis = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] > qpos[:, :, None] - window)
-    return vis, qpos
+def query_positions(seq_lens: Int[Array, " batch"], q_len: int) -> Int[Array, "batch q_len"]:
+    """Position of each query: the last `q_len` positions of each sequence."""
+    return seq_lens[:, None].astype(jnp.int32) - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
 
 
-def dense_attention(q, k, v, seq_lens, *, scale: float, window: int):
-    """Grouped-query attention of q `[B, Q, Hq, D]` over contiguous k, v `[B, S, Hkv, D]`."""
-    b, ql, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.astype(jnp.float32).reshape(b, ql, hkv, g, d)  # [B, Q, K, G, D]
-    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32), precision=HIGHEST) * scale  # [B, K, G, Q, S]
-    vis, _ = visibility(seq_lens, ql, k.shape[1], window)  # [B, Q, S]
-    vis = vis[:, None, None]  # [B, 1, 1, Q, S]
-    m = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1, keepdims=True)  # [B, K, G, Q, 1]
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(vis, jnp.exp(s - m), 0.0)  # [B, K, G, Q, S]
-    l = jnp.sum(p, axis=-1, keepdims=True)  # [B, K, G, Q, 1]
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p / jnp.where(l > 0, l, 1.0), v.astype(jnp.float32), precision=HIGHEST)
-    return o.reshape(b, ql, hq, d).astype(q.dtype)  # [B, Q, Hq, D]
+def visibility_mask(q_positions: Int[Array, "batch q_len"], k_positions: Int[Array, "batch keys"],
+                    window: int) -> Bool[Array, "batch q_len keys"]:
+    """Key at `k_positions[b, s]` is visible to the query at `q_positions[b, t]` iff
+    `q - window < k <= q` (a global layer has `window >= max_seq_len`)."""
+    q = q_positions[:, :, None]  # [B, T, 1]
+    k = k_positions[:, None, :]  # [B, 1, S]
+    return (k <= q) & (k > q - window)  # [B, T, S]
 
 
-def _attention_xla(q, arr, meta, layer, block_table, seq_lens, scale, window):
-    fields = _gather_xla(arr, meta, layer, block_table, seq_lens)  # F x [B, S, Hkv, D]
+def grouped_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Array, "batch keys kv_heads head_dim"],
+                      v: Float[Array, "batch keys kv_heads head_dim"], mask: Bool[Array, "batch q_len keys"],
+                      scale: float) -> Float[Array, "batch q_len heads head_dim"]:
+    """Softmax attention with kv-head groups (query head n reads kv head n // G), in float32
+    at HIGHEST precision. A query that sees no key gets zeros, never NaN."""
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=HIGHEST) * scale  # [B, K, G, T, S]
+    visible = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
+    logits = jnp.where(visible, logits, -jnp.inf)  # [B, K, G, T, S]
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)  # [B, K, G, T, S]
+    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    probs = weights / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32), precision=HIGHEST)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)  # [B, T, N, H]
+
+
+def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Array, "batch keys kv_heads head_dim"],
+                    v: Float[Array, "batch keys kv_heads head_dim"], seq_lens: Int[Array, " batch"], *, scale: float,
+                    window: int) -> Float[Array, "batch q_len heads head_dim"]:
+    """Grouped-query attention of q over contiguous k, v (key s at position s)."""
+    b, ql = q.shape[:2]
+    kpos = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), (b, k.shape[1]))  # [B, S]
+    mask = visibility_mask(query_positions(seq_lens, ql), kpos, window)  # [B, Q, S]
+    return grouped_attention(q, k, v, mask, scale)
+
+
+def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
+    # FP8 dequantises into bfloat16: exact (power-of-two scales), half the bytes of float32
+    fields = _gather_xla(arr, sarr, meta, pool, j, block_table, seq_lens, jnp.bfloat16 if sarr is not None else arr.dtype)
     q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)  # query heads follow their kv heads
     k = fields[0]
     v = fields[1] if len(fields) == 2 else fields[0]
-    return dense_attention(q, k, v, seq_lens, scale=scale, window=window)
+    return dense_attention(q, k, v, seq_lens, scale=scale, window=pool.window)
 
 
-def _attention_pallas(q, arr, meta, layer, block_table, seq_lens, scale, window):
+def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
     from pallas_kernels import paged_attention as pa
 
-    pool, j = meta.locate(layer)
-    fn = functools.partial(pa.paged_attention, layer=j, layout=meta.config.layout, scale=scale, window=window)
+    in_pool = j < pool.num_layers
+    table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [batch, blocks]
+    layer = jnp.where(in_pool, j, 0).reshape(1)  # [1]
+    fn = functools.partial(pa.paged_attention, layout=meta.geometry.layout, scale=scale, window=pool.window,
+                           value_dtype=meta.geometry.jnp_dtype)
+    args = (q, arr, table, seq_lens, layer) + (() if sarr is None else (sarr,))
     if meta.mesh is not None:
         rep = jax.sharding.PartitionSpec()
         qspec = shd.head_sharded_spec(4, 2, meta.kv_axes)
-        fn = shd.shard_map(fn, meta.mesh, in_specs=(qspec, shd.pool_spec(meta.kv_axes), rep, rep), out_specs=qspec)
-        q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)
-    return fn(q, arr, block_table, seq_lens)
+        specs = (qspec, shd.pool_spec(meta.kv_axes), rep, rep, rep) + (() if sarr is None else (shd.scale_spec(meta.kv_axes),))
+        fn = shd.shard_map(fn, meta.mesh, in_specs=specs, out_specs=qspec)
+        args = (shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2),) + args[1:]
+    return fn(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "layer", "scale", "impl"))
-def _paged_attention(q, arr, block_table, seq_lens, *, meta, layer, scale, impl):
-    window = meta.config.layer_windows[layer]
+@functools.partial(jax.jit, static_argnames=("meta", "pool_index", "scale", "impl", "checked"))
+def _paged_attention(q, arr, sarr, block_table, seq_lens, j, *, meta: PoolMeta, pool_index: int, scale: float, impl: str,
+                     checked: bool):
+    pool = meta.geometry.pools[pool_index]
+    if checked:
+        validate_table(block_table, seq_lens, j, meta=meta, pool_index=pool_index, op="paged_attention")
     f = _attention_pallas if impl == "pallas" else _attention_xla
-    return f(q, arr, meta, layer, block_table, seq_lens, scale, window)
+    return f(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale)
 
 
-def paged_attention(q, pools: KVPools, layer: int, block_table, seq_lens, *, scale: float | None = None, impl: str = "auto"):
+def paged_attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pools: KVPools,
+    layer: int | Int[Array, ""],
+    block_table: Int[Array, "batch blocks"] | Int[np.ndarray, "batch blocks"],
+    seq_lens: Int[Array, " batch"] | Int[np.ndarray, " batch"],
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+    pool: int | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
     """Attention of q `[batch, q_len, heads, head_dim]` (the last q_len positions of each
-    sequence) over the paged K/V of `layer`; returns `[batch, q_len, heads, head_dim]`."""
+    sequence) over the paged K/V of `layer`; returns `[batch, q_len, heads, head_dim]`.
+    `scale` defaults to `1 / sqrt(head_dim)`; `layer` may be traced (see `write_kv`)."""
     chk.check_pools(pools)
-    pool, _ = pools.locate(layer)
-    check_table(pools, layer, block_table, seq_lens)
+    spec, j = layers.resolve(pools.geometry, layer, pool)
+    check_table(pools, spec, block_table, seq_lens)
     (b, ql, hq, d), _ = chk.shape_dtype("q", q, 4, "float")
     if b != block_table.shape[0]:
         raise ValueError(f"q.shape={tuple(q.shape)} batch must match block_table.shape={tuple(block_table.shape)}")
-    if d != pool.head_dim or hq % pool.num_kv_heads:
-        raise ValueError(f"q.shape={tuple(q.shape)} needs head_dim={pool.head_dim} and heads a multiple of kv_heads={pool.num_kv_heads}")
+    if d != spec.head_dim or hq % spec.num_kv_heads:
+        raise ValueError(f"q.shape={tuple(q.shape)} needs head_dim={spec.head_dim} and heads a multiple of kv_heads={spec.num_kv_heads}")
     if ql < 1:
         raise ValueError(f"q_len={ql} must be >= 1")
-    scale = float(1.0 / math.sqrt(d) if scale is None else scale)
-    impl = backend.resolve(impl, "paged_attention", dtype=pools.primary[pool.index].dtype, head_dim=pool.head_dim,
-                           tokens_per_block=pools.config.tokens_per_block)
-    return _paged_attention(q, pools.primary[pool.index], jnp.asarray(block_table, jnp.int32),
-                            jnp.asarray(seq_lens, jnp.int32), meta=pools.meta, layer=layer, scale=scale, impl=impl)
+    scale = chk.finite_scale(1.0 / math.sqrt(d) if scale is None else scale)
+    impl = backend.resolve(impl, "paged_attention", dtype=pools.geometry.jnp_dtype, head_dim=spec.head_dim,
+                           tokens_per_block=pools.geometry.tokens_per_block)
+    arr, sarr = pools.primary[spec.index], pools.primary_scales[spec.index]
+    table, lens = chk.as_int32(block_table), chk.as_int32(seq_lens)
+    checked = run_table_checks(pools, spec, (arr, sarr, q), table, lens, j, "paged_attention")
+    return _paged_attention(q, arr, sarr, table, lens, j, meta=pools.meta, pool_index=spec.index, scale=scale,
+                            impl=impl, checked=checked)
 
 
-def paged_attention_reference(q, pools: KVPools, layer: int, block_table, seq_lens, *, scale: float | None = None):
-    """Oracle: gather with the reference gather, repeat kv heads, plain masked softmax."""
-    k, v = gather_kv_reference(pools, layer, block_table, seq_lens)
+def paged_attention_reference(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pools: KVPools,
+    layer: int,
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    *,
+    scale: float | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Oracle: the reference gather (dequantised to float32), kv heads repeated per query
+    head, a plain masked softmax. Shares only `visibility_mask` (the convention itself)."""
+    k, v = gather_kv_reference(pools, layer, block_table, seq_lens, dtype=jnp.float32)
     v = k if v is None else v
     b, ql, hq, d = q.shape
     g = hq // k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    window = pools.config.layer_windows[layer]
-    kr = jnp.repeat(k.astype(jnp.float32), g, axis=2)  # [B, S, Hq, D]
-    vr = jnp.repeat(v.astype(jnp.float32), g, axis=2)  # [B, S, Hq, D]
+    window = pools.geometry.layer_windows[layer]
+    kr = jnp.repeat(k, g, axis=2)  # [B, S, Hq, D]
+    vr = jnp.repeat(v, g, axis=2)  # [B, S, Hq, D]
     s = jnp.einsum("bqhd,bshd->bhqs", q.astype(jnp.float32), kr, precision=HIGHEST) * scale  # [B, Hq, Q, S]
-    qpos = seq_lens[:, None] - ql + jnp.arange(ql)[None, :]  # [B, Q]
-    j = jnp.arange(k.shape[1])
-    vis = (j[None, None, :] <= qpos[..., None]) & (j[None, None, :] > qpos[..., None] - window)  # [B, Q, S]
+    kpos = jnp.broadcast_to(jnp.arange(k.shape[1]), (b, k.shape[1]))  # [B, S]
+    vis = visibility_mask(query_positions(seq_lens, ql), kpos, window)  # [B, Q, S]
     p = jax.nn.softmax(jnp.where(vis[:, None], s, -jnp.inf), axis=-1)
     p = jnp.where(vis[:, None], p, 0.0)  # rows with no visible key: nan -> 0
     o = jnp.einsum("bhqs,bshd->bqhd", jnp.nan_to_num(p), vr, precision=HIGHEST)

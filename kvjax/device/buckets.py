@@ -3,6 +3,7 @@ powers of two, so jit sees a handful of shapes instead of one per step."""
 from __future__ import annotations
 
 import numpy as np
+from jaxtyping import Int, Shaped
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -13,7 +14,7 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:
+def pad_rows(a: Shaped[np.ndarray, "n *rest"], rows: int, fill: int) -> Shaped[np.ndarray, "rows *rest"]:
     """Pad axis 0 of `a` to `rows` with `fill`."""
     a = np.asarray(a)
     if a.shape[0] > rows:
@@ -23,7 +24,8 @@ def pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:
     return out
 
 
-def pad_block_table(table: np.ndarray, null_slot: int, *, batch: int | None = None, max_blocks: int | None = None) -> np.ndarray:
+def pad_block_table(table: Int[np.ndarray, "n blocks"], null_slot: int, *, batch: int | None = None,
+                    max_blocks: int | None = None) -> Int[np.ndarray, "batch max_blocks"]:
     """Pad an int32 `[batch, blocks]` slot table to bucketed `[batch, max_blocks]` with the null slot."""
     table = np.asarray(table, np.int32)
     if table.ndim != 2:
@@ -37,13 +39,13 @@ def pad_block_table(table: np.ndarray, null_slot: int, *, batch: int | None = No
     return out
 
 
-def pad_seq_lens(seq_lens: np.ndarray, batch: int | None = None) -> np.ndarray:
+def pad_seq_lens(seq_lens: Int[np.ndarray, " n"], batch: int | None = None) -> Int[np.ndarray, " batch"]:
     """Pad `[batch]` sequence lengths with zeros (padding rows attend to nothing)."""
     seq_lens = np.asarray(seq_lens, np.int32)
     return pad_rows(seq_lens, bucket(seq_lens.shape[0]) if batch is None else batch, 0)
 
 
-def pad_slot_mapping(slot_mapping: np.ndarray, num_tokens: int | None = None) -> np.ndarray:
+def pad_slot_mapping(slot_mapping: Int[np.ndarray, " n"], num_tokens: int | None = None) -> Int[np.ndarray, " tokens"]:
     """Pad a `[tokens]` slot mapping with -1 (skipped by `write_kv`)."""
     slot_mapping = np.asarray(slot_mapping, np.int32)
     return pad_rows(slot_mapping, bucket(slot_mapping.shape[0]) if num_tokens is None else num_tokens, -1)

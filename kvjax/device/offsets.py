@@ -10,12 +10,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxtyping import Array, Int
+
 from kvjax.config import CacheConfig
+from kvjax.device.geometry import PoolGeometry
 from kvjax.offsets import chunk_stride
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _build(config: CacheConfig, tables: tuple):
+def _build(config: PoolGeometry, tables: tuple):
     by_window = dict(zip(config.windows, tables))
     batch = tables[0].shape[0]
     width = max(t.shape[1] for t in tables)
@@ -31,12 +34,14 @@ def _build(config: CacheConfig, tables: tuple):
     return jnp.stack(rows).reshape(len(config.pools), batch, 2, width)  # [pools, batch, 2, width]
 
 
-def build_kvcache_offsets(config: CacheConfig, slot_tables) -> jax.Array:
+def build_kvcache_offsets(config: CacheConfig | PoolGeometry, slot_tables) -> Int[Array, "pools batch 2 blocks"]:
     """`[num_pools, batch*beam, 2, max_blocks]` int32 offsets on device.
 
     `slot_tables`: a dict window -> int `[batch*beam, blocks]` slot table (every window of
-    `config`), or one array for a single-window config.
+    `config`), or one array for a single-window config. Only the geometry of `config` is
+    compiled in (ledger policy never recompiles this).
     """
+    config = PoolGeometry.from_config(config, check_dtype=False)
     if not isinstance(slot_tables, dict):
         if len(config.windows) != 1:
             raise ValueError(f"config has windows {config.windows}: pass a dict window -> slot table")

@@ -50,10 +50,16 @@ def pool_spec(axes: tuple[str, ...] | None) -> P:
     return P(*([None] * HEAD_AXIS + [head] + [None] * (POOL_NDIM - HEAD_AXIS - 1)))
 
 
-def pool_sharding(mesh: Mesh | None, axes: tuple[str, ...] | None, device: jax.Device | None, memory_kind: str):
+def scale_spec(axes: tuple[str, ...] | None) -> P:
+    """PartitionSpec of a 4-D scale array (a pool's leading axes): kv heads over `axes`."""
+    return P(*tuple(pool_spec(axes))[: HEAD_AXIS + 1])
+
+
+def pool_sharding(mesh: Mesh | None, axes: tuple[str, ...] | None, device: jax.Device | None, memory_kind: str,
+                  *, scales: bool = False):
     if mesh is None:
         return SingleDeviceSharding(device, memory_kind=memory_kind)
-    return NamedSharding(mesh, pool_spec(axes), memory_kind=memory_kind)
+    return NamedSharding(mesh, scale_spec(axes) if scales else pool_spec(axes), memory_kind=memory_kind)
 
 
 def replicated(mesh: Mesh | None, device: jax.Device | None, memory_kind: str = "device"):

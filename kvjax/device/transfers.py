@@ -1,11 +1,16 @@
 """`apply_transfers`: carry out a ledger `TransferPlan` on the pools (donated, in place).
 
-Semantics (SPEC §2): entries take effect one by one, in order
+Semantics (docs/device.md, "Transfers"): entries take effect one by one, in order
   OFFLOAD  primary[pool][src]   -> secondary[pool][dst]   whole block
   ONBOARD  secondary[pool][src] -> primary[pool][dst]     first num_tokens tokens
   COPY     primary[pool][src]   -> primary[pool][dst]     first num_tokens tokens
 (a partial write changes only the first num_tokens token positions of the destination
 block, for every layer, K/V field and head).
+
+FP8 pools move their block scales with their blocks (same slots, same tiers). A partial
+write merges two blocks that may have different scales: the destination takes the larger
+of the two scales per (layer, field, head) and both parts are rescaled to it, so every value
+is kept (exactly, since scales are powers of two, unless it drops into fp8's subnormal range).
 
 Strategies (`strategy=`):
 
@@ -45,8 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.config import CacheConfig
-from kvjax.device import backend
+from kvjax.device import backend, quant
 from kvjax.device import _checks as chk
 from kvjax.device import sharding as shd
 from kvjax.device.buckets import bucket
@@ -75,11 +79,33 @@ class Segment:
         return (self.off_src, self.off_dst, self.on_src, self.on_dst, self.on_n, self.cp_src, self.cp_dst, self.cp_n)
 
 
-def validate_plan(config: CacheConfig, plan: TransferPlan) -> None:
+_PLAN_FIELDS = ("kind", "pool", "src", "dst", "num_tokens")
+_KIND_MIN, _KIND_MAX = min(TransferKind), max(TransferKind)  # kinds are 0, 1, 2
+
+
+def validate_plan(config, plan: TransferPlan) -> None:
+    """Host checks of a plan against the pools' geometry: integer fields that fit int32 (a
+    wider or float array is never narrowed silently), valid kinds, slots inside their tier
+    (the null slot is never a destination), token counts in range."""
     if not isinstance(plan, TransferPlan):
         raise ValueError(f"plan must be a TransferPlan, got {type(plan)=}")
+    n = None
+    for name in _PLAN_FIELDS:
+        a = getattr(plan, name)
+        if not isinstance(a, np.ndarray) or a.ndim != 1:
+            raise ValueError(f"plan.{name} must be a 1-D numpy array, got {type(a).__name__} {getattr(a, 'shape', '')}")
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"plan.{name} must hold integers, got dtype {a.dtype}")
+        if a.dtype != np.int32 and (a.dtype.itemsize > 4 or a.dtype == np.uint32):  # only these can leave int32
+            if a.size and (int(a.min()) < chk.INT32_MIN or int(a.max()) > chk.INT32_MAX):
+                raise ValueError(f"plan.{name} holds values outside int32 (min {int(a.min())}, max {int(a.max())})")
+        if n is not None and a.shape[0] != n:
+            raise ValueError(f"plan arrays differ in length: {name} has {a.shape[0]}, expected {n}")
+        n = a.shape[0]
     if not len(plan):
         return
+    if plan.kind.min() < _KIND_MIN or plan.kind.max() > _KIND_MAX:
+        raise ValueError(f"plan.kind holds values outside TransferKind: {np.unique(plan.kind).tolist()}")
     pools = config.pools
     if plan.pool.min() < 0 or plan.pool.max() >= len(pools):
         raise ValueError(f"plan.pool entries must be in [0, {len(pools)}), got {np.unique(plan.pool).tolist()}")
@@ -102,7 +128,7 @@ def validate_plan(config: CacheConfig, plan: TransferPlan) -> None:
                          f"(exactly {tpb} for OFFLOAD)")
 
 
-def split_segments(config: CacheConfig, plan: TransferPlan) -> list[Segment]:
+def split_segments(config, plan: TransferPlan) -> list[Segment]:
     """Cut `plan` into hazard-free runs and pad each kind to a power-of-two bucket."""
     tpb, npools = config.tokens_per_block, len(config.pools)
     runs: list[list[tuple[int, int, int, int, int]]] = []
@@ -195,7 +221,8 @@ def _host_scatter_blockwise(sec, staging, dst, count, ba: int):
 
 
 def _gather_primary(arr, idx, ba: int, impl: str, mesh, axes):
-    if impl != "pallas":
+    """Blocks `idx` of a primary array (pool or scales), block axis first."""
+    if impl != "pallas" or arr.ndim != 6:  # scale arrays always move with XLA
         return jnp.moveaxis(_take(arr, idx, ba), ba, 0)  # [entries, *block]
     from pallas_kernels import copy_pages
 
@@ -206,8 +233,23 @@ def _gather_primary(arr, idx, ba: int, impl: str, mesh, axes):
     return fn(arr, idx)
 
 
+def _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba: int, dtype):
+    """Partial writes into an FP8 pool: destination scale = max(source, destination) per
+    (layer, field, head), both parts rescaled to it, then merged by token. Full-block
+    entries keep the source's block and scale. Returns full blocks (and their scales)."""
+    tpb = staging.shape[-2]
+    old = jnp.moveaxis(_take(arr, dst, ba), ba, 0)  # [entries, L, F, H, T, D]
+    old_s = jnp.moveaxis(_take(sarr, dst, ba), ba, 0)  # [entries, L, F, H]
+    full = (n >= tpb)[:, None, None, None]  # [entries, 1, 1, 1]
+    new_s = jnp.where(full, st_scales, jnp.maximum(st_scales, old_s))  # [entries, L, F, H]
+    new = quant.rescale(staging, st_scales[..., None, None], new_s[..., None, None], dtype)
+    old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None], dtype)
+    keep_new = _token_mask(n, staging.shape[1:], staging.ndim - 3)
+    return jnp.where(keep_new, new, old), new_s
+
+
 def _scatter_primary(arr, staging, dst, n, partial: bool, ba: int, impl: str, mesh, axes):
-    if impl == "pallas":
+    if impl == "pallas" and arr.ndim == 6:
         from pallas_kernels import copy_pages
 
         dst = jnp.where(dst >= arr.shape[ba], -1, dst)  # kernels skip negative entries
@@ -226,51 +268,73 @@ def _scatter_primary(arr, staging, dst, n, partial: bool, ba: int, impl: str, me
     return arr.at[:, dst].set(jnp.moveaxis(staging, 0, 1), mode="drop")
 
 
+def _write_primary(arr, sarr, staging, st_scales, dst, n, partial: bool, ba: int, impl: str, mesh, axes, dtype):
+    """Scatter staged blocks (and FP8 scales) into a primary pool; partial entries merge."""
+    if sarr is None:
+        return _scatter_primary(arr, staging, dst, n, partial, ba, impl, mesh, axes), None
+    if partial:  # merged in XLA: what lands is a full block at its new scale
+        staging, st_scales = _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba, dtype)
+        n = jnp.full_like(n, staging.shape[-2])
+    arr = _scatter_primary(arr, staging, dst, n, False, ba, impl, mesh, axes)
+    sarr = _scatter_primary(sarr, st_scales, dst, n, False, ba, "xla", mesh, axes)
+    return arr, sarr
+
+
+def _pairs(xs):
+    """Per pool `(kv, scales)` -> the arrays that exist."""
+    return [x for x in xs if x is not None]
+
+
 @functools.partial(jax.jit, static_argnames=("meta", "partial", "impl", "swap"), donate_argnames=("prim_w", "sec_w"))
 def _apply_segment(prim_w, sec_w, prim_r, sec_r, off_src, off_dst, on_src, on_dst, on_n, cp_src, cp_dst, cp_n, *,
                    meta: PoolMeta, partial: bool, impl: str, swap: str):
-    """One hazard-free segment. Only the arrays it writes go in donated (`*_w`) and come
-    back; the ones it only reads (`*_r`) are plain inputs, so no host array is ever passed
-    through jit unchanged (its memory kind would not survive)."""
+    """One hazard-free segment. Tiers are per-pool `(kv, scales)` pairs (scales None unless
+    FP8). Only the tiers it writes go in donated (`*_w`) and come back; the ones it only
+    reads (`*_r`) are plain inputs, so no host array is ever passed through jit unchanged
+    (its memory kind would not survive)."""
     ba = meta.block_axis
     prim = prim_w or prim_r
     sec = sec_w or sec_r
     new_prim, new_sec = [], []
     for p in range(len(prim)):
-        arr, host = prim[p], sec[p]
+        (arr, sarr), (host, hsc) = prim[p], sec[p]
         # ---- read phase: every source (and, for partial writes, old destinations) first
         off_stage = None
         if off_src.shape[1] and host is not None:
-            off_stage = _gather_primary(arr, off_src[p], ba, impl, meta.mesh, meta.kv_axes)  # [n_off, *block]
+            off_stage = [_gather_primary(a, off_src[p], ba, impl, meta.mesh, meta.kv_axes) for a in _pairs((arr, sarr))]
         parts, dsts, nums = [], [], []
         if on_src.shape[1] and host is not None:
             if swap == "bulk":
-                parts.append(_host_gather_bulk(host, on_src[p], ba))  # [n_on, *block]
+                parts.append([_host_gather_bulk(h, on_src[p], ba) for h in _pairs((host, hsc))])  # [n_on, *block]
             else:
                 count = jnp.sum(on_dst[p] < arr.shape[ba])
-                parts.append(_host_gather_blockwise(host, on_src[p], count, ba))
+                parts.append([_host_gather_blockwise(h, on_src[p], count, ba) for h in _pairs((host, hsc))])
             dsts.append(on_dst[p])
             nums.append(on_n[p])
         if cp_src.shape[1]:
-            parts.append(_gather_primary(arr, cp_src[p], ba, impl, meta.mesh, meta.kv_axes))  # [n_cp, *block]
+            parts.append([_gather_primary(a, cp_src[p], ba, impl, meta.mesh, meta.kv_axes) for a in _pairs((arr, sarr))])
             dsts.append(cp_dst[p])
             nums.append(cp_n[p])
         # ---- write phase
         if prim_w:
             if parts:
-                staging = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [n_on + n_cp, *block]
+                staged = [jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in zip(*parts)]  # [n_on + n_cp, *block]
                 dst = jnp.concatenate(dsts) if len(dsts) > 1 else dsts[0]
                 num = jnp.concatenate(nums) if len(nums) > 1 else nums[0]
-                arr = _scatter_primary(arr, staging, dst, num, partial, ba, impl, meta.mesh, meta.kv_axes)
-            new_prim.append(arr)
+                arr, sarr = _write_primary(arr, sarr, staged[0], staged[1] if sarr is not None else None, dst, num, partial,
+                                           ba, impl, meta.mesh, meta.kv_axes, meta.geometry.jnp_dtype)
+            new_prim.append((arr, sarr))
         if sec_w:
             if off_stage is not None:
-                if swap == "bulk":
-                    host = _host_scatter_bulk(host, off_stage, off_dst[p], ba)
-                else:
-                    count = jnp.sum(off_dst[p] < host.shape[ba])
-                    host = _host_scatter_blockwise(host, off_stage, off_dst[p], count, ba)
-            new_sec.append(host)
+                out = []
+                for h, st in zip(_pairs((host, hsc)), off_stage):
+                    if swap == "bulk":
+                        out.append(_host_scatter_bulk(h, st, off_dst[p], ba))
+                    else:
+                        count = jnp.sum(off_dst[p] < h.shape[ba])
+                        out.append(_host_scatter_blockwise(h, st, off_dst[p], count, ba))
+                host, hsc = (out[0], out[1]) if hsc is not None else (out[0], None)
+            new_sec.append((host, hsc))
     return tuple(new_prim), tuple(new_sec)
 
 
@@ -289,7 +353,7 @@ def resolve_strategy(strategy: str, impl: str) -> str:
 
 
 # ------------------------------------------------------------------------- sequential
-def split_runs(config: CacheConfig, plan: TransferPlan) -> list[tuple[int, int, np.ndarray]]:
+def split_runs(config, plan: TransferPlan) -> list[tuple[int, int, np.ndarray]]:
     """Per pool (pools never share memory, so their entries commute), runs of consecutive
     same-kind entries: `(pool, kind, [3, bucket] int32 src/dst/num_tokens)`, entry order kept."""
     out = []
@@ -314,52 +378,72 @@ def _merge_tokens(new, old, n, tok_axis: int):
     return jnp.where(pos < n, new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "ba", "partial"), donate_argnames=("dst_arr",))
-def _sequential_run(dst_arr, src_arr, ops, count, *, kind: int, ba: int, partial: bool):
-    """Entries `ops[:, :count]` of one kind, in order: DS from `src_arr` (None: `dst_arr`
-    itself, for COPY), DUS into the donated `dst_arr`."""
+@functools.partial(jax.jit, static_argnames=("kind", "ba", "partial", "dtype"), donate_argnames=("dst_tier",))
+def _sequential_run(dst_tier, src_tier, ops, count, *, kind: int, ba: int, partial: bool, dtype=None):
+    """Entries `ops[:, :count]` of one kind, in order: DS from `src_tier` (None: `dst_tier`
+    itself, for COPY), DUS into the donated `dst_tier`. Tiers are `(kv, scales)` pairs."""
     tok_axis = 4  # pool dims: [*, *, F, H, T, D]
 
-    def body(i, dst):
-        src = dst if src_arr is None else src_arr
-        blk = jax.lax.dynamic_slice_in_dim(src, ops[0, i], 1, ba)  # one block, block axis kept
+    def move(blk):
         if kind == TransferKind.OFFLOAD:
-            blk = jax.device_put(blk, jax.memory.Space.Host)
-        elif kind == TransferKind.ONBOARD:
-            blk = jax.device_put(blk, jax.memory.Space.Device)
-        if partial:
-            old = jax.lax.dynamic_slice_in_dim(dst, ops[1, i], 1, ba)
-            blk = _merge_tokens(blk, old, ops[2, i], tok_axis)
-        return jax.lax.dynamic_update_slice_in_dim(dst, blk, ops[1, i], ba)
+            return jax.device_put(blk, jax.memory.Space.Host)
+        if kind == TransferKind.ONBOARD:
+            return jax.device_put(blk, jax.memory.Space.Device)
+        return blk
 
-    return jax.lax.fori_loop(0, count, body, dst_arr)
+    def body(i, dst):
+        (d_kv, d_sc) = dst
+        s_kv, s_sc = dst if src_tier is None else src_tier
+        blk = move(jax.lax.dynamic_slice_in_dim(s_kv, ops[0, i], 1, ba))  # one block, block axis kept
+        blk_s = None if s_sc is None else move(jax.lax.dynamic_slice_in_dim(s_sc, ops[0, i], 1, ba))
+        if partial:
+            n = ops[2, i]
+            old = jax.lax.dynamic_slice_in_dim(d_kv, ops[1, i], 1, ba)
+            if blk_s is not None:  # FP8: both parts move to the larger scale first
+                old_s = jax.lax.dynamic_slice_in_dim(d_sc, ops[1, i], 1, ba)
+                new_s = jnp.where(n >= d_kv.shape[tok_axis], blk_s, jnp.maximum(blk_s, old_s))
+                blk = quant.rescale(blk, blk_s[..., None, None], new_s[..., None, None], dtype)
+                old = quant.rescale(old, old_s[..., None, None], new_s[..., None, None], dtype)
+                blk_s = new_s
+            blk = _merge_tokens(blk, old, n, tok_axis)
+        d_kv = jax.lax.dynamic_update_slice_in_dim(d_kv, blk, ops[1, i], ba)
+        if blk_s is not None:
+            d_sc = jax.lax.dynamic_update_slice_in_dim(d_sc, blk_s, ops[1, i], ba)
+        return d_kv, d_sc
+
+    return jax.lax.fori_loop(0, count, body, dst_tier)
 
 
 def _apply_sequential(pools: KVPools, plan: TransferPlan) -> KVPools:
-    prim, sec = list(pools.primary), list(pools.secondary)
-    tpb, ba = pools.config.tokens_per_block, pools.block_axis
-    for p, kind, ops, n in split_runs(pools.config, plan):
+    prim = [list(t) for t in zip(pools.primary, pools.primary_scales)]
+    sec = [list(t) for t in zip(pools.secondary, pools.secondary_scales)]
+    tpb, ba = pools.geometry.tokens_per_block, pools.block_axis
+    dtype = pools.geometry.jnp_dtype if pools.is_scaled else None
+    for p, kind, ops, n in split_runs(pools.geometry, plan):
         partial = bool((ops[2, :n] < tpb).any())
         count = np.int32(n)
+        run = functools.partial(_sequential_run, ops=ops, count=count, kind=kind, ba=ba, dtype=dtype)
         if kind == TransferKind.OFFLOAD:
-            sec[p] = _sequential_run(sec[p], prim[p], ops, count, kind=kind, ba=ba, partial=False)
+            sec[p] = list(run(tuple(sec[p]), tuple(prim[p]), partial=False))
         elif kind == TransferKind.ONBOARD:
-            prim[p] = _sequential_run(prim[p], sec[p], ops, count, kind=kind, ba=ba, partial=partial)
+            prim[p] = list(run(tuple(prim[p]), tuple(sec[p]), partial=partial))
         else:
-            prim[p] = _sequential_run(prim[p], None, ops, count, kind=kind, ba=ba, partial=partial)
-    return pools.replace(primary=tuple(prim), secondary=tuple(sec))
+            prim[p] = list(run(tuple(prim[p]), None, partial=partial))
+    return pools.replace(primary=tuple(a for a, _ in prim), primary_scales=tuple(s for _, s in prim),
+                         secondary=tuple(a for a, _ in sec), secondary_scales=tuple(s for _, s in sec))
 
 
 def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", strategy: str = "auto") -> KVPools:
     """Apply `plan` (from `KVCacheManager.take_transfers()`) and return the new pools; the old
-    ones are donated. Equal to applying the entries one by one, in order.
+    ones are donated. Equal to applying the entries one by one, in order. The whole plan is
+    validated before anything is donated: a rejected plan leaves the pools usable.
 
     `strategy`: "sequential" | "bulk" | "blockwise" | "auto" (module docstring). `impl`
     ("xla" | "pallas") picks the device-side gather/scatter of the batched strategies;
     "sequential" is plain XLA loops."""
     chk.check_pools(pools)
-    validate_plan(pools.config, plan)
-    for i, p in enumerate(pools.config.pools):
+    validate_plan(pools.geometry, plan)
+    for i, p in enumerate(pools.geometry.pools):
         if pools.secondary[i] is None and len(plan) and ((plan.pool == i) & (plan.kind != TransferKind.COPY)).any():
             raise ValueError(f"plan moves blocks of pool {i} to/from a secondary tier it does not have (secondary_blocks=0)")
     impl = backend.resolve(impl, "apply_transfers")
@@ -369,37 +453,54 @@ def apply_transfers(pools: KVPools, plan: TransferPlan, *, impl: str = "auto", s
     if strategy == "sequential":
         return _apply_sequential(pools, plan)
     swap = strategy
-    for seg in split_segments(pools.config, plan):
+    for seg in split_segments(pools.geometry, plan):
         writes_prim = bool(seg.on_src.shape[1] or seg.cp_src.shape[1])
         writes_sec = bool(seg.off_src.shape[1])
-        prim, sec = pools.primary, pools.secondary
+        prim = tuple(zip(pools.primary, pools.primary_scales))
+        sec = tuple(zip(pools.secondary, pools.secondary_scales))
         new_prim, new_sec = _apply_segment(
             prim if writes_prim else (), sec if writes_sec else (),
             () if writes_prim else prim, () if writes_sec else sec,
             *seg.arrays(), meta=pools.meta, partial=seg.partial, impl=impl, swap=swap)
-        pools = pools.replace(primary=new_prim or prim, secondary=new_sec or sec)
+        new_prim, new_sec = new_prim or prim, new_sec or sec
+        pools = pools.replace(primary=tuple(a for a, _ in new_prim), primary_scales=tuple(s for _, s in new_prim),
+                              secondary=tuple(a for a, _ in new_sec), secondary_scales=tuple(s for _, s in new_sec))
     return pools
 
 
 def apply_transfers_reference(pools: KVPools, plan: TransferPlan) -> KVPools:
-    """Oracle: entry by entry, on host copies (numpy), then back onto the original placement."""
-    validate_plan(pools.config, plan)
+    """Oracle: entry by entry, on host copies (numpy), then back onto the original placement.
+    FP8 partial writes: both parts rescaled to the larger scale, then merged."""
+    validate_plan(pools.geometry, plan)
     ba = pools.block_axis
-    prim = [np.array(a) for a in pools.primary]
-    sec = [None if a is None else np.array(a) for a in pools.secondary]
+    copy = lambda xs: [None if a is None else np.array(a) for a in xs]  # noqa: E731
+    prim, sec = copy(pools.primary), copy(pools.secondary)
+    prim_s, sec_s = copy(pools.primary_scales), copy(pools.secondary_scales)
 
     def blk(a, i):
         return a[i] if ba == 0 else a[:, i]
 
+    def rescaled(q, old, new):  # q: uint8 bit patterns of the pools' fp8 dtype
+        fp8 = pools.geometry.jnp_dtype
+        ratio = np.where(new > 0, old / np.where(new > 0, new, 1), 0).astype(np.float32)
+        return (np.ascontiguousarray(q).view(fp8).astype(np.float32) * ratio[..., None, None]).astype(fp8).view(np.uint8)
+
     for op in plan:
         p, s, d, n = op.pool, op.src, op.dst, op.num_tokens
         if op.kind == TransferKind.OFFLOAD:
-            src_a, dst_a = prim[p], sec[p]
+            (src_a, src_s), (dst_a, dst_s) = (prim[p], prim_s[p]), (sec[p], sec_s[p])
         elif op.kind == TransferKind.ONBOARD:
-            src_a, dst_a = sec[p], prim[p]
+            (src_a, src_s), (dst_a, dst_s) = (sec[p], sec_s[p]), (prim[p], prim_s[p])
         else:
-            src_a, dst_a = prim[p], prim[p]
-        blk(dst_a, d)[..., :n, :] = blk(src_a, s)[..., :n, :]
-    new_prim = tuple(jax.device_put(x, a.sharding) for x, a in zip(prim, pools.primary))
-    new_sec = tuple(None if a is None else jax.device_put(x, a.sharding) for x, a in zip(sec, pools.secondary))
-    return pools.replace(primary=new_prim, secondary=new_sec)
+            (src_a, src_s), (dst_a, dst_s) = (prim[p], prim_s[p]), (prim[p], prim_s[p])
+        new_blk = blk(src_a, s).copy()  # [L, F, H, T, D]
+        if src_s is not None:
+            s_src, s_dst = blk(src_s, s).copy(), blk(dst_s, d).copy()  # [L, F, H]
+            s_new = s_src if n == new_blk.shape[-2] else np.maximum(s_src, s_dst)
+            new_blk = rescaled(new_blk, s_src, s_new)
+            blk(dst_a, d)[...] = rescaled(blk(dst_a, d), s_dst, s_new)
+            blk(dst_s, d)[...] = s_new
+        blk(dst_a, d)[..., :n, :] = new_blk[..., :n, :]
+    put = lambda xs, like: tuple(None if a is None else jax.device_put(x, a.sharding) for x, a in zip(xs, like))  # noqa: E731
+    return pools.replace(primary=put(prim, pools.primary), secondary=put(sec, pools.secondary),
+                         primary_scales=put(prim_s, pools.primary_scales), secondary_scales=put(sec_s, pools.secondary_scales))

@@ -8,79 +8,73 @@ prefill of only the non-reused prompt tokens, bucketed jitted forwards (`batchin
 cache_config)` replays a list of `WorkItem`s (see `workloads.py`) on a fresh core and returns
 per-run metrics (`metrics.py`). `LLMEngine` (`llm_engine.py`) adds text: tokenised prompts,
 detokenised `RequestOutput`s (`outputs.py`), stop strings and EOS ids from the tokenizer.
+An engine publishes its KV events with `KVEventsConfig` (`event_publishing.py`); on a mesh that
+spans processes every process is a rank with its own identical ledger (`ranks.py`).
 """
-from kvjax.engine.batching import Buckets, ForwardBatch, Row, build_batch
-from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config, device_config
-from kvjax.engine.core import CoreOutput, EngineBusyError, EngineCore, EngineInvariantError
-from kvjax.engine.engine import Engine, RunResult, identical_outputs, max_logit_difference, min_margin
-from kvjax.engine.llm_engine import LLMEngine
-from kvjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvjax.engine.metrics import RequestRecord, RunMetrics, StepRecord, format_table, plot_runs, write_json
-from kvjax.engine.request_state import LiveRequest, Phase
-from kvjax.engine.runner import ModelRunner
-from kvjax.engine.sampling import SamplingParams, key_seed, request_seed, sample
-from kvjax.engine.scheduler import CapacityScheduler, QueuePolicy, Schedule, SchedulerConfig, SchedulerPolicy
-from kvjax.engine.workloads import (
-    KINDS,
-    ChatWorkload,
-    FewShotWorkload,
-    LongDocQAWorkload,
-    SharedSystemPromptWorkload,
-    WorkItem,
-    Workload,
-    WorkloadFile,
-    load_workload,
-    workload_from_dict,
-)
+_NAMES = {
+    "Buckets": "kvjax.engine.batching",
+    "CACHE_DEFAULTS": "kvjax.engine.config",
+    "CapacityScheduler": "kvjax.engine.scheduler",
+    "ChatWorkload": "kvjax.engine.workloads",
+    "CompletionOutput": "kvjax.engine.outputs",
+    "CoreOutput": "kvjax.engine.core",
+    "Engine": "kvjax.engine.engine",
+    "EngineBusyError": "kvjax.engine.core",
+    "EngineConfig": "kvjax.engine.config",
+    "EngineCore": "kvjax.engine.core",
+    "EngineInvariantError": "kvjax.engine.core",
+    "FewShotWorkload": "kvjax.engine.workloads",
+    "ForwardBatch": "kvjax.engine.batching",
+    "KINDS": "kvjax.engine.workloads",
+    "KVEventsConfig": "kvjax.engine.event_publishing",
+    "LLMEngine": "kvjax.engine.llm_engine",
+    "LiveRequest": "kvjax.engine.request_state",
+    "LongDocQAWorkload": "kvjax.engine.workloads",
+    "ModelRunner": "kvjax.engine.runner",
+    "Phase": "kvjax.engine.request_state",
+    "QueuePolicy": "kvjax.engine.scheduler",
+    "RankDivergenceError": "kvjax.engine.ranks",
+    "RequestMetrics": "kvjax.engine.outputs",
+    "RequestOutput": "kvjax.engine.outputs",
+    "RequestRecord": "kvjax.engine.metrics",
+    "Row": "kvjax.engine.batching",
+    "RunMetrics": "kvjax.engine.metrics",
+    "RunResult": "kvjax.engine.engine",
+    "SamplingParams": "kvjax.engine.sampling",
+    "Schedule": "kvjax.engine.scheduler",
+    "SchedulerConfig": "kvjax.engine.scheduler",
+    "SchedulerPolicy": "kvjax.engine.scheduler",
+    "SharedSystemPromptWorkload": "kvjax.engine.workloads",
+    "StepRecord": "kvjax.engine.metrics",
+    "WorkItem": "kvjax.engine.workloads",
+    "Workload": "kvjax.engine.workloads",
+    "WorkloadFile": "kvjax.engine.workloads",
+    "build_batch": "kvjax.engine.batching",
+    "cache_config": "kvjax.engine.config",
+    "device_config": "kvjax.engine.config",
+    "format_table": "kvjax.engine.metrics",
+    "identical_outputs": "kvjax.engine.engine",
+    "key_seed": "kvjax.engine.sampling",
+    "load_workload": "kvjax.engine.workloads",
+    "max_logit_difference": "kvjax.engine.engine",
+    "min_margin": "kvjax.engine.engine",
+    "plot_runs": "kvjax.engine.metrics",
+    "request_seed": "kvjax.engine.sampling",
+    "sample": "kvjax.engine.sampling",
+    "workload_from_dict": "kvjax.engine.workloads",
+    "write_json": "kvjax.engine.metrics",
+}
 
-__all__ = [
-    "Buckets",
-    "CACHE_DEFAULTS",
-    "CapacityScheduler",
-    "ChatWorkload",
-    "CompletionOutput",
-    "CoreOutput",
-    "Engine",
-    "EngineBusyError",
-    "EngineCore",
-    "EngineConfig",
-    "EngineInvariantError",
-    "FewShotWorkload",
-    "ForwardBatch",
-    "KINDS",
-    "LLMEngine",
-    "LiveRequest",
-    "LongDocQAWorkload",
-    "ModelRunner",
-    "Phase",
-    "QueuePolicy",
-    "RequestMetrics",
-    "RequestOutput",
-    "RequestRecord",
-    "Row",
-    "RunMetrics",
-    "RunResult",
-    "SamplingParams",
-    "Schedule",
-    "SchedulerConfig",
-    "SchedulerPolicy",
-    "SharedSystemPromptWorkload",
-    "StepRecord",
-    "WorkItem",
-    "Workload",
-    "WorkloadFile",
-    "build_batch",
-    "cache_config",
-    "device_config",
-    "format_table",
-    "identical_outputs",
-    "key_seed",
-    "load_workload",
-    "max_logit_difference",
-    "min_margin",
-    "plot_runs",
-    "request_seed",
-    "sample",
-    "workload_from_dict",
-    "write_json",
-]
+
+def __getattr__(name: str):
+    """Names load on first use, so `kvjax.engine.sampling` (what a router front needs to read
+    OpenAI requests) does not import JAX."""
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvjax.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = sorted(_NAMES)

@@ -5,10 +5,13 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
 
 [cache]  tokens_per_block, primary_blocks, secondary_blocks (per window), max_seq_len,
          enable_block_reuse, enable_partial_reuse, copy_on_partial_reuse, onboard_blocks,
-         secondary_offload_min_priority
+         secondary_offload_min_priority, event_buffer_max_size (the ledger's KV-event queue;
+         0 = events off unless the engine publishes them, which sizes it itself), event_hash
+         (the events' block hashes: "sha256" or TensorRT-LLM's "trtllm64")
 [engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
          "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
-         prefill_rows, max_steps
+         prefill_rows, max_steps, rank_check_interval (steps between two comparisons of the
+         ranks' ledger digests when a mesh spans processes; see `kvjax.engine.ranks`)
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ CACHE_DEFAULTS: dict[str, Any] = {
     "copy_on_partial_reuse": True,
     "onboard_blocks": True,
     "secondary_offload_min_priority": 30,
+    "event_buffer_max_size": 0,
+    "event_hash": "sha256",
 }
-_STR_KEYS = {"policy", "queue_policy"}
+_STR_KEYS = {"policy", "queue_policy", "event_hash"}
 _BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
 
 
@@ -49,14 +54,22 @@ def _check_keys(table: str, values: Mapping[str, Any], known, source: str) -> No
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Scheduler policy and budgets, shape buckets, and a safety cap on steps."""
+    """Scheduler policy and budgets, shape buckets, a safety cap on steps, and how often ranks
+    spanning processes compare their ledgers."""
 
     scheduler: SchedulerConfig = SchedulerConfig()
     buckets: Buckets = Buckets()
     max_steps: int = 1_000_000
+    rank_check_interval: int = 1
 
     KEYS = ("policy", "max_batch_size", "max_num_tokens", "defer_shared_prefix", "queue_policy", "max_wait_steps",
-            "min_batch_bucket", "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps")
+            "min_batch_bucket", "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps",
+            "rank_check_interval")
+
+    def __post_init__(self) -> None:
+        v = self.rank_check_interval
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"rank_check_interval must be a positive int, got {v!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> "EngineConfig":
@@ -80,9 +93,9 @@ class EngineConfig:
             max_steps = v.get("max_steps", cls.max_steps)
             if max_steps < 1:
                 raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+            return cls(sched, buckets, max_steps, v.get("rank_check_interval", cls.rank_check_interval))
         except ValueError as e:
             raise ValueError(f"{source}: [engine] {e}") from None
-        return cls(sched, buckets, max_steps)
 
 
 def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>") -> CacheConfig:
@@ -103,6 +116,8 @@ def cache_config(model_spec, values: Mapping[str, Any], *, max_num_tokens: int |
             copy_on_partial_reuse=v["copy_on_partial_reuse"],
             onboard_blocks=v["onboard_blocks"],
             secondary_offload_min_priority=v["secondary_offload_min_priority"],
+            event_buffer_max_size=v["event_buffer_max_size"],
+            event_hash=v["event_hash"],
             max_num_tokens=max_num_tokens,
         )
     except ValueError as e:
@@ -121,5 +136,6 @@ def device_config(config: CacheConfig) -> CacheConfig:
         onboard_blocks=True,
         secondary_offload_min_priority=30,
         event_buffer_max_size=0,
+        event_hash="sha256",
         max_num_tokens=None,
     )

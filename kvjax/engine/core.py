@@ -35,9 +35,12 @@ import numpy as np
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
-from kvjax.engine.batching import Row, build_batch
+from kvjax.transfer_plan import TransferKind
+from kvjax.engine.batching import Row
 from kvjax.engine.config import device_config
+from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
+from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
@@ -65,6 +68,21 @@ class CoreOutput:
         return self.request.request_id
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """What the last step did (`EngineCore.last_step`): requests in the ledger once admissions
+    are done (`running`; 0 means the step ran nothing), decode rows, prefill tokens computed,
+    admissions, pauses and blocks onboarded from the host tier. A time model prices a step
+    from these (`kvjax.router.sim`)."""
+
+    running: int = 0
+    decode_rows: int = 0
+    prefill_tokens: int = 0
+    admitted: int = 0
+    paused: int = 0
+    onboarded: int = 0
+
+
 @dataclasses.dataclass
 class CoreCounters:
     """Cumulative totals since the core started (the server's Prometheus counters read them)."""
@@ -84,18 +102,29 @@ class EngineCore:
     `engine` (`kvjax.engine.Engine`). Not thread-safe: one thread drives it (the server runs it
     on its engine thread)."""
 
-    def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None) -> None:
-        from kvjax.device import allocate_pools
+    def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
+                 kv_events: KVEventsConfig | None = None) -> None:
         from kvjax.ledger import KVCacheManager
 
         from kvjax.engine.scheduler import CapacityScheduler
 
         engine.model.check_cache(cache_config)
+        if kv_events is not None:
+            cache_config = with_events(cache_config)
         self.engine = engine
         self.cfg = engine.config
+        # ranks of a mesh spanning processes: one ledger each, kept identical (see ranks.py)
+        self.rank_digest: RankDigest | None = None
+        if spans_processes(getattr(engine.runner, "mesh", None)):
+            cache_config = agree_on_cache(cache_config, (repr(self.cfg), engine.model.spec))
+            self.rank_digest = RankDigest(self.cfg.rank_check_interval)
         self.cache_config = cache_config
         self.ledger = KVCacheManager(cache_config)
-        self.pools = allocate_pools(device_config(cache_config))
+        self.pools = engine.runner.allocate_pools(device_config(cache_config))
+        self.events: EventPublishing | None = None
+        if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
+            self.events = EventPublishing(kv_events, cache_config)
+            self.events.publish(self.ledger)  # the ledger's Created events: AllBlocksCleared, batch 0
         self.scheduler = CapacityScheduler(self.cfg.scheduler, self.ledger)
         self.vocab = engine.model.spec.vocab_size
         self.clock = ServingClock() if clock is None else clock
@@ -108,6 +137,7 @@ class EngineCore:
         self.accounting_misses = 0
         self.deferred = 0
         self.steps: list[StepRecord] | None = [] if record_steps else None
+        self.last_step = StepCounts()
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -125,7 +155,8 @@ class EngineCore:
                 f"request {rid!r}: {len(prompt)} prompt tokens + max_new_tokens={item.max_new_tokens} "
                 f"exceed max_seq_len={cfg.max_seq_len}"
             )
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+        if not all(type(t) is int for t in prompt) and not all(  # the fast path: plain ints
+                isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
             raise InvalidRequestError(f"request {rid!r}: token ids must be ints")
         if max(prompt) >= self.vocab or min(prompt) < 0:
             raise InvalidRequestError(f"request {rid!r}: token ids must be in [0, {self.vocab})")
@@ -174,6 +205,7 @@ class EngineCore:
         if request_id in self.running:
             self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
+            self._publish_events()
         else:
             self.waiting = collections.deque(x for x in self.waiting if x is not r)
         self._retire(r, reason, stop_reason)
@@ -196,7 +228,18 @@ class EngineCore:
         Returns the number of blocks dropped."""
         if self.running:
             raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
-        return self.ledger.reset_prefix_cache()
+        dropped = self.ledger.reset_prefix_cache()
+        self._publish_events()
+        return dropped
+
+    def close(self) -> None:
+        """Stop publishing KV events (idempotent). The ledger and pools stay readable."""
+        if self.events is not None:
+            self.events.close()
+
+    def _publish_events(self) -> None:
+        if self.events is not None:
+            self.events.publish(self.ledger)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[CoreOutput]:
@@ -206,6 +249,7 @@ class EngineCore:
             self._step(outputs)
         finally:
             self.step_index += 1
+        self._publish_events()
         return outputs
 
     def _step(self, outputs: list[CoreOutput]) -> None:
@@ -230,7 +274,10 @@ class EngineCore:
             decode.append(r)
         # 3. admissions (one batch: two-phase matching in the ledger)
         admitted = self._admit(sched.admit, now)
+        if self.rank_digest is not None:  # every rank, every step, before any device work
+            self._rank_sync(sched.pause, decode, admitted)
         if not self.running:
+            self.last_step = StepCounts(0, 0, 0, len(admitted), len(sched.pause), 0)
             if self.waiting and not sched.pause:
                 head = self.waiting[0]
                 raise EngineInvariantError(
@@ -238,6 +285,7 @@ class EngineCore:
                     f"(free blocks per window: {[led.num_free_blocks(w) for w in led.windows]})"
                 )
             return
+        running = len(self.running)
         # 4. prefill chunks from the token budget, oldest admission first
         budget = self.cfg.scheduler.max_num_tokens - len(decode)
         prefill: list[tuple[LiveRequest, int]] = []
@@ -250,7 +298,7 @@ class EngineCore:
                 budget -= n
         # 5. data movements decided by this step's ledger calls, before any forward; what did
         #    not arrive leaves the ledger's cache and the requests that relied on it recompute
-        prefill = self._apply_transfers(prefill)
+        prefill, onboarded = self._apply_transfers(prefill)
         # 6. forwards + sampling
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
@@ -284,27 +332,50 @@ class EngineCore:
             else:
                 outputs.append(self._emit(r, int(t), float(c), float(m)))
         led.refresh_blocks()
+        self.last_step = StepCounts(running, len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause), onboarded)
         if self.steps is not None:
             self._record_step(len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause))
 
-    def _apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> list[tuple[LiveRequest, int]]:
+    def _rank_sync(self, paused: list[LiveRequest], decode: list[LiveRequest], admitted: list[LiveRequest]) -> None:
+        """Fold this step's ledger decisions into the rank digest and compare it across ranks
+        at the configured interval (`RankDivergenceError` if they differ)."""
+        d, led = self.rank_digest, self.ledger
+        d.update(
+            self.step_index, len(self.waiting), len(self.running),
+            [r.request_id for r in paused],
+            [(r.request_id, r.output[-1]) for r in decode],
+            [(r.request_id, r.admissions[-1].reused, len(r.context)) for r in admitted],
+            [(w, led.num_free_blocks(w), led.num_free_secondary_blocks(w)) for w in led.windows],
+        )
+        for r in sorted(self.running.values(), key=lambda r: r.order):
+            for w in led.windows:
+                d.update(r.request_id, np.asarray(led.block_ids(r.request_id, w)))
+        d.check(self.step_index)
+
+    def _apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> tuple[list[tuple[LiveRequest, int]], int]:
         """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
         Called once per step, after every ledger call of the step and before any forward. A
         `TransferError` (all or some ops did not take effect) is reported to the ledger, and
-        the prefill of the requests it cut back is redone; returns this step's prefill."""
+        the prefill of the requests it cut back is redone. Returns this step's prefill and the
+        number of blocks onboarded."""
         plan = self.ledger.take_transfers()
         if not len(plan):
-            return prefill
-        from kvjax.device import apply_transfers
-
+            return prefill, 0
+        if self.rank_digest is not None:
+            self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
+        onboard = plan.kind == TransferKind.ONBOARD  # [ops]
         with self.clock.measuring():
             try:
-                self.pools = apply_transfers(self.pools, plan)
+                self.pools = self.engine.runner.apply_transfers(self.pools, plan)
             except TransferError as e:
                 if e.pools is not None:  # the ops that did apply, on the pools they consumed
                     self.pools = e.pools
-                return self._transfers_failed(self.ledger.transfers_failed(plan, e.op_indices), prefill)
-        return prefill
+                applied = np.ones(len(plan), bool) if e.op_indices is not None else np.zeros(len(plan), bool)
+                if e.op_indices is not None:
+                    applied[list(e.op_indices)] = False
+                prefill = self._transfers_failed(self.ledger.transfers_failed(plan, e.op_indices), prefill)
+                return prefill, int((onboard & applied).sum())
+        return prefill, int(onboard.sum())
 
     def _transfers_failed(self, failure, prefill: list[tuple[LiveRequest, int]]) -> list[tuple[LiveRequest, int]]:
         """Rewind the prefill of every request a failed transfer cut back (the ledger already
@@ -392,7 +463,7 @@ class EngineCore:
         self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
 
     def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None):
-        batch = build_batch(self.ledger, rows, self.cfg.buckets, chunk_bucket=chunk_bucket)
+        batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
         temperature = np.array([r.item.sampling.temperature for r in reqs], np.float32)
         top_p = np.array([r.item.sampling.top_p for r in reqs], np.float32)
         top_k = np.array([r.item.sampling.top_k for r in reqs], np.int32)

@@ -42,12 +42,21 @@ class Engine:
     runs share compiled executables (see `device_config`). `core(cache_config)` starts a
     step-wise `EngineCore` on the same model and runner."""
 
-    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None) -> None:
+    def __init__(self, model: Any, config: EngineConfig = EngineConfig(), *, impl: str = "auto", runner: ModelRunner | None = None,
+                 mesh=None) -> None:
+        """`mesh`: tensor parallelism over its devices (weights and KV pools sharded over kv
+        heads; a mesh spanning processes makes every process a rank, see `kvjax.engine.ranks`)."""
         if runner is not None and runner.model is not model:
             raise ValueError("runner serves a different model")
+        if runner is not None and mesh is not None and getattr(runner, "mesh", None) is not mesh:
+            raise ValueError("runner runs on a different mesh")
         self.model = model
         self.config = config
-        self.runner = ModelRunner(model, impl=impl) if runner is None else runner  # engines may share one
+        self.runner = ModelRunner(model, impl=impl, mesh=mesh) if runner is None else runner  # engines may share one
+
+    @property
+    def mesh(self):
+        return getattr(self.runner, "mesh", None)
 
     def core(self, cache_config: CacheConfig, **kwargs) -> EngineCore:
         """A fresh step-wise core (its own ledger and pools) serving this engine's model."""

@@ -16,6 +16,8 @@ Options (`from_options`, also `kvjax.LLM` and `kvjax serve`): the `[cache]` keys
 file (`tokens_per_block`, `primary_blocks`, `secondary_blocks`, `max_seq_len`,
 `enable_block_reuse`, ...) and its `[engine]` keys (`policy`, `max_batch_size`,
 `max_num_tokens`, `queue_policy`, `max_wait_steps`, buckets, ...), see `kvjax.engine.config`.
+With `kv_events=KVEventsConfig(...)` the engine publishes its cache's KV events (vLLM's wire
+format on ZeroMQ, docs/kv_events.md) after every step; `close()` stops the publisher.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from kvjax.config import CacheConfig
 from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config
 from kvjax.engine.core import CoreOutput, EngineCore
 from kvjax.engine.engine import Engine
+from kvjax.engine.event_publishing import KVEventsConfig
 from kvjax.engine.outputs import CompletionOutput, OutputText, RequestMetrics, RequestOutput
 from kvjax.engine.sampling import SamplingParams, key_seed
 from kvjax.engine.workloads import WorkItem
@@ -48,7 +51,9 @@ def split_options(options: Mapping[str, Any], source: str = "options") -> tuple[
 class LLMEngine:
     """Add requests at any time, step, abort; see the module docstring. One thread drives it."""
 
-    def __init__(self, engine: Engine, cache_config: CacheConfig, *, tokenizer=None, seed: int = 0, clock=None) -> None:
+    def __init__(self, engine: Engine, cache_config: CacheConfig, *, tokenizer=None, seed: int = 0, clock=None,
+                 kv_events: KVEventsConfig | None = None) -> None:
+        """`kv_events`: publish the cache's KV events on ZeroMQ in vLLM's format (docs/kv_events.md)."""
         if tokenizer is not None and tokenizer.vocab_size > engine.model.spec.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {engine.model.spec.vocab_size}"
@@ -56,23 +61,34 @@ class LLMEngine:
         self.engine = engine
         self.tokenizer = tokenizer
         self.seed = seed
-        self.core: EngineCore = engine.core(cache_config, clock=clock)
+        self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events)
         self._texts: dict[Hashable, OutputText] = {}  # live requests only
         self._prompts: dict[Hashable, str | None] = {}
 
     @classmethod
-    def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None, **options) -> "LLMEngine":
+    def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
+                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> "LLMEngine":
         """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.llm.load_model`
-        takes: a built-in model name or a checkpoint directory) with `options` (see above)."""
+        takes: a built-in model name or a checkpoint directory) with `options` (see above);
+        `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""
         if isinstance(model, str) or hasattr(model, "__fspath__"):
             from kvjax.llm import load_model
 
-            model, loaded_tokenizer = load_model(model)
+            model, loaded_tokenizer = load_model(model, mesh=mesh)
             tokenizer = tokenizer or loaded_tokenizer
         cache_values, engine_values = split_options(options)
         config = EngineConfig.from_dict(engine_values, "options")
         cc = cache_config(model.spec, cache_values, max_num_tokens=config.scheduler.max_num_tokens, source="options")
-        return cls(Engine(model, config, runner=runner), cc, tokenizer=tokenizer, seed=seed, clock=clock)
+        return cls(Engine(model, config, runner=runner, mesh=mesh), cc, tokenizer=tokenizer, seed=seed, clock=clock,
+                   kv_events=kv_events)
+
+    def close(self) -> None:
+        """Stop publishing KV events (idempotent); the engine must not step afterwards."""
+        self.core.close()
+
+    def kv_events_info(self) -> dict | None:
+        """Where this engine publishes its KV events (None if it does not)."""
+        return None if self.core.events is None else self.core.events.info()
 
     # ------------------------------------------------------------------ limits
     @property

@@ -1,10 +1,17 @@
-"""`ModelRunner`: one jitted call per forward batch: paged forward, last-position logits, sampling.
+"""`ModelRunner`: the engine's device side: the pools, their transfers, and one jitted call per
+forward batch (paged forward, last-position logits, sampling).
 
 The pools are donated (the forward writes K/V in place); only the sampled tokens and two
 float32 diagnostics per row (the chosen token's logit and the top-2 margin) come back to the
 host. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit. Every
 trace increments `num_traces`, so tests can assert that a warmed-up engine never recompiles
 (the Python body runs only when jit traces a new shape).
+
+With a `mesh` (tensor parallelism, possibly spanning processes under `jax.distributed`) the
+model's weights are sharded over it (`shard_model`), the pools are allocated with their kv
+heads over it, every input of the step is a global replicated array built from the same host
+values on every process, and the sampled tokens come back replicated, so every process reads
+the same tokens.
 """
 from __future__ import annotations
 
@@ -13,29 +20,63 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.engine.batching import ForwardBatch
+from kvjax.engine.batching import ForwardBatch, build_batch
 from kvjax.engine.sampling import sample
 
 
 class ModelRunner:
-    def __init__(self, model: Any, *, impl: str = "auto") -> None:
+    def __init__(self, model: Any, *, impl: str = "auto", mesh: Mesh | None = None) -> None:
+        if mesh is not None:
+            from kvjax.models.parallel import shard_model
+
+            shard_model(model, mesh)
         self.model = model
         self.impl = impl
+        self.mesh = mesh
         self.num_traces = 0
         self.shapes: set[tuple] = set()  # (B, T, max_blocks) seen
         graphdef, state = nnx.split(model)
         self._state = state
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
 
         def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, top_k, seed, index):
             self.num_traces += 1
             model = nnx.merge(graphdef, state)
             logits, pools = model.paged_forward(tokens, positions, pools, tables, seq_lens, slots, impl=impl)
             last = logits[:, -1, :]  # [B, V]: rows are right-aligned, the last token is at T - 1
-            tok, chosen, margin = sample(last, temperature, top_p, seed, index, top_k)
+            out = sample(last, temperature, top_p, seed, index, top_k)
+            if self._replicated is not None:  # every process reads the same tokens
+                out = tuple(jax.lax.with_sharding_constraint(x, self._replicated) for x in out)
+            tok, chosen, margin = out
             return tok, chosen, margin, pools
 
         self._step = jax.jit(step, donate_argnums=(3,))
+
+    # ------------------------------------------------------------------ the core's device side
+    def batch(self, ledger, rows, buckets, chunk_bucket: int | None = None) -> ForwardBatch:
+        """The bucketed forward inputs of `rows`, read from the ledger's block tables."""
+        return build_batch(ledger, rows, buckets, chunk_bucket=chunk_bucket)
+
+    def allocate_pools(self, config):
+        """Zero pools for `config`, kv heads sharded over the mesh if there is one."""
+        from kvjax.device import allocate_pools
+
+        return allocate_pools(config, sharding=self.mesh)
+
+    def apply_transfers(self, pools, plan):
+        """Carry out a ledger transfer plan (offload / onboard / copy); returns the new pools."""
+        from kvjax.device import apply_transfers
+
+        return apply_transfers(pools, plan)
+
+    def _global(self, x: np.ndarray):
+        """A host array as the step's input: as is on one device, else a global replicated array
+        (every process passes the same values and provides its own devices' copies)."""
+        if self._replicated is None:
+            return x
+        return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
     def run(
         self,
@@ -62,19 +103,20 @@ class ModelRunner:
             return out
 
         self.shapes.add(batch.shape)
+        g = self._global
         tok, chosen, margin, pools = self._step(
             self._state,
-            batch.tokens,
-            batch.positions,
+            g(batch.tokens),
+            g(batch.positions),
             pools,
-            batch.tables,
-            batch.seq_lens,
-            batch.slots,
-            pad(temperature, np.float32, 0.0),
-            pad(top_p, np.float32, 1.0),
-            pad(np.zeros(n, np.int32) if top_k is None else top_k, np.int32, 0),
-            pad(seed, np.int32, 0),
-            pad(index, np.int32, 0),
+            {w: g(t) for w, t in batch.tables.items()},
+            g(batch.seq_lens),
+            {w: g(s) for w, s in batch.slots.items()},
+            g(pad(temperature, np.float32, 0.0)),
+            g(pad(top_p, np.float32, 1.0)),
+            g(pad(np.zeros(n, np.int32) if top_k is None else top_k, np.int32, 0)),
+            g(pad(seed, np.int32, 0)),
+            g(pad(index, np.int32, 0)),
         )
         tok, chosen, margin = jax.device_get((tok, chosen, margin))
         return np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools

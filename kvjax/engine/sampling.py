@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
+if TYPE_CHECKING:  # JAX is imported where sampling runs, so `SamplingParams` stays light
+    import jax
 
 
 def _is_int(v) -> bool:
@@ -102,6 +103,9 @@ def _filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
     probability (renormalised over the top-k) reaches `top_p`.
     logits: [V] float32 (already divided by the temperature); top_k: [] int32 (<= 0: all);
     top_p: [] float32."""
+    import jax
+    import jax.numpy as jnp
+
     v = logits.shape[0]
     order = jnp.argsort(-logits)  # [V], most likely first
     sorted_logits = logits[order]  # [V]
@@ -130,6 +134,9 @@ def sample(
     shape, whatever the sampling settings).
     Returns (tokens int32 [B], chosen-token logit float32 [B], top-2 logit margin float32 [B]).
     """
+    import jax
+    import jax.numpy as jnp
+
     if top_k is None:
         top_k = jnp.zeros(logits.shape[:1], jnp.int32)  # [B]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]

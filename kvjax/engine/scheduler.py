@@ -170,8 +170,8 @@ class CapacityScheduler:
                 reserved[w] += led.remaining_blocks_to_completion(r.request_id, w)
             (out.generation if r.phase is Phase.GENERATION else out.context).append(r)
 
-        def fits(request) -> bool:
-            need = {w: led.remaining_blocks_to_completion(request, w) for w in self.windows}
+        def fits(request, summary=None) -> bool:
+            need = {w: led.remaining_blocks_to_completion(request, w, summary=summary) for w in self.windows}
             if all(reserved[w] + need[w] <= free[w] for w in self.windows):
                 for w in self.windows:
                     reserved[w] += need[w]
@@ -187,8 +187,9 @@ class CapacityScheduler:
         scheduled = {w: 0 for w in self.windows}
         out = Schedule()
 
-        def try_fit(request_or_id) -> bool:
-            need = {w: led.needed_blocks_one_step(request_or_id, look, w) for w in self.windows}
+        def try_fit(request_or_id, summary=None) -> bool:
+            # a new request's summary (one planning pass) serves every window's query
+            need = {w: led.needed_blocks_one_step(request_or_id, look, w, summary=summary) for w in self.windows}
             if all(led.scheduling_has_free_blocks(scheduled[w] + need[w], w) for w in self.windows):
                 for w in self.windows:
                     scheduled[w] += need[w]
@@ -230,7 +231,7 @@ class CapacityScheduler:
             if cfg.defer_shared_prefix and self._should_defer(prompt, key, summary.reusable_blocks_all, in_prefill):
                 out.deferred += 1
                 continue
-            if not fits(request):
+            if not fits(request, summary):
                 break
             out.admit.append(r)
             slots -= 1

@@ -11,6 +11,11 @@ A sequence number that goes *backwards* means the publisher restarted (a new pro
 from 0 again): `restarts` is counted, `on_restart` is called (a router forgets that replica's
 blocks), and the new stream is read from its start. `on_gap(lost)` is called after a gap that
 replay could not fill (a router may then distrust what it knows of that replica).
+
+A subscriber learns nothing from SUB until the publisher sends again, which an idle replica
+may not do for a long time: `catch_up()` (run first by `start` when there is a replay socket)
+asks for every buffered batch at once. Batches that SUB had queued meanwhile arrive again
+afterwards; they are recognised by their sequence number and payload and dropped.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ class KVEventSubscriber:
             self._close_sockets()
             raise ValueError(f"cannot connect a KV-event subscriber to {endpoint!r}: {e}") from None
         self._next: int | None = None  # the sequence number expected next
+        self._caught_up: dict[int, int] = {}  # seq -> payload hash of batches delivered by catch_up
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.received = 0  # batches delivered (live or replayed)
@@ -84,8 +90,39 @@ class KVEventSubscriber:
             self._accept(int.from_bytes(frames[1], "big"), frames[2], out)
         return out
 
+    def catch_up(self) -> list[tuple[int, KVEventBatch]]:
+        """Every batch the publisher's replay buffer holds from the next expected one on, in
+        order (nothing without a replay socket or if the publisher does not answer in time).
+        Call it from the thread that polls."""
+        out: list[tuple[int, KVEventBatch]] = []
+        if self.replay_endpoint is None:
+            return out
+        expected = 0 if self._next is None else self._next
+        lost = 0
+        for s, payload in self._request_replay(expected):
+            if s < expected:
+                continue
+            lost += s - expected  # gone from the publisher's buffer before we asked
+            self._deliver(s, payload, out, replayed=True)
+            self._caught_up[s] = hash(payload)
+            expected = s + 1
+        if lost:
+            self.gaps += 1
+            self.unrecovered_gaps += 1
+            self.missed_batches += lost
+            log.warning("%s: %d KV-event batch(es) lost before catching up (not in the publisher's replay buffer)",
+                        self.name, lost)
+            if self.on_gap is not None:
+                self.on_gap(lost)
+        return out
+
     def _accept(self, seq: int, payload: bytes, out: list) -> None:
         nxt = self._next
+        if self._caught_up:
+            if nxt is not None and seq < nxt and self._caught_up.get(seq) == hash(payload):
+                del self._caught_up[seq]
+                return  # queued on SUB while catch_up replayed it
+            self._caught_up.clear()  # SUB delivers in order: nothing older can follow
         if nxt is not None and seq < nxt:
             self.restarts += 1
             log.warning("%s: KV-event sequence went back from %d to %d: publisher restarted", self.name, nxt - 1, seq)
@@ -161,18 +198,25 @@ class KVEventSubscriber:
             got.append((int.from_bytes(frames[0], "big"), frames[1]))
 
     # ------------------------------------------------------------------ background thread
-    def start(self, callback: Callable[[int, KVEventBatch], None], poll_interval_s: float = 0.05) -> None:
-        """Read on a daemon thread, calling `callback(seq, batch)` for each batch in order."""
+    def start(self, callback: Callable[[int, KVEventBatch], None], poll_interval_s: float = 0.05,
+              catch_up: bool = True) -> None:
+        """Read on a daemon thread, calling `callback(seq, batch)` for each batch in order;
+        with `catch_up` (and a replay socket) the thread first replays what the publisher buffers."""
         if self._thread is not None:
             raise RuntimeError("subscriber already started")
 
+        def deliver(batches) -> None:
+            for seq, batch in batches:
+                try:
+                    callback(seq, batch)
+                except Exception:
+                    log.exception("%s: KV-event callback failed on batch %d", self.name, seq)
+
         def loop() -> None:
+            if catch_up:
+                deliver(self.catch_up())
             while not self._stop.is_set():
-                for seq, batch in self.poll(poll_interval_s):
-                    try:
-                        callback(seq, batch)
-                    except Exception:
-                        log.exception("%s: KV-event callback failed on batch %d", self.name, seq)
+                deliver(self.poll(poll_interval_s))
 
         self._thread = threading.Thread(target=loop, name=f"kvjax-kv-sub-{self.name}", daemon=True)
         self._thread.start()

@@ -12,35 +12,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.device import attention as device_attention
 from kvjax.models.layers import RMSNorm, apply_rope, einsum, normal_init, rope_frequencies
 
 
 def visibility_mask(q_positions: jax.Array, k_positions: jax.Array, window: int) -> jax.Array:
-    """bool [B, T, S]: key at `k_positions[b, s]` is visible to the query at `q_positions[b, t]`."""
-    q = q_positions[:, :, None]  # [B, T, 1]
-    k = k_positions[:, None, :]  # [B, 1, S]
-    return (k <= q) & (k > q - window)  # [B, T, S]
+    """bool [B, T, S]: key at `k_positions[b, s]` is visible to the query at `q_positions[b, t]`.
+    The rule lives in `kvjax.device.attention`, shared with the paged ops."""
+    return device_attention.visibility_mask(q_positions, k_positions, window)
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Softmax attention with KV-head groups, in float32.
+    """Softmax attention with KV-head groups, in float32 (`kvjax.device.attention`'s formula).
 
     q: [B, T, N, H]; k, v: [B, S, K, H]; mask: bool [B, T, S] -> [B, T, N, H].
     A query that sees no key (padding) gets zeros, never NaN.
     """
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    qg = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
-    logits = einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
-    visible = mask[:, None, None, :, :]  # [B, 1, 1, T, S]
-    logits = jnp.where(visible, logits, -jnp.inf)  # [B, K, G, T, S]
-    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)  # [B, K, G, T, S]
-    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-    probs = weights / jnp.where(denom > 0, denom, 1.0)  # [B, K, G, T, S]
-    out = einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h).astype(q.dtype)  # [B, T, N, H]
+    return device_attention.grouped_attention(q, k, v, mask, scale)
 
 
 class Attention(nnx.Module):

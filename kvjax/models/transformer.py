@@ -8,7 +8,7 @@ Paged conventions (the engine's contract): a batch row holds the LAST `q_len` to
 sequence of `seq_lens[b]` tokens, so query `i` sits at position `seq_lens[b] - q_len + i`;
 left-padded rows carry negative positions and slot `-1` (skipped by `write_kv`). Every layer
 uses the block table and slot mapping of its own attention window
-(`pools.config.layer_windows[layer]`). RoPE uses absolute token positions.
+(`pools.geometry.layer_windows[layer]`). RoPE uses absolute token positions.
 Letters: see `kvjax.models.layers`.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.config import CacheConfig
 from kvjax.model_spec import ModelSpec
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
@@ -141,8 +140,9 @@ class Transformer(nnx.Module):
         return self._logits(x)  # [B, S, V]
 
     # ------------------------------------------------------------------ paged path
-    def check_cache(self, config: CacheConfig) -> None:
-        """Raise ValueError unless `config` describes this model's KV geometry."""
+    def check_cache(self, config: Any) -> None:
+        """Raise ValueError unless `config` (a CacheConfig, or the pools' `PoolGeometry`)
+        describes this model's KV geometry."""
         spec = self.spec
         if config.num_layers != spec.num_layers:
             raise ValueError(f"cache has {config.num_layers=} but the model {spec.num_layers} layers")
@@ -178,7 +178,7 @@ class Transformer(nnx.Module):
         """
         from kvjax.device import paged_attention, write_kv
 
-        config: CacheConfig = pools.config
+        config = pools.geometry
         self.check_cache(config)
         b, t = tokens.shape
         x = self._embed(tokens)  # [B, T, D]

@@ -10,7 +10,7 @@ this class.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 from kvjax.ledger.block_key import prompt_block_hashes
 from kvjax.router.index import PrefixIndex, PrefixMatch
@@ -30,34 +30,47 @@ class Router:
         replicas: Sequence[Hashable],
         policy: RoutingPolicy,
         *,
-        tokens_per_block: int,
+        tokens_per_block: int | None,
         hash_kind: str = "sha256",
         index: PrefixIndex | None = None,
     ) -> None:
+        """`tokens_per_block` None: not known yet (a front that learns it from the replicas
+        calls `configure_hashing`); until then no prompt is hashed and the policy sees no
+        cached prefix anywhere."""
         if not replicas:
             raise ValueError("a router needs at least one replica")
         if len(set(replicas)) != len(replicas):
             raise ValueError(f"replica ids must be unique, got {list(replicas)!r}")
         self.replicas = list(replicas)
         self.policy = policy
-        self.tokens_per_block = tokens_per_block
+        self.tokens_per_block: int | None = None
         self.hash_kind = hash_kind
         self.index = PrefixIndex() if index is None else index
         self.loads: dict[Hashable, int] = {r: 0 for r in self.replicas}
         self.available: dict[Hashable, bool] = {r: True for r in self.replicas}
-        prompt_block_hashes((1,), tokens_per_block, hash_kind=hash_kind)  # validates both now
+        if tokens_per_block is not None:
+            self.configure_hashing(tokens_per_block, hash_kind)
+
+    def configure_hashing(self, tokens_per_block: int, hash_kind: str) -> None:
+        """Hash prompts as replicas with this block size and hash kind do (both checked here)."""
+        prompt_block_hashes((1,), tokens_per_block, hash_kind=hash_kind)  # validates both
+        self.tokens_per_block = tokens_per_block
+        self.hash_kind = hash_kind
 
     def request_hashes(self, prompt: Sequence[int], *, lora_task_id: int | None = None,
                        cache_salt: str | int | None = None) -> list:
+        if self.tokens_per_block is None:
+            return []
         return prompt_block_hashes(prompt, self.tokens_per_block, lora_task_id=lora_task_id,
                                    cache_salt=cache_salt, hash_kind=self.hash_kind)
 
     def route(self, prompt: Sequence[int], *, lora_task_id: int | None = None,
-              cache_salt: str | int | None = None) -> RouteDecision:
-        """Pick a replica for the request and count it as that replica's load."""
+              cache_salt: str | int | None = None, exclude: Collection[Hashable] = ()) -> RouteDecision:
+        """Pick a replica for the request (never one in `exclude`, e.g. replicas that already
+        refused it) and count it as that replica's load."""
         if not prompt:
             raise ValueError("cannot route an empty prompt")
-        live = [r for r in self.replicas if self.available[r]]
+        live = [r for r in self.replicas if self.available[r] and r not in exclude]
         if not live:
             raise RuntimeError("no replica is available")
         hashes = self.request_hashes(prompt, lora_task_id=lora_task_id, cache_salt=cache_salt)

@@ -1,12 +1,15 @@
-"""Route simulation: a workload through N simulated replicas behind the real router logic.
+"""Route simulation: a workload through N replicas behind the real router logic.
 
-Each replica is a real `KVCacheManager` driven by the engine's `CapacityScheduler`, step by step
-as the engine drives it (admission with prefix reuse, chunked prefill, decode, pauses, eviction,
-offload), with the model forward replaced by a time model and sampled tokens by seeded
-pseudo-random ones. After every step the replica's ledger events go through the real wire path
-(`LedgerEventAdapter` -> msgpack payload -> `decode_batch`) into the router's `PrefixIndex`,
-in process (no sockets); the router hashes each arriving prompt with the ledger's own
-function and lets the policy choose. So the router only knows what the events told it.
+Each replica is a real `EngineCore` (the engine's scheduler, ledger, admission with prefix
+reuse, chunked prefill, decode, pauses, eviction, offload and onboard, step by step) whose
+model is a time model: `TimeModelRunner` stands in for the `ModelRunner`, holds no pools,
+answers every forward with seeded pseudo-random tokens (a function of the request's sampling
+seed and the token's index) and lets the step be priced from what the core did
+(`EngineCore.last_step`). After every step the replica's ledger events go through the real
+wire path (`LedgerEventAdapter` -> msgpack payload -> `decode_batch`) into the router's
+`PrefixIndex`, in process (no sockets); the router hashes each arriving prompt with the
+ledger's own function and lets the policy choose. So the router only knows what the events
+told it.
 
 Time model (`TimeModel`): a step that prefills `p` tokens, decodes `d` requests and onboards
 `b` blocks from the host tier takes `step_s + p * prefill_token_s + d * decode_row_s +
@@ -22,23 +25,24 @@ the replica's batch), also reported for outstanding requests (queued + running).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import heapq
-import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kvjax.config import CacheConfig
-from kvjax.engine.request_state import Admission, LiveRequest, Phase
-from kvjax.engine.scheduler import CapacityScheduler, SchedulerConfig
+from kvjax.engine.config import EngineConfig
+from kvjax.engine.core import CoreOutput, EngineCore
+from kvjax.engine.engine import Engine
+from kvjax.engine.request_state import LiveRequest
+from kvjax.engine.sampling import request_seed
+from kvjax.engine.scheduler import SchedulerConfig
 from kvjax.engine.workloads import WorkItem
-from kvjax.errors import OutOfBlocksError
 from kvjax.kv_events.adapter import LedgerEventAdapter
 from kvjax.kv_events.wire import decode_batch, encode_batch
-from kvjax.ledger.kv_cache_manager import KVCacheManager
-from kvjax.transfer_plan import TransferKind
 from kvjax.router.policy import RoutingPolicy
 from kvjax.router.router import Router
 
@@ -65,13 +69,89 @@ class TimeModel:
                 + onboard_blocks * self.onboard_block_s)
 
 
-def generated_tokens(request_id: str, n: int, vocab_size: int, eos_id: int | None) -> list[int]:
-    """The `n` tokens a simulated replica 'samples' for a request (seeded by its id)."""
-    rng = np.random.default_rng(zlib.crc32(request_id.encode("utf-8")))
-    out = rng.integers(1, vocab_size, n)
-    if eos_id is not None:
-        out = np.where(out == eos_id, eos_id % (vocab_size - 1) + 1, out)
-    return [int(t) for t in out]
+_M64 = (1 << 64) - 1
+
+
+def simulated_tokens(seeds: np.ndarray, indices: np.ndarray, vocab_size: int, avoid: Collection[int] = ()) -> np.ndarray:
+    """The tokens a time-model replica 'samples': a hash of (request seed, output index) in
+    [1, vocab_size), never one of `avoid` (end-of-sequence ids: a simulated answer runs to its
+    max_new_tokens). The same request gets the same tokens wherever it runs."""
+    x = (np.asarray(seeds, np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+         + np.asarray(indices, np.uint64) * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(0x632BE59BD9B4E019))
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    out = (x % np.uint64(vocab_size - 1)).astype(np.int64) + 1  # [n] in [1, vocab)
+    for eos in avoid:
+        out = np.where(out == eos, eos % (vocab_size - 1) + 1, out)
+    return out.astype(np.int32)
+
+
+class SimulatedModel:
+    """What an `EngineCore` asks of its model when the model is a time model: the vocabulary.
+    It computes nothing, so it holds no KV geometry and any cache fits it."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.spec = dataclasses.make_dataclass("SimulatedSpec", [("vocab_size", int), ("name", str)])(vocab_size, "time-model")
+
+    def check_cache(self, config: CacheConfig) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"expected a CacheConfig, got {type(config).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A time model's forward batch: only its rows (no tensors to build)."""
+
+    num_rows: int
+
+
+class TimeModelRunner:
+    """A `ModelRunner` for a time model: no pools, no transfers to carry out, no tensors, and
+    every forward answered with `simulated_tokens` (the chosen logits and margins are zeros)."""
+
+    mesh = None
+
+    def __init__(self, vocab_size: int, avoid: Collection[int] = ()) -> None:
+        if vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3, got {vocab_size}")
+        self.model = SimulatedModel(vocab_size)
+        self.vocab_size = vocab_size
+        self.avoid = tuple(sorted(avoid))
+        self.num_traces = 0
+        self.forwards = 0
+
+    def batch(self, ledger, rows, buckets, chunk_bucket=None) -> _Rows:
+        return _Rows(len(rows))
+
+    def allocate_pools(self, config: CacheConfig) -> None:
+        return None
+
+    def apply_transfers(self, pools, plan):
+        return pools
+
+    def run(self, pools, batch, temperature, top_p, seed, index, top_k=None):
+        self.forwards += 1
+        n = batch.num_rows
+        toks = simulated_tokens(seed, index, self.vocab_size, self.avoid)
+        zeros = np.zeros(n, np.float32)
+        return toks, zeros, zeros, pools
+
+
+class VirtualClock:
+    """The simulation's time, as an `EngineCore` reads it (`now`); nothing is ever compiled."""
+
+    compile_s = 0.0
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    @contextlib.contextmanager
+    def measuring(self):
+        yield
 
 
 @dataclasses.dataclass
@@ -82,149 +162,46 @@ class _Step:
 
 
 class SimReplica:
-    """One replica: ledger, scheduler and queues, stepped like the engine without a model."""
+    """One replica: a real `EngineCore` over a time model, and the adapter of its events."""
 
     def __init__(self, rid: int, cache_config: CacheConfig, scheduler: SchedulerConfig, time_model: TimeModel,
-                 vocab_size: int) -> None:
+                 vocab_size: int, clock: VirtualClock, avoid: Collection[int] = ()) -> None:
         self.rid = rid
         self.config = dataclasses.replace(cache_config, event_buffer_max_size=EVENT_BUFFER)
-        self.sched_config = scheduler
-        self.ledger = KVCacheManager(self.config)
-        self.scheduler = CapacityScheduler(scheduler, self.ledger)
+        runner = TimeModelRunner(vocab_size, avoid)
+        self.core = EngineCore(Engine(runner.model, EngineConfig(scheduler), runner=runner), self.config, clock=clock)
         self.adapter = LedgerEventAdapter(self.config, data_parallel_rank=rid)
         self.time_model = time_model
-        self.vocab_size = vocab_size
-        self.waiting: collections.deque[LiveRequest] = collections.deque()
-        self.running: dict[str, LiveRequest] = {}
         self.busy = False
-        self._order = 0
-        self._tokens: dict[str, list[int]] = {}
-        self.admitted_tokens = 0
-        self.reused_tokens = 0
         self.running_area = 0.0  # integral of running requests over time
         self.busy_s = 0.0
         self.steps = 0
         self.wire_batches = 0
         self.wire_bytes = 0
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    @property
+    def ledger(self):
+        return self.core.ledger
 
-    # ------------------------------------------------------------------ one engine step
+    def has_work(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def add(self, item: WorkItem, prompt: list[int]) -> None:
+        self.core.add_request(item, prompt, seed=request_seed(0, item.request_id))
+
     def step(self) -> _Step:
-        led = self.ledger
-        sched = self.scheduler.schedule(list(self.running.values()), self.waiting)
-        for r in sched.pause:
-            self._pause(r)
-        decode: list[LiveRequest] = []
-        for r in sched.generation:
-            try:
-                led.add_token(r.request_id, r.pending)
-            except OutOfBlocksError:
-                self._pause(r)
-                continue
-            r.pending = None
-            decode.append(r)
-        admitted = self._admit(sched.admit)
-        if not self.running:
-            if self.waiting and not sched.pause:
-                raise RuntimeError(f"replica {self.rid}: request {self.waiting[0].request_id!r} cannot be admitted "
-                                   "into an idle cache")
+        """One engine step, priced by the time model (0 s if it ran nothing)."""
+        outputs: list[CoreOutput] = self.core.step()
+        counts = self.core.last_step
+        if not counts.running:
             return _Step([], [], 0.0)
-        rows = len(self.running)
-        budget = self.sched_config.max_num_tokens - len(decode)
-        prefill: list[tuple[LiveRequest, int]] = []
-        for r in sorted(sched.context + admitted, key=lambda r: r.order):
-            if budget <= 0:
-                break
-            n = min(r.context_remaining, budget)
-            if n > 0:
-                prefill.append((r, n))
-                budget -= n
-        plan = led.take_transfers()
-        onboards = int((plan.kind == TransferKind.ONBOARD).sum()) if len(plan) else 0
-        first, finished = [], []
-        for r in decode:
-            led.store_new_block(r.request_id)
-            self._emit(r, first, finished)
-        for r, n in prefill:
-            r.context_pos += n
-            led.set_context_position(r.request_id, r.context_pos)
-            if r.context_pos < len(r.context):
-                continue
-            led.store_context_blocks(r.request_id)
-            r.phase = Phase.GENERATION
-            if r.remaining_new_tokens <= 0:
-                self._finish(r, finished)
-            else:
-                self._emit(r, first, finished)
-        led.refresh_blocks()
-        duration = self.time_model.step_seconds(sum(n for _, n in prefill), len(decode), onboards)
-        self.running_area += rows * duration
+        first = [o.request for o in outputs if o.new_token_ids and len(o.request.output) == 1]
+        finished = [o.request for o in outputs if o.finished]
+        duration = self.time_model.step_seconds(counts.prefill_tokens, counts.decode_rows, counts.onboarded)
+        self.running_area += counts.running * duration
         self.busy_s += duration
         self.steps += 1
         return _Step(first, finished, duration)
-
-    def _admit(self, chosen: list[LiveRequest]) -> list[LiveRequest]:
-        if not chosen:
-            return []
-        led = self.ledger
-        try:
-            prepopulated = led.add_sequences([r.ledger_request() for r in chosen])
-        except OutOfBlocksError:  # the scheduler's accounting was short: admit what fits, in order
-            prepopulated = []
-            for r in chosen:
-                try:
-                    prepopulated.append(led.add_sequence(r.ledger_request()))
-                except OutOfBlocksError:
-                    break
-            chosen = chosen[: len(prepopulated)]
-        ids = {id(r) for r in chosen}
-        self.waiting = collections.deque(r for r in self.waiting if id(r) not in ids)
-        for r, p in zip(chosen, prepopulated):
-            r.context = r.prompt + r.output
-            r.context_pos = p
-            r.phase = Phase.CONTEXT
-            r.order = self._order
-            self._order += 1
-            r.admissions.append(Admission(len(r.context), p, resumed=bool(r.admissions)))
-            led.set_context_position(r.request_id, p)
-            self.running[r.request_id] = r
-            self.admitted_tokens += len(r.context)
-            self.reused_tokens += p
-        return chosen
-
-    def _pause(self, r: LiveRequest) -> None:
-        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
-        del self.running[r.request_id]
-        r.phase = Phase.WAITING
-        r.pending = None
-        r.pauses += 1
-        paused = [x for x in self.waiting if x.admissions] + [r]
-        fresh = [x for x in self.waiting if not x.admissions]
-        self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
-
-    def _emit(self, r: LiveRequest, first: list, finished: list) -> None:
-        toks = self._tokens.get(r.request_id)
-        if toks is None:
-            toks = self._tokens[r.request_id] = generated_tokens(
-                r.request_id, r.item.max_new_tokens, self.vocab_size, r.item.eos_id)
-        token = toks[len(r.output)]
-        r.output.append(token)
-        if len(r.output) == 1:
-            first.append(r)
-        if r.finished_by(token):
-            self._finish(r, finished)
-        else:
-            r.pending = token
-
-    def _finish(self, r: LiveRequest, finished: list) -> None:
-        self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
-        del self.running[r.request_id]
-        self._tokens.pop(r.request_id, None)
-        r.phase = Phase.FINISHED
-        r.pending = None
-        finished.append(r)
 
     # ------------------------------------------------------------------ events on the wire
     def publish(self) -> bytes | None:
@@ -324,7 +301,9 @@ def simulate(
     by_id = {it.request_id: it for it in items}
     if len(by_id) != len(items):
         raise ValueError("work item ids must be unique")
-    reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size) for i in range(replicas)]
+    clock = VirtualClock()
+    avoid = {it.eos_id for it in items if it.eos_id is not None}
+    reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size, clock, avoid) for i in range(replicas)]
     router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block,
                     hash_kind=cache_config.event_hash)
     children: dict[str, list[WorkItem]] = collections.defaultdict(list)
@@ -363,7 +342,7 @@ def simulate(
         t, _, _, kind, payload = heapq.heappop(heap)
         for i, rep in enumerate(reps):
             outstanding_area[i] += router.loads[i] * (t - last_t)
-        last_t = t
+        last_t = clock.t = t
         if kind == "arrive":
             item, prompt = payload
             if len(prompt) + item.max_new_tokens > cache_config.max_seq_len:
@@ -374,7 +353,7 @@ def simulate(
             rep = reps[decision.replica]
             arrival[item.request_id] = t
             where[item.request_id] = rep.rid
-            rep.waiting.append(LiveRequest(item, prompt, 0, t, 0, order=-1))
+            rep.add(item, prompt)
             if not rep.busy:
                 start(rep, t)
             continue
@@ -398,10 +377,10 @@ def simulate(
     if len(ttft) != len(items):
         raise RuntimeError(f"simulation ended with {len(items) - len(ttft)} requests unserved")
     for rep in reps:
-        if rep.running or rep.waiting:
+        if rep.has_work():
             raise RuntimeError(f"replica {rep.rid} still holds requests at the end")
         if check_integrity:
-            rep.ledger.verify_integrity()
+            rep.core.verify_idle()
     if inspect is not None:
         inspect(reps, router)
     makespan = last_t
@@ -410,8 +389,8 @@ def simulate(
         label=label or policy.name,
         replicas=replicas,
         requests=len(items),
-        prompt_tokens=sum(rep.admitted_tokens for rep in reps),
-        reused_tokens=sum(rep.reused_tokens for rep in reps),
+        prompt_tokens=sum(rep.core.counters.admitted_prompt_tokens for rep in reps),
+        reused_tokens=sum(rep.core.counters.reused_prompt_tokens for rep in reps),
         ttft_s=tuple(ttft[k] for k in sorted(ttft)),
         makespan_s=makespan,
         routed=tuple(sum(1 for v in where.values() if v == i) for i in range(replicas)),

@@ -8,6 +8,10 @@ Endpoints:
                               while draining at shutdown)
   GET  /metrics               Prometheus text format (see `metrics.py`)
   POST /reset_prefix_cache    drop every cached prefix; 409 while requests run
+  GET  /kv_events_info        what a KV-aware router needs: where the KV events are published
+                              (null if they are not), the block size and hash kind to hash
+                              prompts with, the tokenizer (source and fingerprint), and an
+                              instance id that changes when the server restarts
 
 Handlers parse and check a request completely (protocol, tokenisation, lengths against the
 cache's limits, from configuration only) before submitting it to the engine thread
@@ -35,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvjax.engine.core import EngineBusyError
+from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.server.engine_loop import EngineLoop, OutputStream, QueueFull, ShuttingDown
 from kvjax.server.metrics import ServerMetrics
@@ -55,6 +60,7 @@ class ServerConfig:
     default_max_tokens: int = 256
     shutdown_timeout: float = 10.0
     max_body_bytes: int = 8 << 20
+    tokenizer_source: str | None = None  # what a router loads to tokenise alike (model name or directory)
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -267,6 +273,22 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     async def metrics_endpoint(request: Request):
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    cc = engine.core.cache_config
+    tokenizer_info = None if tokenizer is None else {
+        "source": config.tokenizer_source, "fingerprint": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size}
+
+    async def kv_events_info(request: Request):
+        return JSONResponse({
+            "instance_id": instance_id,
+            "model": config.model_name,
+            "status": "ok" if loop_.alive and loop_.accepting else "unavailable",
+            "tokens_per_block": cc.tokens_per_block,
+            "hash_kind": event_hash_kind(cc),
+            "max_seq_len": max_seq_len,
+            "kv_events": engine.kv_events_info(),
+            "tokenizer": tokenizer_info,
+        })
+
     async def reset_prefix_cache(request: Request):
         try:
             dropped = await asyncio.wrap_future(loop_.reset_prefix_cache())
@@ -294,6 +316,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             await asyncio.get_running_loop().run_in_executor(None, loop_.shutdown, config.shutdown_timeout)
 
     started = int(time.time())
+    instance_id = uuid.uuid4().hex  # a restarted server is a new instance (its cache starts empty)
     app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -302,6 +325,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
             Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+            Route("/kv_events_info", kv_events_info, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
@@ -309,6 +333,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = config
+    app.state.instance_id = instance_id
     return app
 
 

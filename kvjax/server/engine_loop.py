@@ -10,8 +10,8 @@ Admission control: at most `max_pending` requests are in the server at once (que
 running); `submit` beyond that raises `QueueFull` (HTTP 429), so memory is bounded by that
 number and the pools. `drain` stops accepting (`ShuttingDown`, HTTP 503), lets in-flight
 requests finish for up to a timeout and aborts the rest (their streams end normally, with
-finish reason "abort"); `shutdown` drains, stops the thread and checks that the ledger is
-empty and consistent.
+finish reason "abort"); `shutdown` drains, stops the thread, closes the engine (its KV-event
+publisher) and checks that the ledger is empty and consistent.
 """
 from __future__ import annotations
 
@@ -167,6 +167,10 @@ class EngineLoop:
         if self._thread.is_alive():
             log.error("the engine thread did not stop")
             return
+        try:
+            self.engine.close()  # stops publishing KV events, if the engine does
+        except Exception:
+            log.exception("closing the engine failed")
         try:
             self.engine.core.verify_idle()
             log.info("engine stopped: ledger empty, integrity holds")

@@ -76,3 +76,12 @@ def random_tables(rng, pool, batch: int, max_blocks: int, tpb: int, *, disjoint:
             table[b, :n_blocks] = rng.choice(pool.primary_blocks, n_blocks, replace=False)
         lens[b] = 0 if n_blocks == 0 else int(rng.integers((n_blocks - 1) * tpb + 1, n_blocks * tpb + 1))
     return table, lens
+
+
+def assert_pools_match(a: KVPools, b: KVPools) -> None:
+    """Every array of two pools equal (primary, secondary and, for FP8, their scales)."""
+    arrays = lambda p: (*p.primary, *p.secondary, *p.primary_scales, *p.secondary_scales)  # noqa: E731
+    for i, (x, y) in enumerate(zip(arrays(a), arrays(b))):
+        assert (x is None) == (y is None)
+        if x is not None:
+            np.testing.assert_array_equal(np.array(jnp.copy(x)), np.array(jnp.copy(y)), err_msg=f"array {i}")

@@ -42,8 +42,9 @@ def test_mgpu_gather_pages_interpret(layout):
     pool = small_pool(layout, jnp.bfloat16, rng)
     table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 6]], jnp.int32)  # 6 = null slot
     lens = jnp.array([11, 24], jnp.int32)  # a partial block and a full one
-    got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout, interpret=interp()))(pool, table, lens)
-    want = gather_pages.gather_pages_portable(pool, table, lens, layer=1, layout=layout)
+    layer = jnp.array([1], jnp.int32)
+    got = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layout=layout, interpret=interp()))(pool, table, lens, layer)
+    want = gather_pages.gather_pages_portable(pool, table, lens, layer, layout=layout)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert_no_races()
@@ -61,8 +62,8 @@ def test_mgpu_write_pages_interpret(layout):
         if slot[i] >= 0:
             idx = (int(slot[i]), 1) if layout == "block_first" else (1, int(slot[i]))
             want[idx][:, :, int(off[i])] = kv[i]
-    got = jax.jit(functools.partial(write_pages.write_pages_mgpu, layer=1, layout=layout, interpret=interp()),
-                  donate_argnums=0)(jnp.array(pool), kv, slot, off)
+    got = jax.jit(functools.partial(write_pages.write_pages_mgpu, layout=layout, interpret=interp()),
+                  donate_argnums=0)(jnp.array(pool), kv, slot, off, jnp.array([1], jnp.int32))
     np.testing.assert_array_equal(np.asarray(got), want)
     assert_no_races()
 
@@ -101,9 +102,9 @@ def test_mgpu_kernels_cross_lower_for_h200(layout):
     big = (257, 4, 2, 8, 16, 128) if ba == 0 else (4, 257, 2, 8, 16, 128)
     pool = S(big, jnp.bfloat16)
     i32 = lambda *s: S(s, jnp.int32)  # noqa: E731
-    _lowered(functools.partial(gather_pages.gather_pages_mgpu, layer=1, layout=layout), pool, i32(8, 32), i32(8))
-    txt = _lowered(functools.partial(write_pages.write_pages_mgpu, layer=3, layout=layout), pool,
-                   S((64, 2, 8, 128), jnp.bfloat16), i32(64), i32(64), donate=(0,))
+    _lowered(functools.partial(gather_pages.gather_pages_mgpu, layout=layout), pool, i32(8, 32), i32(8), i32(1))
+    txt = _lowered(functools.partial(write_pages.write_pages_mgpu, layout=layout), pool,
+                   S((64, 2, 8, 128), jnp.bfloat16), i32(64), i32(64), i32(1), donate=(0,))
     assert "tf.aliasing_output" in txt  # the donated pool is updated in place
     _lowered(functools.partial(copy_pages.gather_blocks_mgpu, block_axis=ba), pool, i32(16))
     _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba), pool,
@@ -119,11 +120,11 @@ def test_mgpu_paged_attention_cross_lowers(q_len, heads, tpb):
     """The wgmma kernel cannot run under the 0.12 GPU interpreter (no wgmma rule on CPU), so
     CI checks that it lowers; benchmarks/gpu_check.sh checks its numbers on a GPU."""
     pool = S((65, 2, 2, 2, tpb, 128), jnp.bfloat16)
-    fn = functools.partial(paged_attention.paged_attention_mgpu, layer=1, layout="block_first", scale=0.1, window=512)
-    _lowered(fn, S((4, q_len, heads, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32))
+    fn = functools.partial(paged_attention.paged_attention_mgpu, layout="block_first", scale=0.1, window=512)
+    _lowered(fn, S((4, q_len, heads, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32), S((1,), jnp.int32))
     lf = S((2, 65, 2, 2, tpb, 128), jnp.float16)
-    _lowered(functools.partial(paged_attention.paged_attention_mgpu, layer=0, layout="layer_first", scale=0.1, window=7),
-             S((2, q_len, heads, 128), jnp.float16), lf, S((2, 8), jnp.int32), S((2,), jnp.int32))
+    _lowered(functools.partial(paged_attention.paged_attention_mgpu, layout="layer_first", scale=0.1, window=7),
+             S((2, q_len, heads, 128), jnp.float16), lf, S((2, 8), jnp.int32), S((2,), jnp.int32), S((1,), jnp.int32))
 
 
 def test_mgpu_attention_rejects_unsupported_shapes():
@@ -133,4 +134,84 @@ def test_mgpu_attention_rejects_unsupported_shapes():
     assert paged_attention.mgpu_supported(jnp.bfloat16, 128, 32)
     with pytest.raises(ValueError, match="16-bit"):
         paged_attention.paged_attention_mgpu(jnp.ones((1, 1, 2, 64)), jnp.ones((3, 1, 2, 2, 8, 64)), jnp.zeros((1, 2), jnp.int32),
-                                             jnp.ones((1,), jnp.int32), layer=0, layout="block_first", scale=1.0, window=8)
+                                             jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32), layout="block_first",
+                                             scale=1.0, window=8)
+
+
+def _fp8_pool(layout, rng, slots=7, layers=2, h=2, t=8, d=64):
+    """uint8 bit patterns of random e4m3 values (how FP8 pools are stored) and their scales."""
+    pool = small_pool(layout, jnp.float32, rng, slots, layers, 2, h, t, d)
+    q = jax.lax.bitcast_convert_type(pool.astype(jnp.float8_e4m3fn), jnp.uint8)
+    shape = pool.shape[:4]
+    scales = jnp.asarray(2.0 ** rng.integers(-4, 4, shape), jnp.float32)
+    null = (slice(None), -1) if layout == "layer_first" else (-1,)
+    return q, scales.at[null].set(0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_gather_kernels_dequantise(layout):
+    """FP8 pools: the portable kernel dequantises inside; the Mosaic GPU kernel moves the
+    bytes (interpreter, race detection) and its XLA epilogue dequantises; both equal a plain
+    jnp dequantisation of the gathered pages. The layer is a traced [1] array."""
+    rng = np.random.default_rng(5)
+    pool, scales = _fp8_pool(layout, rng)
+    table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 6]], jnp.int32)
+    lens = jnp.array([11, 24], jnp.int32)
+    layer = jnp.array([1], jnp.int32)
+    port = jax.jit(functools.partial(gather_pages.gather_pages_portable, layout=layout, out_dtype=jnp.float32,
+                                     value_dtype=jnp.float8_e4m3fn))(pool, table, lens, layer, scales)
+    raw = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layout=layout, interpret=interp()))(pool, table, lens, layer)
+    assert_no_races()
+    mg = [gather_pages.dequantize_pages(p, scales, table, layer, f, layout=layout, out_dtype=jnp.float32,
+                                        value_dtype=jnp.float8_e4m3fn) for f, p in enumerate(raw)]
+    vals = jax.lax.bitcast_convert_type(pool, jnp.float8_e4m3fn).astype(jnp.float32)
+    for f in range(2):
+        idx = (table, 1, f) if layout == "block_first" else (1, table, f)
+        pages = vals[idx] * scales[idx][..., None, None]  # [B, M, H, T, D]
+        want = jnp.transpose(pages, (0, 1, 3, 2, 4)).reshape(2, 32, 2, 64)
+        want = jnp.where(jnp.arange(32)[None, :, None, None] < lens[:, None, None, None], want, 0)
+        np.testing.assert_array_equal(np.asarray(port[f]), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(mg[f]), np.asarray(want))
+
+
+def test_fp8_attention_kernel_dequantises():
+    rng = np.random.default_rng(6)
+    pool, scales = _fp8_pool("block_first", rng, t=4, d=16)
+    table = jnp.array([[0, 3, 6], [5, 1, 2]], jnp.int32)
+    lens = jnp.array([9, 12], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, 2, 4, 16)), jnp.float32)
+    layer = jnp.array([0], jnp.int32)
+    got = paged_attention.paged_attention_portable(q, pool, table, lens, layer, scales, layout="block_first", scale=0.25,
+                                                   window=100, value_dtype=jnp.float8_e4m3fn)
+    vals = jax.lax.bitcast_convert_type(pool, jnp.float8_e4m3fn).astype(jnp.float32) * scales[..., None, None]
+    f32 = paged_attention.paged_attention_portable(q, vals, table, lens, layer, layout="block_first", scale=0.25, window=100)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(f32), atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mgpu_kernels_on_fp8_bytes_cross_lower_for_h200(layout):
+    """FP8 pools (uint8 storage) through the Mosaic GPU byte movers, with a traced layer,
+    and the gather's dequantising epilogue, lowered for CUDA."""
+    ba = 0 if layout == "block_first" else 1
+    shape = (257, 4, 2, 8, 16, 128) if ba == 0 else (4, 257, 2, 8, 16, 128)
+    pool, i32 = S(shape, jnp.uint8), (lambda *s: S(s, jnp.int32))  # noqa: E731
+    scales = S(shape[:4], jnp.float32)
+
+    def gather_fp8(pool, table, lens, layer, scales):
+        pages = gather_pages.gather_pages_mgpu(pool, table, lens, layer, layout=layout)
+        return [gather_pages.dequantize_pages(p, scales, table, layer, f, layout=layout, out_dtype=jnp.bfloat16,
+                                              value_dtype=jnp.float8_e4m3fn) for f, p in enumerate(pages)]
+
+    _lowered(gather_fp8, pool, i32(8, 32), i32(8), i32(1), scales)
+    _lowered(functools.partial(write_pages.write_pages_mgpu, layout=layout), pool, S((64, 2, 8, 128), jnp.uint8),
+             i32(64), i32(64), i32(1), donate=(0,))
+    _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba), pool,
+             S((16, 4, 2, 8, 16, 128), jnp.uint8), i32(16), i32(16), donate=(0,))
+
+
+def test_mgpu_attention_refuses_fp8():
+    assert not paged_attention.mgpu_supported(jnp.float8_e4m3fn, 128, 16)
+    with pytest.raises(ValueError, match="16-bit"):
+        paged_attention.paged_attention_mgpu(jnp.ones((1, 1, 2, 64)), jnp.ones((3, 1, 2, 2, 8, 64), jnp.uint8),
+                                             jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                                             jnp.zeros((1,), jnp.int32), layout="block_first", scale=1.0, window=8)

@@ -2,7 +2,7 @@
 reuse, partial reuse, eviction, offload and onboard; apply every plan; write K/V whose
 values are a function of (token prefix, position, layer, field) for exactly the positions an
 engine computes; and check that every live sequence gathers exactly what its tokens imply
-(so nothing ever reads another request's KV)."""
+(so nothing ever reads another request's KV). float32 and FP8 pools."""
 import zlib
 
 import numpy as np
@@ -20,11 +20,23 @@ def kv_value(tokens, pos: int, layer: int, field: int) -> np.ndarray:
     return (h * 64 + layer * 8 + field * 4 + np.arange(HEADS * DIM, dtype=np.float32) % 4).reshape(HEADS, DIM).astype(np.float32)
 
 
+def kv_value_fp8(tokens, pos: int, layer: int, field: int) -> np.ndarray:
+    """Like `kv_value`, exact in FP8 pools: each element is +-(4..7) * 2^(-4..3) (3
+    significant bits, a range every block scale holds), drawn from the prefix hash, so two
+    different (prefix, position, layer, field) almost never share a vector."""
+    h = zlib.crc32(np.asarray(tokens[: pos + 1], np.int32).tobytes() + bytes([layer, field]))
+    d = np.arange(HEADS * DIM)
+    e = ((h >> (5 * d)) % 8).astype(np.float32) - 4
+    m = 4 + (h >> (5 * d + 3)) % 4
+    return ((1 - 2 * field) * m * 2.0**e).reshape(HEADS, DIM).astype(np.float32)
+
+
 class Engine:
     """The device half of a serving loop, minimal: plans first, then K/V of new positions."""
 
     def __init__(self, config: CacheConfig, impl: str):
         self.cfg, self.impl = config, impl
+        self.value = kv_value_fp8 if config.dtype == "float8_e4m3fn" else kv_value
         self.mgr = KVCacheManager(config)
         self.pools = allocate_pools(config)
         self.tokens: dict[int, list[int]] = {}
@@ -76,8 +88,8 @@ class Engine:
         for layer in range(LAYERS):
             k = np.zeros((n, HEADS, DIM), np.float32)
             v = np.zeros((n, HEADS, DIM), np.float32)
-            k[: len(pos)] = [kv_value(toks, p, layer, 0) for p in pos]
-            v[: len(pos)] = [kv_value(toks, p, layer, 1) for p in pos]
+            k[: len(pos)] = [self.value(toks, p, layer, 0) for p in pos]
+            v[: len(pos)] = [self.value(toks, p, layer, 1) for p in pos]
             self.pools = write_kv(self.pools, layer, k, v, slot_mapping, impl=self.impl)
         self.written[rid] = len(toks)
 
@@ -93,19 +105,23 @@ class Engine:
         table = pad_block_table(table, self.cfg.pools[0].null_slot, max_blocks=table.shape[1])
         lens = pad_seq_lens(np.array([len(self.tokens[r]) for r in rids], np.int32))
         for layer in range(LAYERS):
-            k, v = (np.asarray(x) for x in gather_kv(self.pools, layer, table, lens, impl=self.impl))
+            k, v = (np.asarray(x, np.float32) for x in gather_kv(self.pools, layer, table, lens, impl=self.impl))
             for i, r in enumerate(rids):
                 toks = self.tokens[r]
-                want_k = np.stack([kv_value(toks, p, layer, 0) for p in range(len(toks))])
-                want_v = np.stack([kv_value(toks, p, layer, 1) for p in range(len(toks))])
+                want_k = np.stack([self.value(toks, p, layer, 0) for p in range(len(toks))])
+                want_v = np.stack([self.value(toks, p, layer, 1) for p in range(len(toks))])
                 np.testing.assert_array_equal(k[i, : len(toks)], want_k, err_msg=f"K of request {r}, layer {layer}")
                 np.testing.assert_array_equal(v[i, : len(toks)], want_v, err_msg=f"V of request {r}, layer {layer}")
 
 
-@pytest.mark.parametrize("layout,impl", [("block_first", "xla"), ("layer_first", "xla"), ("block_first", "pallas")])
-def test_ledger_driven_integrity(layout, impl):
+@pytest.mark.parametrize("layout,impl,dtype", [("block_first", "xla", "float32"), ("layer_first", "xla", "float32"),
+                                                ("block_first", "pallas", "float32"),
+                                                ("layer_first", "xla", "float8_e4m3fn")])
+def test_ledger_driven_integrity(layout, impl, dtype):
+    """FP8 pools too: their values are exact in e4m3, and every move (offload, onboard,
+    partial copy) must carry the block scales with the bytes, or reads come back wrong."""
     cfg = CacheConfig(tokens_per_block=TPB, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, max_seq_len=32,
-                      primary_blocks=8, secondary_blocks=6, dtype="float32", layout=layout)
+                      primary_blocks=8, secondary_blocks=6, dtype=dtype, layout=layout)
     eng = Engine(cfg, impl)
     rng = np.random.default_rng(7)
     systems = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]

@@ -60,9 +60,40 @@ def test_no_collectives_in_gather_and_write(mesh):
     table = jnp.zeros((4, 4), jnp.int32)
     lens = jnp.zeros((4,), jnp.int32)
     arr = pools.primary[0]
+    j = jnp.int32(0)  # the layer is a traced index
     for impl in ("xla", "pallas"):
-        hlo = gather_mod._gather_kv.lower(arr, table, lens, meta=pools.meta, layer=0, impl=impl).compile().as_text()
+        hlo = gather_mod._gather_kv.lower(arr, None, table, lens, j, meta=pools.meta, pool_index=0, impl=impl,
+                                          checked=False, out_dtype=arr.dtype).compile().as_text()
         assert not COLLECTIVES.findall(hlo), f"gather ({impl}) has collectives"
         k = jnp.zeros((4, 8, 8), jnp.float32)
-        hlo = write_mod._write_kv.lower(arr, k, k, jnp.zeros((4,), jnp.int32), meta=pools.meta, layer=0, impl=impl).compile().as_text()
+        hlo = write_mod._write_kv.lower(arr, None, k, k, jnp.zeros((4,), jnp.int32), j, meta=pools.meta, pool_index=0,
+                                        impl=impl, checked=False).compile().as_text()
         assert not COLLECTIVES.findall(hlo), f"write ({impl}) has collectives"
+
+
+def test_sharded_fp8_matches_single_device(mesh, impl="pallas"):
+    """FP8 pools sharded over kv heads (their scale arrays too): writes that grow scales,
+    transfers with partial copies, gather and attention equal the single-device run. The
+    kernel path covers the XLA scale bookkeeping and the kernels' shard_map specs."""
+    cfg = make_config(num_kv_heads=8, head_dim=8, attention_windows=None, primary_blocks=8, secondary_blocks=4,
+                      dtype="float8_e4m3fn")
+    rng = np.random.default_rng(1)
+    k1 = jnp.asarray(rng.standard_normal((8, 8, 8)), jnp.float32)
+    k2 = k1 * 50  # larger: the blocks written first must grow their scales
+    sm1 = np.arange(8, dtype=np.int32) * 2  # offsets 0 and 2 of blocks 0-3
+    sm2 = sm1 + 1
+    table, lens = np.array([[0, 1], [2, 3]], np.int32), np.array([8, 6], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 16, 8)), jnp.float32)
+    plan = TransferPlan.from_ops([(0, 0, 2, 1, 4), (2, 0, 1, 5, 2), (1, 0, 1, 6, 3)])
+    outs = []
+    for pools in (allocate_pools(cfg), allocate_pools(cfg, sharding=mesh)):
+        for sm, k in ((sm1, k1), (sm2, k2)):
+            pools = write_kv(pools, 1, k, -k, sm, impl=impl)
+        pools = apply_transfers(pools, plan, impl=impl)
+        kk, vv = gather_kv(pools, 1, table, lens, impl=impl)
+        o = paged_attention(q, pools, 1, table, lens, impl=impl)
+        arrays = (*pools.primary, *pools.secondary, *pools.primary_scales, *pools.secondary_scales)
+        outs.append([np.asarray(x, np.float32) for x in (*arrays, kk, vv, o)])
+    assert outs[0][2].max() > 1  # scales grew past the first write's
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from device_helpers import LAYOUTS, assert_pools_equal, fill, make_config, snapshot
+from device_helpers import LAYOUTS, assert_pools_equal, assert_pools_match, fill, make_config, snapshot
 from kvjax import TransferKind, TransferPlan
-from kvjax.device import allocate_pools, apply_transfers, apply_transfers_reference, split_segments
+from kvjax.device import allocate_pools, apply_transfers, apply_transfers_reference, split_segments, write_kv
 from kvjax.device import transfers as tr
 
 TPB = 4
@@ -134,3 +134,53 @@ def test_bad_plans():
     with pytest.raises(ValueError, match=r"outside \[0, 0\)"):
         apply_transfers(no_sec, TransferPlan.from_ops([(K.OFFLOAD, 0, 0, 0, 4)]))
     assert apply_transfers(no_sec, TransferPlan.empty()) is no_sec
+
+
+# ---------------------------------------------------------------------------- FP8 pools
+def fp8_config(layout):
+    return make_config(layout=layout, dtype="float8_e4m3fn", num_layers=2, num_kv_heads=2, head_dim=8,
+                       attention_windows=None, primary_blocks=6, secondary_blocks=4)
+
+
+@st.composite
+def fp8_plans(draw, cfg):
+    n = draw(st.integers(1, 8))
+    ops = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(list(TransferKind)))
+        pool = cfg.pools[0]
+        src = draw(st.integers(0, (pool.secondary_blocks if kind == TransferKind.ONBOARD else pool.primary_blocks) - 1))
+        dst = draw(st.integers(0, (pool.secondary_blocks if kind == TransferKind.OFFLOAD else pool.primary_blocks) - 1))
+        num = cfg.tokens_per_block if kind == TransferKind.OFFLOAD else draw(st.sampled_from([1, 2, 3, 4, 4]))
+        ops.append((int(kind), 0, src, dst, num))
+    return TransferPlan.from_ops(ops)
+
+
+def _filled_fp8(cfg, seed):
+    """FP8 pools with every real slot written at a different magnitude, host tier too."""
+    pools = allocate_pools(cfg)
+    rng = np.random.default_rng(seed)
+    tpb, p = cfg.tokens_per_block, cfg.pools[0]
+    sm = np.arange(p.primary_blocks * tpb, dtype=np.int32)
+    for layer in range(cfg.num_layers):
+        mag = np.repeat(10.0 ** rng.uniform(-2, 2, p.primary_blocks), tpb)[:, None, None]
+        x = (rng.standard_normal((sm.size, 2, 8)) * mag).astype(np.float32)
+        pools = write_kv(pools, layer, x, -x, sm)
+    # give the host tier content: offload every block there once
+    k = min(p.secondary_blocks, p.primary_blocks)
+    plan = TransferPlan.from_ops([(TransferKind.OFFLOAD, 0, (i + 3) % p.primary_blocks, i, tpb) for i in range(k)])
+    return apply_transfers(pools, plan, strategy="sequential")
+
+
+@settings(max_examples=5)
+@given(data=st.data(), layout=st.sampled_from(LAYOUTS), strategy=st.sampled_from(["sequential", "bulk", "blockwise"]))
+def test_transfers_move_scales_with_blocks(data, layout, strategy):
+    """Every strategy equals the entry-by-entry reference on FP8 pools, scales included."""
+    cfg = fp8_config(layout)
+    plan = data.draw(fp8_plans(cfg))
+    pools = _filled_fp8(cfg, seed=len(plan))
+    want = apply_transfers_reference(pools, plan)
+    pools = apply_transfers(pools, plan, strategy=strategy, impl="xla")
+    assert_pools_match(pools, want)
+
+

@@ -7,7 +7,9 @@ from kvjax.cli import main
 from kvjax.engine.scheduler import SchedulerConfig
 from kvjax.engine.workloads import ChatWorkload
 from kvjax.router import make_policy
-from kvjax.router.sim import TimeModel, format_table, generated_tokens, scaled, simulate
+import numpy as np
+
+from kvjax.router.sim import TimeModel, TimeModelRunner, format_table, scaled, simulate, simulated_tokens
 
 from kv_helpers import index_view, ledger_view, small_config
 
@@ -58,10 +60,24 @@ def test_deterministic(setup):
     assert a.summary() == b.summary()
 
 
-def test_generated_tokens_avoid_eos():
-    toks = generated_tokens("r1", 200, 8, eos_id=3)
+def test_simulated_tokens_are_seeded_and_avoid_eos():
+    seeds, idx = np.full(200, 7), np.arange(200)
+    toks = simulated_tokens(seeds, idx, 8, avoid=(3,))
     assert len(toks) == 200 and 3 not in toks and all(1 <= t < 8 for t in toks)
-    assert toks == generated_tokens("r1", 200, 8, eos_id=3) != generated_tokens("r2", 200, 8, eos_id=3)
+    assert len(set(toks.tolist())) == 6  # every other token of [1, 8) appears
+    assert (toks == simulated_tokens(seeds, idx, 8, avoid=(3,))).all()
+    assert (toks != simulated_tokens(seeds + 1, idx, 8, avoid=(3,))).any()
+    # a token depends on its request and index only, not on the batch it is drawn in
+    assert simulated_tokens([7], [5], 8, (3,))[0] == toks[5]
+
+
+def test_replicas_are_engine_cores_over_a_time_model(setup):
+    def inside(reps, router):
+        for rep in reps:
+            assert isinstance(rep.core.engine.runner, TimeModelRunner) and rep.core.pools is None
+            assert rep.core.engine.runner.forwards > 0 and rep.core.step_index >= rep.steps > 0
+
+    run(setup, "kv-aware", inspect=inside)
 
 
 def test_bad_arguments(setup):
