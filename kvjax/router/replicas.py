@@ -103,8 +103,14 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ health rounds
     async def refresh(self) -> None:
-        """One health round over every replica (concurrently)."""
-        await asyncio.gather(*(self.check(r) for r in self.replicas.values()))
+        """One health round: every replica is asked at once, and the answers are applied in
+        the order the replicas were given, so the block size and hash kind a router learns
+        come from the first healthy replica in that order, never from whichever answered
+        first."""
+        reps = list(self.replicas.values())
+        answers = await asyncio.gather(*(self._ask(r) for r in reps))
+        for rep, answer in zip(reps, answers):
+            await self._apply_answer(rep, answer)
 
     async def run(self, interval: float) -> None:
         """Health rounds every `interval` seconds until cancelled."""
@@ -115,26 +121,30 @@ class ReplicaSet:
                 log.exception("health round failed")
             await asyncio.sleep(interval)
 
-    async def check(self, rep: Replica) -> None:
+    async def _ask(self, rep: Replica) -> dict | str:
+        """The replica's `/kv_events_info` answer, or why it is unavailable."""
         import httpx
 
         try:
             resp = await self.client.get(rep.url + "/kv_events_info", timeout=self.health_timeout)
         except httpx.HTTPError as e:
-            self.mark_down(rep, f"unreachable ({type(e).__name__})")
-            return
+            return f"unreachable ({type(e).__name__})"
         if resp.status_code != 200:
-            self.mark_down(rep, f"GET /kv_events_info answered {resp.status_code}")
-            return
+            return f"GET /kv_events_info answered {resp.status_code}"
         try:
             info = resp.json()
-            instance = info["instance_id"]
-            status = info["status"]
+            info["instance_id"], info["status"]
         except (ValueError, KeyError, TypeError):
-            self.mark_down(rep, "GET /kv_events_info did not answer kvjax's JSON")
+            return "GET /kv_events_info did not answer kvjax's JSON"
+        return info
+
+    async def _apply_answer(self, rep: Replica, info: dict | str) -> None:
+        if isinstance(info, str):
+            self.mark_down(rep, info)
             return
-        if status != "ok":
-            self.mark_down(rep, f"not taking requests ({status})")
+        instance = info["instance_id"]
+        if info["status"] != "ok":
+            self.mark_down(rep, f"not taking requests ({info['status']})")
             return
         problem = await self._compatibility(info)
         if problem is not None:
