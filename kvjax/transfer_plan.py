@@ -46,10 +46,42 @@ _EMPTY_COLUMN = np.zeros(0, np.int32)
 _EMPTY_COLUMN.flags.writeable = False
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _int32_column(name: str, value: object) -> np.ndarray:
+    """`value` as a contiguous 1-D int32 array, refusing anything that would change in the
+    conversion: floats (NaN included), bools, non-numbers, or integers outside int32. A slot
+    index silently wrapped or truncated would move another request's KV."""
+    if isinstance(value, np.ndarray):
+        a = value
+    else:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, (bool, np.bool_)) for v in value):
+            raise TypeError(f"TransferPlan.{name} must hold integers, got a bool in {value!r}")
+        try:
+            a = np.asarray(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"TransferPlan.{name} must be a 1-D sequence of integers: {e}") from None
+    if a.ndim != 1:
+        raise ValueError(f"TransferPlan.{name} must be 1-D, got shape {a.shape}")
+    if a.dtype == np.int32:
+        return np.ascontiguousarray(a)
+    if a.size == 0:
+        return np.zeros(0, np.int32)
+    if a.dtype.kind not in "iu":  # bool, float (NaN), complex, object (ints beyond int64), str
+        raise TypeError(f"TransferPlan.{name} must hold integers, got dtype {a.dtype}")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < INT32_MIN or hi > INT32_MAX:
+        raise ValueError(f"TransferPlan.{name} holds values outside int32: [{lo}, {hi}]")
+    return a.astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TransferPlan:
     """Equal-length int32 arrays, one entry per op, in the order the ops must take effect, and
-    the plan's sequence number in its ledger (0: not from a ledger)."""
+    the plan's sequence number in its ledger (0: not from a ledger). Arrays of another integer
+    dtype are converted when every value fits int32; floats, bools and out-of-range values
+    raise (`TypeError` / `ValueError`) instead of being narrowed."""
 
     kind: np.ndarray
     pool: np.ndarray
@@ -64,9 +96,7 @@ class TransferPlan:
         object.__setattr__(self, "seq", int(self.seq))
         n = None
         for name in PLAN_FIELDS:
-            a = np.ascontiguousarray(getattr(self, name), dtype=np.int32)
-            if a.ndim != 1:
-                raise ValueError(f"TransferPlan.{name} must be 1-D, got shape {a.shape}")
+            a = _int32_column(name, getattr(self, name))
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
@@ -94,8 +124,9 @@ class TransferPlan:
     def from_ops(cls, ops: list[TransferOp] | list[tuple[int, int, int, int, int]]) -> "TransferPlan":
         if not ops:
             return cls.empty()
-        cols = np.asarray(ops, dtype=np.int32).reshape(len(ops), 5)
-        return cls(*(cols[:, i] for i in range(5)))
+        if any(len(op) != 5 for op in ops):
+            raise ValueError("TransferPlan.from_ops takes (kind, pool, src, dst, num_tokens) tuples")
+        return cls(*(list(col) for col in zip(*ops)))
 
     @classmethod
     def concat(cls, plans: list["TransferPlan"]) -> "TransferPlan":
