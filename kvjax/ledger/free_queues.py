@@ -145,18 +145,6 @@ class FreeQueues:
             heapq.heappush(self._heap, (when, c, b))
 
     # ------------------------------------------------------------------ policy API
-    def is_free(self, b: int) -> bool:
-        return self.queue[b] >= 0
-
-    def peek_victim(self, level: int) -> tuple[int, bool]:
-        """Front of the lowest non-empty queue of `level`, and whether it may be offloaded."""
-        mask = self.nonempty[level]
-        if not mask:
-            raise OutOfBlocksError(f"no free block at cache level {level}")
-        priority = (mask & -mask).bit_length() - 1
-        b = self.next[self.num_blocks + level * NUM_PRIORITIES + priority]
-        return b, level == PRIMARY and priority >= self.offload_min_priority
-
     def pop_victim(self, level: int) -> tuple[int, bool]:
         """Remove and return the victim (front of the lowest non-empty queue) and whether it may
         be offloaded. Its expiry stays armed: the caller claims or requeues it."""
@@ -316,12 +304,6 @@ class FreeQueues:
     def heap_size(self) -> int:
         """Entries in the expiry heap, disarmed ones included (bounded by `heap_limit`)."""
         return len(self._heap)
-
-    def requeue(self, b: int) -> None:
-        """Move a free block to the queues of its (new) cache level, keeping priority, position
-        rules and any pending expiry (used when an offload swaps its memory)."""
-        self._unlink(b)
-        self._push(b, self.level[b], self.priority[b], False)
 
     def refresh(self) -> int:
         """Move free blocks whose retention expired to the back of the default queue."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -170,7 +170,7 @@ class KVCacheManager:
         return out
 
     # ------------------------------------------------------------------ growth
-    def add_token(self, request_id: Hashable, token: int | Seq[int]) -> None:
+    def add_token(self, request_id: Hashable, token: int | Sequence[int]) -> None:
         """Append one generated (or draft) token, allocating a block when it starts one. With
         several beams, `token` is one int per beam, or one int that every beam appends."""
         try:
@@ -322,7 +322,7 @@ class KVCacheManager:
         self._pin(self._seq(request_id))
 
     @writer
-    def unpin_blocks(self, block_ids: Seq[int] | dict[int, Seq[int]]) -> None:
+    def unpin_blocks(self, block_ids: Sequence[int] | dict[int, Sequence[int]]) -> None:
         """Drop one pin per listed id (a list for one window, or a dict window -> ids)."""
         check_unpin_ids(block_ids)
         if isinstance(block_ids, dict):
@@ -544,7 +544,7 @@ class KVCacheManager:
         self._transfers.status = APPLIED
 
     @writer
-    def transfers_failed(self, plan_or_seq: TransferPlan | int, op_indices: Seq[int] | None = None) -> TransferFailure:
+    def transfers_failed(self, plan_or_seq: TransferPlan | int, op_indices: Sequence[int] | None = None) -> TransferFailure:
         """Report that the newest plan (all of it, or the ops at `op_indices`) did not take
         effect, before any forward reads its destinations. Blocks whose content did not
         arrive leave the tree; live requests that relied on them are cut back and must be

@@ -77,10 +77,6 @@ class RadixTree:
         self._free_sigs: list[int] = []
 
     # ------------------------------------------------------------------ signatures
-    def signature_id(self, signature: tuple) -> int:
-        """Interned id of a signature (-1: no node carries it, so nothing can match)."""
-        return self.sig_ids.get(signature, -1)
-
     def _acquire_signature(self, signature: tuple) -> int:
         sid = self.sig_ids.get(signature)
         if sid is None:
@@ -719,11 +715,6 @@ class RadixTree:
             kids = self.children[n]
             if kids:
                 stack.extend(kids.values())
-
-    def iter_positions(self) -> Iterator[tuple[int, int]]:
-        for n in self.iter_nodes():
-            for o in range(self.length[n]):
-                yield n, o
 
 
 def _equal_blocks(P: bytes, p: int, C: bytes, c: int, k: int, bb: int) -> int:

@@ -1,5 +1,5 @@
 """FreeQueues: 101 priority queues per cache level as intrusive lists over block ids, victim =
-front of the lowest non-empty queue, O(1) claim/take/release/requeue, retention expiry through
+front of the lowest non-empty queue, O(1) claim/take/release, retention expiry through
 refresh() (trtllm.md §1.8, SPEC §3 "Eviction" and "Retention")."""
 import pytest
 
@@ -42,15 +42,13 @@ def test_pop_victim_is_front_of_lowest_nonempty_queue():
     assert ids(q) == [3, 0, 1, 2]  # queue 10 (release order), then 35, then 80
     victim, can_offload = q.pop_victim(PRIMARY)
     assert victim == 3 and not can_offload  # priority 10 < 30
-    assert q.peek_victim(PRIMARY) == (0, False)
+    assert q.free_blocks(PRIMARY)[0] == 0  # the next victim
     assert q.pop_victim(PRIMARY)[0] == 0
     assert q.pop_victim(PRIMARY) == (1, True)  # 35 >= 30
     assert q.pop_victim(PRIMARY) == (2, True)
     assert q.num_free[PRIMARY] == 0 and q.nonempty[PRIMARY] == 0
     with pytest.raises(OutOfBlocksError):
         q.pop_victim(PRIMARY)
-    with pytest.raises(OutOfBlocksError):
-        q.peek_victim(PRIMARY)
 
 
 def test_can_offload_threshold_and_never_from_secondary():
@@ -99,15 +97,17 @@ def test_release_back_and_front():
     assert ids(q) == [3, 2, 0, 1]
 
 
-def test_requeue_follows_cache_level():
+def test_offloaded_victim_is_queued_at_its_new_cache_level():
     q, _, sec, _, cols = make()
-    cols.swap_memory(0, sec[0])  # offload-style swap: block 0 now owns secondary memory
-    q.requeue(0)
-    q.requeue(sec[0])
+    victim, _ = q.pop_victim(PRIMARY)
+    spare, _ = q.pop_victim(SECONDARY)
+    assert (victim, spare) == (0, sec[0])
+    cols.swap_memory(victim, spare)  # the offload: block 0 now owns secondary memory
+    q.push(victim)  # still free (cached), in the secondary queues now; the spare is claimed
     assert cols.level[0] == SECONDARY and cols.level[sec[0]] == PRIMARY
     assert (cols.slot[0], cols.slot[sec[0]]) == (0, 0)
-    assert ids(q) == [1, 2, 3, 4] and ids(q, SECONDARY) == [5, 0]
-    assert q.num_free == [4, 2]
+    assert ids(q) == [1, 2, 3] and ids(q, SECONDARY) == [sec[1], 0]
+    assert q.num_free == [3, 2]
 
 
 def test_expiry_moves_blocks_to_back_of_default_queue():
