@@ -132,6 +132,7 @@ def _verify_tree(bm: BlockManager) -> None:
     stack = [ROOT]
     seen_nodes = set()
     held = [dict() for _ in bm.windows]  # window index -> block -> (node, offset)
+    id_ranges: list[tuple[int, int]] = []
     while stack:
         n = stack.pop()
         if n in seen_nodes:
@@ -151,6 +152,9 @@ def _verify_tree(bm: BlockManager) -> None:
             ntok = len(content) // unit  # a truncated node keeps its dropped positions' tokens
             if len(content) % unit or ntok <= (length - 1) * tpb:
                 _fail(f"tree node {n}: {ntok} tokens do not fill {length} positions (only the last may be partial)")
+            if not tree.pid[n] + length <= tree.pid_end[n] <= tree.next_pid:
+                _fail(f"tree node {n}: position ids [{tree.pid[n]}, {tree.pid[n] + length}) outside its range ending {tree.pid_end[n]}")
+            id_ranges.append((tree.pid[n], tree.pid_end[n]))
             if n in tree.mm and length != 1:
                 _fail(f"tree node {n} holds a multimodal block inside a run of {length}")
             if tree.signatures[tree.sig[n]] is None or tree.sig_refs[tree.sig[n]] < 1:
@@ -194,6 +198,10 @@ def _verify_tree(bm: BlockManager) -> None:
                 _fail(f"partial-match index of tree node {n} is stale")
         elif tree.pindex[n]:
             _fail(f"leaf tree node {n} keeps a partial-match index")
+    id_ranges.sort()
+    for (_, end), (start, _) in zip(id_ranges, id_ranges[1:]):
+        if start < end:
+            _fail("two tree nodes own overlapping position ids")
     if num_nodes != tree.num_nodes or num_positions != tree.num_positions:
         _fail(f"tree counts {tree.num_nodes} nodes / {tree.num_positions} positions, walk found {num_nodes} / {num_positions}")
     for wm in bm.windows:

@@ -1,15 +1,19 @@
 """`RadixTree`: one radix tree of cached blocks shared by every attention window.
 
 A *position* is one block of a token path; it holds at most one block per window. Positions
-are stored in compressed edges: a node is a run of consecutive positions stored together
-(one `store` that created them), so a 1k-token context is one node, not 64. A run is split
-where another path diverges from it (as in SGLang's radix tree), never merged.
+are stored in compressed edges: a node is a run of consecutive positions, so a 1k-token
+context is one node, not 64. A run is split where another path diverges from it (as in
+SGLang's radix tree), never merged; a leaf run grows in place when its path goes on (a
+decode storing one block at a time extends one node), up to `RUN_LIMIT` positions.
 
 Everything is addressed by integers. Node `n` has columns `parent`, `depth` (the block index
 of its first position), `length` (positions), `sig` (the constraint signature every block of
 the run shares, interned) and `pid` (the id of its first position: position `o` of `n` is
 `pid[n] + o`; ids are never reused, so a sequence can remember "the position I stored last"
-across splits and notice when it was pruned). Its tokens are one `bytes` object (`content`,
+across splits and notice when it was pruned). A node owns the ids `[pid, pid_end)`: a new
+node reserves `RUN_LIMIT` of them, so a leaf can grow into ids nobody else was given; a node
+that ever lost positions from its end (its `content` then keeps their tokens) never grows
+again, so an id is never handed out twice. Its tokens are one `bytes` object (`content`,
 see `kvjax.ledger.token_path`), its per-window block ids one `array('i')` per window
 (`values`, -1 where the window holds none). Blocks point back through `block_node` /
 `block_offset`, one int column per window. Children are found by the exact key of their first
@@ -40,6 +44,7 @@ from kvjax.ledger.token_path import (
 
 ROOT = 0
 NO_BLOCK = -1
+RUN_LIMIT = 256  # positions a leaf run may grow to in place (new nodes may start longer)
 _U32 = struct.Struct("<I")
 _PLAIN_TAIL = b"elsM" + _U32.pack(0)  # see block_key.canonical_key_bytes
 _sha256 = hashlib.sha256
@@ -57,6 +62,7 @@ class RadixTree:
         self.length = array.array("i", [0])
         self.sig = array.array("i", [0])
         self.pid = array.array("q", [0])
+        self.pid_end = array.array("q", [0])
         self.content: list[bytes | None] = [b""]
         self.children: list[dict | None] = [None]
         self.pindex: list[dict | None] = [None]
@@ -109,7 +115,7 @@ class RadixTree:
         return first if sid == 0 and not mm else (sid, first, mm)
 
     # ------------------------------------------------------------------ node storage
-    def _alloc(self, parent: int, depth: int, length: int, sid: int, pid: int) -> int:
+    def _alloc(self, parent: int, depth: int, length: int, sid: int, pid: int, pid_end: int) -> int:
         if self.free_ids:
             n = self.free_ids.pop()
             self.parent[n] = parent
@@ -117,6 +123,7 @@ class RadixTree:
             self.length[n] = length
             self.sig[n] = sid
             self.pid[n] = pid
+            self.pid_end[n] = pid_end
         else:
             n = len(self.content)
             self.parent.append(parent)
@@ -124,6 +131,7 @@ class RadixTree:
             self.length.append(length)
             self.sig.append(sid)
             self.pid.append(pid)
+            self.pid_end.append(pid_end)
             self.content.append(None)
             self.children.append(None)
             self.pindex.append(None)
@@ -137,7 +145,7 @@ class RadixTree:
         self._release_signature(self.sig[n])
         self.parent[n] = -1
         self.length[n] = 0
-        self.pid[n] = -1
+        self.pid[n] = self.pid_end[n] = -1
         self.content[n] = None
         self.children[n] = None
         self.pindex[n] = None
@@ -184,8 +192,9 @@ class RadixTree:
         """A node of `len(row)` new positions under `p`, holding `rows[w]` for window w."""
         length = len(next(iter(rows.values())))
         sid = self._acquire_signature(signature)
-        n = self._alloc(p, depth, length, sid, self.next_pid)
-        self.next_pid += length
+        pid = self.next_pid
+        self.next_pid = pid_end = pid + max(length, RUN_LIMIT)
+        n = self._alloc(p, depth, length, sid, pid, pid_end)
         self.content[n] = content
         for w, vals in enumerate(self.values):
             row = rows.get(w)
@@ -196,12 +205,39 @@ class RadixTree:
         self.num_positions += length
         return n
 
+    def can_grow(self, n: int, sid: int, block_bytes: int, k: int) -> bool:
+        """May leaf `n` take `k` more positions of a path with signature `sid` in place? Only
+        a run of full blocks that never lost positions at its end, with ids to spare."""
+        return (
+            n != ROOT
+            and self.children[n] is None
+            and self.sig[n] == sid
+            and n not in self.mm
+            and len(self.content[n]) == self.length[n] * block_bytes
+            and self.pid[n] + self.length[n] + k <= self.pid_end[n]
+        )
+
+    def grow(self, n: int, content: bytes, k: int) -> int:
+        """Append `k` empty positions holding `content` to leaf `n` (see `can_grow`); returns
+        the offset of the first."""
+        first = self.length[n]
+        self.content[n] += content
+        empty = array.array("i", [NO_BLOCK]) * k
+        for vals in self.values:
+            vals[n].extend(empty)
+        hs = self.hashes[n]
+        if hs is not None:
+            hs.extend([None] * k)
+        self.length[n] = first + k
+        self.num_positions += k
+        return first
+
     def split(self, n: int, o: int) -> int:
         """Cut node `n` before its position `o` (0 < o < length): the first `o` positions move
         to a new node `h` (returned) that takes `n`'s place; `n` keeps the rest and its
         children. Position ids do not change."""
         p = self.parent[n]
-        h = self._alloc(p, self.depth[n], o, self.sig[n], self.pid[n])
+        h = self._alloc(p, self.depth[n], o, self.sig[n], self.pid[n], self.pid[n] + o)  # h never grows: n follows it
         self.sig_refs[self.sig[n]] += 1
         bb = self.unit(n) * self.tokens_per_block
         c = self.content[n]
@@ -588,6 +624,7 @@ class RadixTree:
         base = path.base
         mm = path.mm
         bnode = self.block_node[w]
+        sid = self.sig_ids.get(path.signature, -1)
         last = p
         while d < n_blocks:
             if mm is None:
@@ -602,6 +639,20 @@ class RadixTree:
             if min(row) < 0:  # placeholders hold no position
                 row = array.array("i", [b if b >= 0 else NO_BLOCK for b in row])
             moving = [(j, b) for j, b in enumerate(row) if b >= 0 and bnode[b] >= 0]
+            if not mmk and self.can_grow(last, sid, bb, len(row)):  # the leaf run goes on
+                n = last
+                first = self.grow(n, path.content[lo:hi], len(row))
+                for j, b in enumerate(row):
+                    if b >= 0:
+                        if bnode[b] >= 0:  # a partial block that grew leaves its old key first
+                            on_move(d + j, b)
+                            self.detach(w, b)
+                        self.attach(w, n, first + j, b)
+                        attached.append((d + j, b))
+                if d < n_full <= end:
+                    cursor = (n, self.pid[n] + first + n_full - 1 - d)
+                d = end
+                continue
             if moving:  # partial blocks that grew: attached one by one, after leaving their old key
                 empty = array.array("i", [NO_BLOCK]) * len(row)
                 n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: empty})

@@ -78,3 +78,26 @@ def test_an_evicted_run_leaves_nothing_behind():
     m.add_sequence(Request("c", list(range(200, 209))))
     m.remove_sequence("c")
     assert m.inspector.tree_size() == (2, 1, 1)  # the freed id was reused
+
+
+def test_decoding_requests_that_store_each_block_grow_one_node_each():
+    """The engine stores every completed decode block (`store_new_block` after each token):
+    the run grows in place, so a request costs one node for its prompt and its output, not
+    one per block; concurrent requests interleaving their stores do not change that."""
+    m = KVCacheManager(make_config(primary_blocks=64, max_seq_len=64))
+    rng = random.Random(3)
+    prompts = {rid: [rng.randrange(1000) for _ in range(9)] for rid in "abc"}
+    for rid, prompt in prompts.items():
+        m.add_sequence(Request(rid, prompt, max_new_tokens=40))
+        m.store_context_blocks(rid)
+    for _ in range(40):
+        for rid in prompts:
+            m.add_token(rid, rng.randrange(1000))
+            m.store_new_block(rid)
+    m.verify_integrity()
+    size = m.inspector.tree_size()
+    assert size.positions == 3 * 12 and size.nodes == 3  # 48 tokens each: 12 full blocks stored
+    for rid in prompts:
+        m.remove_sequence(rid)
+    assert m.inspector.tree_size().nodes == 3
+    m.verify_integrity()

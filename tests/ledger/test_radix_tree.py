@@ -74,6 +74,61 @@ def test_a_stored_run_is_one_node_until_a_path_diverges():
     assert t.locate(head, pid1) == t.position_of(W, 1)  # found by walking up from the old node
 
 
+def store_from(t, tokens, blocks, after, w=W):
+    """Store the full blocks of `tokens` past depth `len(path) - len(blocks)`, resuming after
+    position `after` (what a sequence's storing cursor does); returns the cursor."""
+    n_full = len(tokens) // TPB
+    base = n_full - len(blocks)
+    content = encode_tokens(tokens[base * TPB :])
+    p = TokenPath(content, base, PLAIN_SIGNATURE, TPB, len(tokens), None)
+    row = array.array("i", [NO_BLOCK] * base + blocks)
+    return t.insert(w, p, after, n_full, n_full, row, lambda d, b: None)[1]
+
+
+def test_a_leaf_run_grows_in_place_as_its_path_goes_on():
+    t = tree()
+    toks = list(range(100, 140))
+    cur = store_from(t, toks[:8], [0, 1], (ROOT, -1))
+    node = t.position_of(W, 0)[0]
+    for d in range(2, 10):  # a decode stores one block at a time, resuming at its cursor
+        cur = store_from(t, toks[: (d + 1) * TPB], [d], t.locate(*cur))
+        assert t.position_of(W, d) == (node, d) and cur == (node, t.pid[node] + d)
+    assert (t.num_nodes, t.num_positions) == (1, 10)
+    assert t.path_keys(node, 9)[-1] == BlockKey(tuple(toks[36:40]))
+    # another path diverging inside the grown run splits it as usual
+    store(t, toks[:20] + [7] * 4, [20, 21, 22, 23, 24, 25])
+    assert t.num_nodes == 3 and t.position_of(W, 25)[0] != node
+
+
+def test_a_run_that_lost_its_tail_never_grows_again():
+    """Position ids are never handed out twice: once a leaf loses its last position, the
+    next block after it gets a node of its own, and a cursor naming the dropped position
+    finds nothing."""
+    t = tree()
+    store(t, list(range(16)), [0, 1, 2, 3])
+    node = t.position_of(W, 3)[0]
+    dropped = t.pid[node] + 3
+    t.detach(W, 3)  # evicted from the tail
+    assert t.length[node] == 3
+    store_from(t, list(range(12)) + [9] * 4, [5], t.position_of(W, 2))
+    assert t.position_of(W, 5)[0] != node and t.num_nodes == 2
+    assert t.locate(node, dropped) is None
+    assert t.pid[t.position_of(W, 5)[0]] != dropped
+
+
+def test_a_run_stops_growing_at_the_run_limit():
+    from kvjax.ledger.radix_tree import RUN_LIMIT
+
+    t = RadixTree(TPB, [2 * RUN_LIMIT + 8])
+    toks = [i % 1000 for i in range((RUN_LIMIT + 2) * TPB)]
+    cur = store_from(t, toks[:TPB], [0], (ROOT, -1))
+    for d in range(1, RUN_LIMIT + 2):
+        cur = store_from(t, toks[: (d + 1) * TPB], [d], t.locate(*cur))
+    first = t.position_of(W, 0)[0]
+    assert t.length[first] == RUN_LIMIT and t.num_nodes == 2
+    assert t.position_of(W, RUN_LIMIT) == (t.position_of(W, RUN_LIMIT + 1)[0], 0)
+
+
 def test_detach_prunes_trailing_positions_up_to_the_root():
     t = tree()
     store(t, list(range(12)), [0, 1, 2])
