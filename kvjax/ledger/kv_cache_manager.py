@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 

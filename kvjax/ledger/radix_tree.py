@@ -743,17 +743,35 @@ class RadixTree:
                 break
             pending.append((n, o))
             n, o = self.previous(n, o)
-        fast = self._fast_sha256
-        link = self.hasher.hash
-        tpb = self.tokens_per_block
         for n, o in reversed(pending):
-            if fast and self.sig[n] == 0 and n not in self.mm:
-                c = self.content[n][o * 4 * tpb : (o + 1) * 4 * tpb]
-                h = _sha256(h + b"T" + _U32.pack(len(c) >> 2) + c + _PLAIN_TAIL).digest()
-            else:
-                h = link(self.key_at(n, o), h)
-            self.hashes[n][o] = h
+            h = self.hash_after(n, o, h)
         return h
+
+    def hash_after(self, n: int, o: int, parent: bytes | int) -> bytes | int:
+        """Chained hash of position `(n, o)` given its parent's (`parent`): the cached one, or
+        computed and cached. Walking a path forwards this costs one hash per new position."""
+        hs = self.hashes[n]
+        if hs is None:
+            hs = self.hashes[n] = [None] * self.length[n]
+        h = hs[o]
+        if h is None:
+            if self._fast_sha256 and self.sig[n] == 0 and n not in self.mm:
+                bb = 4 * self.tokens_per_block
+                c = self.content[n][o * bb : (o + 1) * bb]
+                h = _sha256(parent + b"T" + _U32.pack(len(c) >> 2) + c + _PLAIN_TAIL).digest()
+            else:
+                h = self.hasher.hash(self.key_at(n, o), parent)
+            hs[o] = h
+        return h
+
+    def stored_tokens(self, n: int, o: int) -> tuple:
+        """Tokens of position `(n, o)` as a Stored event carries them: token ids, or (token,
+        extra id) pairs when the path uses extra ids."""
+        if self.sig[n] == 0:
+            bb = PLAIN_UNIT * self.tokens_per_block
+            return tuple(array.array("i", self.content[n][o * bb : (o + 1) * bb]))
+        key = self.key_at(n, o)
+        return key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids))
 
     # ------------------------------------------------------------------ inspection
     def iter_nodes(self) -> Iterator[int]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
-from kvjax.ledger.events import StoredBlock
+from kvjax.ledger.events import new_stored_block
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
 from kvjax.ledger.refs import RefCounts
@@ -287,6 +287,8 @@ class WindowBlockManager:
         bnode, boff = self.block_node, tree.block_offset[widx]
         events = self.events
         level, prio = self.columns.level, self.queues.priority
+        sig, signatures, mm = tree.sig, tree.signatures, tree.mm
+        hash_after, stored_tokens = tree.hash_after, tree.stored_tokens
         pending_moves = list(moves)
         i = 0
         while i < len(attached):
@@ -299,12 +301,12 @@ class WindowBlockManager:
             n0, o0 = bnode[run[0][1]], boff[run[0][1]]
             pn, po = tree.previous(n0, o0)
             parent_hash = None if pn == ROOT else tree.position_hash(pn, po)
+            h = tree.hasher.root if parent_hash is None else parent_hash
             blocks = []
-            for _, b in run:
+            for _, b in run:  # consecutive positions of one path: each hash chains on the last
                 n, o = bnode[b], boff[b]
-                key = tree.key_at(n, o)
-                tokens = key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids))
-                blocks.append(StoredBlock(tree.position_hash(n, o), tokens, key.lora_task_id, level[b], prio[b], key.mm_keys))
+                h = hash_after(n, o, h)
+                blocks.append(new_stored_block(h, stored_tokens(n, o), signatures[sig[n]][1], level[b], prio[b], mm.get(n, ())))
             events.stored(window, parent_hash, blocks)
             i = j
         for _, h in pending_moves:

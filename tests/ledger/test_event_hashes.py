@@ -216,3 +216,15 @@ def test_sha256_hasher_keeps_no_memo():
         m.add_sequence(Request(i, list(range(i * 100, i * 100 + 30))))
         m.remove_sequence(i)
     assert stored_hashes(m) and m.inspector.event_hasher.memo == {}
+
+
+def test_fast_event_constructors_fill_every_field():
+    """The ledger builds Stored events without the dataclasses' `__init__`; what it builds
+    must equal (and hash like) what the public constructors build."""
+    from kvjax.ledger.events import KVCacheEvent, StoredBlock, StoredData, _new_event, _new_stored_data, new_stored_block
+
+    args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
+    fast, slow = new_stored_block(*args), StoredBlock(*args)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert _new_stored_data(None, (fast,)) == StoredData(None, (slow,))
+    assert _new_event(3, 64, StoredData(b"p", ())) == KVCacheEvent(3, 64, StoredData(b"p", ()))
