@@ -56,6 +56,8 @@ class RadixTree:
         self.num_windows = len(blocks_per_window)
         self.hasher = BlockHasher() if hasher is None else hasher
         self._fast_sha256 = self.hasher.algorithm == "sha256" and NATIVE_LITTLE
+        self._full_head = b"T" + _U32.pack(tokens_per_block)  # a full plain block's canonical prefix
+        self._unpack_full = struct.Struct(f"{tokens_per_block}i").unpack  # native int32 units
         # node columns (node 0 is the root: no positions)
         self.parent = array.array("i", [-1])
         self.depth = array.array("i", [0])
@@ -758,7 +760,8 @@ class RadixTree:
             if self._fast_sha256 and self.sig[n] == 0 and n not in self.mm:
                 bb = 4 * self.tokens_per_block
                 c = self.content[n][o * bb : (o + 1) * bb]
-                h = _sha256(parent + b"T" + _U32.pack(len(c) >> 2) + c + _PLAIN_TAIL).digest()
+                head = self._full_head if len(c) == bb else b"T" + _U32.pack(len(c) >> 2)
+                h = _sha256(b"".join((parent, head, c, _PLAIN_TAIL))).digest()
             else:
                 h = self.hasher.hash(self.key_at(n, o), parent)
             hs[o] = h
@@ -769,7 +772,8 @@ class RadixTree:
         extra id) pairs when the path uses extra ids."""
         if self.sig[n] == 0:
             bb = PLAIN_UNIT * self.tokens_per_block
-            return tuple(array.array("i", self.content[n][o * bb : (o + 1) * bb]))
+            c = self.content[n][o * bb : (o + 1) * bb]
+            return self._unpack_full(c) if len(c) == bb else tuple(array.array("i", c))
         key = self.key_at(n, o)
         return key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids))
 
