@@ -17,15 +17,16 @@ from kvjax.errors import InvalidArgumentError
 def slot_rows(seqs: Iterable, index: int) -> list[array.array]:
     """The slot rows of window manager `index`, one per (sequence, beam), in order."""
     rows: list[array.array] = []
+    extend = rows.extend
     for seq in seqs:
-        rows.extend(seq.windows[index].slots)
+        extend(seq.windows[index].slots)
     return rows
 
 
 def padded_table(rows: list[array.array], null_slot: int, max_blocks: int | None) -> np.ndarray:
     """int32 `[len(rows), width]`: each row's slots, then the null slot; `width` is `max_blocks`
     or the longest row."""
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    lengths = np.fromiter(map(len, rows), dtype=np.int32, count=len(rows))
     longest = int(lengths.max()) if len(rows) else 0
     width = longest if max_blocks is None else max_blocks
     if width < longest:
@@ -33,5 +34,5 @@ def padded_table(rows: list[array.array], null_slot: int, max_blocks: int | None
     out = np.full((len(rows), width), null_slot, dtype=np.int32)
     if longest:
         flat = np.frombuffer(b"".join(rows), dtype=np.int32)
-        out[np.arange(width) < lengths[:, None]] = flat
+        out[np.arange(width, dtype=np.int32) < lengths[:, None]] = flat  # [rows, width] mask
     return out

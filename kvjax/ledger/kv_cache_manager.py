@@ -114,6 +114,15 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
+    def _seqs_of(self, request_ids: list[Hashable]) -> list[TrackedSequence]:
+        """The live sequences of `request_ids`, in order (`UnknownRequestError` for the first
+        id that is not live)."""
+        seqs = self._seqs
+        try:
+            return [seqs[r] for r in request_ids]
+        except (KeyError, TypeError):
+            return [self._seq(r) for r in request_ids]
+
     def _window_manager(self, window: int | None) -> WindowBlockManager:
         check_window(window)
         bm = self._bm
@@ -371,7 +380,7 @@ class KVCacheManager:
         Thread-safe."""
         request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
         wm = self._window_manager(window)
-        return padded_table(slot_rows([self._seq(r) for r in request_ids], wm.index), wm.null_slot, max_blocks)
+        return padded_table(slot_rows(self._seqs_of(request_ids), wm.index), wm.null_slot, max_blocks)
 
     @reader
     def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:
@@ -379,7 +388,7 @@ class KVCacheManager:
         from kvjax.offsets import kvcache_index_offsets
 
         request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
-        seqs = [self._seq(r) for r in request_ids]
+        seqs = self._seqs_of(request_ids)
         windows = self._bm.windows
         rows = {wm.window: slot_rows(seqs, wm.index) for wm in windows}
         if max_blocks is None:
