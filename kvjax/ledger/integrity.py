@@ -194,7 +194,7 @@ def _verify_tree(bm: BlockManager) -> None:
                 if c not in tree.mm:
                     buckets.setdefault(tree.sig[c], []).append(first)
                 stack.append(c)
-            if index is not None and {s: sorted(v) for s, v in buckets.items()} != index:
+            if index is not None and {s: sorted(v) for s, v in buckets.items()} != {s: f.live() for s, f in index.items()}:
                 _fail(f"partial-match index of tree node {n} is stale")
         elif tree.pindex[n]:
             _fail(f"leaf tree node {n} keeps a partial-match index")

@@ -67,7 +67,7 @@ class RadixTree:
         self.pid_end = array.array("q", [0])
         self.content: list[bytes | None] = [b""]
         self.children: list[dict | None] = [None]
-        self.pindex: list[dict | None] = [None]
+        self.pindex: list[dict[int, SortedFirsts] | None] = [None]
         self.values: list[list[array.array | None]] = [[None] for _ in range(self.num_windows)]
         self.hashes: list[list | None] = [None]
         self.mm: dict[int, tuple] = {}  # node -> multimodal keys of its single position
@@ -174,7 +174,10 @@ class RadixTree:
         kids[key] = n
         index = self.pindex[p]
         if index is not None and n not in self.mm:
-            bisect.insort(index.setdefault(self.sig[n], []), first)
+            firsts = index.get(self.sig[n])
+            if firsts is None:
+                firsts = index[self.sig[n]] = SortedFirsts([])
+            firsts.add(first)
 
     def _remove_child(self, p: int, n: int) -> None:
         first, key = self._first_key(n)
@@ -185,9 +188,9 @@ class RadixTree:
         index = self.pindex[p]
         if index is not None and n not in self.mm:
             sid = self.sig[n]
-            keys = index[sid]
-            del keys[bisect.bisect_left(keys, first)]
-            if not keys:
+            firsts = index[sid]
+            firsts.remove(first)
+            if not firsts:
                 del index[sid]
 
     def new_edge(self, p: int, depth: int, signature: tuple, content: bytes, mm: tuple, rows: dict[int, array.array]) -> int:
@@ -472,9 +475,10 @@ class RadixTree:
         index = self.pindex[n]
         if index is None:
             index = self._build_index(n)
-        keys = index.get(sid)
-        if not keys:
+        firsts = index.get(sid)
+        if not firsts:
             return NO_BLOCK, 0
+        keys = firsts.keys  # sorted, with the removed ones still in (children.get skips them)
         i = bisect.bisect_left(keys, query)
         best_t = 0
         for j in (i - 1, i):
@@ -498,7 +502,9 @@ class RadixTree:
                 best_pid = None
                 for j in [*range(lo, done_lo), *range(done_hi, hi)]:
                     first = keys[j]
-                    c = kids[first if sid == 0 else (sid, first, ())]
+                    c = kids.get(first if sid == 0 else (sid, first, ()))
+                    if c is None:  # removed since the index was compacted
+                        continue
                     cb = vals[c][0]
                     if cb == NO_BLOCK or (skip_referenced and ref[cb] > 0):
                         continue
@@ -528,17 +534,16 @@ class RadixTree:
                     return b
         return NO_BLOCK
 
-    def _build_index(self, n: int) -> dict:
+    def _build_index(self, n: int) -> dict[int, SortedFirsts]:
         """Sorted first blocks of `n`'s children, per signature (built on the first partial
         lookup at `n`, kept in step from then on)."""
-        index: dict[int, list] = {}
+        lists: dict[int, list[bytes]] = {}
         for key, c in self.children[n].items():
             if c in self.mm:
                 continue
             first = key if type(key) is bytes else key[1]
-            index.setdefault(self.sig[c], []).append(first)
-        for keys in index.values():
-            keys.sort()
+            lists.setdefault(self.sig[c], []).append(first)
+        index = {sid: SortedFirsts(sorted(keys)) for sid, keys in lists.items()}
         self.pindex[n] = index
         return index
 
@@ -788,6 +793,43 @@ class RadixTree:
             kids = self.children[n]
             if kids:
                 stack.extend(kids.values())
+
+
+class SortedFirsts:
+    """The first blocks of one node's children of one signature, sorted, for partial matching.
+
+    A removal only marks the key dead (deleting from the middle of a sorted list moves half of
+    it: with 100k siblings, most of an admission's time); lookups skip dead keys, and the list
+    drops them once they are half of it, so removals cost O(1) amortised and lookups stay two
+    binary searches. Each key is live at most once (children are keyed by their first block)."""
+
+    __slots__ = ("keys", "dead")
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.dead: set[bytes] = set()
+
+    def add(self, key: bytes) -> None:
+        dead = self.dead
+        if key in dead:  # still in the list: live again
+            dead.discard(key)
+        else:
+            bisect.insort(self.keys, key)
+
+    def remove(self, key: bytes) -> None:
+        dead = self.dead
+        dead.add(key)
+        if 2 * len(dead) > len(self.keys):
+            self.keys = [k for k in self.keys if k not in dead]
+            dead.clear()
+
+    def live(self) -> list[bytes]:
+        """The live keys, sorted."""
+        dead = self.dead
+        return [k for k in self.keys if k not in dead] if dead else list(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys) - len(self.dead)
 
 
 def _equal_blocks(P: bytes, p: int, C: bytes, c: int, k: int, bb: int) -> int:

@@ -231,7 +231,7 @@ def test_partial_index_follows_pruning_and_splits():
     t = tree()
     store(t, [1, 2, 3, 4], [0])
     assert partial(t, None, [1, 9]) == (0, 1)
-    assert t.pindex[ROOT] == {0: [encode_tokens([1, 2, 3, 4])]}  # built by the lookup, kept in step
+    assert {s: f.live() for s, f in t.pindex[ROOT].items()} == {0: [encode_tokens([1, 2, 3, 4])]}  # built by the lookup
     t.detach(W, 0)
     assert t.pindex[ROOT] == {} and partial(t, None, [1, 9]) == (NO_BLOCK, 0)
     store(t, [5, 6, 7, 8, 1, 1, 1, 1], [1, 2])
@@ -262,3 +262,43 @@ def test_best_partial_agrees_with_a_scan_over_many_siblings():
                 if n > best_n:
                     best, best_n = b, n
             assert partial(t, None, q, skip=skip, ref=ref) == (best, best_n), (q, skip)
+
+
+def test_partial_index_survives_removals_and_returns():
+    """Removed siblings only leave dead marks in the sorted index until they are half of it;
+    lookups, re-added keys and the index's compaction must agree with a scan throughout."""
+    rng = random.Random(5)
+    t = tree(blocks=600)
+    live: dict[int, list[int]] = {}  # block -> its one-block path, in storing order
+    partial(t, None, [7])  # builds the root's index now, so every change below goes through it
+
+    def check():
+        for q in ([7], [7, 1], [7, 2, 3], [7, 0, 0, 0], [8, 1]):
+            best, best_n = NO_BLOCK, 0
+            for b, toks in sorted(live.items(), key=lambda bt: t.pid[t.position_of(W, bt[0])[0]]):
+                n = next((i for i in range(len(q)) if q[i] != toks[i]), len(q))
+                if n > best_n:
+                    best, best_n = b, n
+            assert partial(t, None, q) == (best, best_n), q
+        firsts = t.pindex[ROOT].get(0)
+        assert (firsts.live() if firsts else []) == sorted(encode_tokens(toks) for toks in live.values())
+
+    next_block = 0
+    for step in range(1500):
+        if live and rng.random() < 0.5:
+            b = rng.choice(list(live))
+            t.detach(W, b)
+            del live[b]
+        else:
+            toks = [7] + [rng.randrange(3) for _ in range(3)]
+            if any(v == toks for v in live.values()):
+                continue
+            b = next_block % 600
+            while b in live:
+                b = (b + 1) % 600
+            next_block = b + 1
+            store(t, toks, [b])
+            live[b] = toks
+        if step % 50 == 0:
+            check()
+    check()
