@@ -164,6 +164,36 @@ class FreeQueues:
         self.queue[b] = NOT_FREE
         return b, level == PRIMARY and priority >= self.offload_min_priority
 
+    def claim_victims(self, level: int, count: int) -> list[int]:
+        """`count` successive victims of `level` (what `count` calls of `pop_victim` return,
+        in order), each claimed with the default priority and no duration (`set_retention(b,
+        DEFAULT_PRIORITY, None)`). The caller has checked that `count` blocks are free."""
+        if count > self.num_free[level]:
+            raise OutOfBlocksError(f"{count} blocks asked, {self.num_free[level]} free at cache level {level}")
+        n = self.num_blocks
+        prev, nxt, queue, prio = self.prev, self.next, self.queue, self.priority
+        mask = self.nonempty[level]
+        out: list[int] = []
+        while len(out) < count:
+            priority = (mask & -mask).bit_length() - 1
+            s = n + level * NUM_PRIORITIES + priority
+            b = nxt[s]
+            while b != s and len(out) < count:  # the front of this queue, then the next ones
+                out.append(b)
+                queue[b] = NOT_FREE
+                prio[b] = DEFAULT_PRIORITY
+                b = nxt[b]
+            nxt[s] = b
+            prev[b] = s
+            if b == s:
+                mask &= ~(1 << priority)
+        self.nonempty[level] = mask
+        self.num_free[level] -= count
+        if self.armed or self.duration:
+            for b in out:
+                self.set_retention(b, DEFAULT_PRIORITY, None)
+        return out
+
     def push(self, b: int) -> None:
         """Queue a free block at the back of its level and priority, keeping its expiry."""
         self._push(b, self.level[b], self.priority[b], False)

@@ -136,8 +136,25 @@ class WindowBlockManager:
     def take_fresh(self, count: int, retention: list[tuple[int | None, float | None]] | None) -> list[int]:
         """`count` blocks from `get_free_block`, each referenced once; `retention` holds each
         one's (priority, duration) (None: default priority, no duration)."""
-        get = self.get_free_block
-        out = [get(None, None) for _ in range(count)] if retention is None else [get(p, d) for p, d in retention]
+        if self.offload_enabled and self.queues.num_free[SECONDARY]:  # victims may be offloaded
+            get = self.get_free_block
+            out = [get(None, None) for _ in range(count)] if retention is None else [get(p, d) for p, d in retention]
+        else:  # every victim is fresh or evicted: claim them in one pass, as get_free_block would
+            queues = self.queues
+            out = queues.claim_victims(PRIMARY, count)
+            bnode, events, c = self.block_node, self.events, self.counters
+            c.alloc_total += count
+            for b in out:
+                if bnode[b] < 0:
+                    c.alloc_new += 1
+                else:
+                    if events is not None:
+                        events.removed(self.window, self.block_hash(b))
+                    self.tree.detach(self.index, b)
+                    c.evicted += 1
+            if retention is not None:
+                for b, (p, d) in zip(out, retention):
+                    queues.set_retention(b, DEFAULT_PRIORITY if p is None else p, d)
         self.refs.acquire_all(out)
         return out
 
