@@ -172,3 +172,35 @@ def test_release_many_matches_release_one_by_one():
         b.release(blk)
     assert ids(a) == ids(b) == [3, 0, 1, 4, 5, 2]
     assert (a.prev, a.next, a.queue) == (b.prev, b.next, b.queue)
+
+
+@pytest.mark.parametrize("count", [1, 3, 5, 8])
+def test_claim_victims_equals_successive_pops_and_default_retention(count):
+    """The bulk claim admission uses: the same victims in the same order as `count` pops, each
+    left at the default priority with its duration and armed expiry gone."""
+    import random
+
+    def build():
+        clock = FakeClock()
+        q, prim, _, _, _ = make(num_primary=10, clock=clock)
+        rng = random.Random(4)
+        for b in prim:
+            q.claim(b)
+        for b in rng.sample(prim, len(prim)):  # mixed priorities and durations, some armed
+            q.claim(b, rng.choice([10, 35, 80]), rng.choice([None, 5.0]))
+            q.release(b)
+        return q
+
+    a, b = build(), build()
+    assert a.armed  # some victims have an expiry to cancel
+    popped = []
+    for _ in range(count):
+        v, _ = a.pop_victim(PRIMARY)
+        a.set_retention(v, 35, None)
+        popped.append(v)
+    assert b.claim_victims(PRIMARY, count) == popped
+    assert a.free_blocks(PRIMARY) == b.free_blocks(PRIMARY) and a.num_free == b.num_free and a.nonempty == b.nonempty
+    assert list(a.priority) == list(b.priority) and a.duration == b.duration
+    assert a.armed == b.armed and a.expiry == b.expiry
+    with pytest.raises(OutOfBlocksError):
+        b.claim_victims(PRIMARY, b.num_free[PRIMARY] + 1)
