@@ -23,7 +23,7 @@ from kvjax.ledger.events import (
     StoredData,
     UpdatedData,
 )
-from kvjax.ledger.inspection import BlockInfo, LedgerInspector
+from kvjax.ledger.inspection import BlockInfo, LedgerInspector, TreeSize
 from kvjax.ledger.kv_cache_manager import KVCacheManager
 from kvjax.ledger.scheduler_queries import PrefixReuseSummary
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
@@ -53,6 +53,7 @@ __all__ = [
     "TransferKind",
     "TransferOp",
     "TransferPlan",
+    "TreeSize",
     "UpdatedData",
     "cache_salt_id",
     "prompt_block_hashes",

@@ -23,3 +23,13 @@ assert "jax" not in sys.modules, sorted(k for k in sys.modules if k.startswith("
 def test_ledger_never_imports_jax():
     result = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_public_names_are_declared_once_and_exist():
+    """`kvjax.ledger.__all__` lists what callers may import: every name resolves, none twice,
+    and no two classes in kvjax's ledger share a name with the model's or the engine's."""
+    import kvjax.ledger as ledger
+
+    assert len(set(ledger.__all__)) == len(ledger.__all__)
+    assert all(hasattr(ledger, name) for name in ledger.__all__)
+    assert not {"Block", "Admission", "Sequence"} & set(ledger.__all__)
