@@ -90,14 +90,19 @@ class BlockManager:
     def has_unstored_block(self, seq: TrackedSequence, num_tokens: int) -> bool:
         """Has a full block within `num_tokens` completed since the last store?"""
         n_full = num_tokens // self.tokens_per_block
+        if n_full <= 0:
+            return False
+        pids, lengths = self.tree.pid, self.tree.length
         for wm in self.windows:
             sw = seq.windows[wm.index]
             cur = sw.cursor
             if cur is None or n_full > cur[2]:
-                if n_full > 0:
-                    return True
+                return True
+            node, pid = cur[0], cur[1]
+            first = pids[node]
+            if first <= pid < first + lengths[node]:  # still where it was stored (most calls)
                 continue
-            if n_full > 0 and wm.cursor_position(seq, sw) is None:
+            if wm.cursor_position(seq, sw) is None:  # moved by a split, or pruned since
                 return True
         return False
 

@@ -293,8 +293,12 @@ class KVCacheManager:
     def store_new_block(self, request_id: Hashable) -> None:
         """During generation: make newly completed full blocks reusable (beam width 1 only).
         Most calls (one per decode token) find nothing new and take no lock."""
-        seq = self._seq(request_id)
-        if self._can_store(seq) and seq.beam_width == 1 and self._bm.has_unstored_block(seq, self._materialised(seq)):
+        try:
+            seq = self._seqs[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+        bm = self._bm
+        if seq.beam_width == 1 and bm.reuse and not seq.is_cross and bm.has_unstored_block(seq, self._materialised(seq)):
             self._store_new(seq)
 
     @writer
