@@ -383,6 +383,9 @@ class Episode:
                 self.call("set_context_position", req.request_id, p)  # chunked prefill: later
             else:
                 self.forward(info, p, info.prompt_len, "prefill")
+                # the prompt is one chunk: report it, as an engine does (a failed transfer of
+                # this very step may have cut the ledger's context position back)
+                self.call("set_context_position", req.request_id, info.prompt_len)
                 self.call("store_context_blocks", req.request_id)
 
     def admit_quiet(self) -> None:
@@ -605,6 +608,7 @@ class Episode:
                         if info.computed:
                             self.check_reads(info, info.computed, info.computed - 1, "admission")
                         self.forward(info, info.computed, info.prompt_len, "riding prefill")
+                        self.call("set_context_position", info.rid, info.prompt_len)
                         self.call("store_context_blocks", info.rid)
                 self.pending_prefill = []
             if r < 0.16 and len(self.live) < 5:
