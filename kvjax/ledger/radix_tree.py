@@ -30,6 +30,7 @@ import bisect
 import hashlib
 import struct
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from kvjax.ledger.block_key import BlockHasher, BlockKey, SHA256_ROOT_HASH
 from kvjax.ledger.token_path import (
@@ -48,6 +49,10 @@ RUN_LIMIT = 256  # positions a leaf run may grow to in place (new nodes may star
 _U32 = struct.Struct("<I")
 _PLAIN_TAIL = b"elsM" + _U32.pack(0)  # see block_key.canonical_key_bytes
 _sha256 = hashlib.sha256
+# What a freed node id holds in the `content` and `values` columns (the root, which has no
+# positions, too in `values`), and a released signature id in `signatures`: nothing reads a
+# vacant entry, so these columns are typed by what live entries hold.
+_VACANT: Any = None
 
 
 class RadixTree:
@@ -65,10 +70,10 @@ class RadixTree:
         self.sig = array.array("i", [0])
         self.pid = array.array("q", [0])
         self.pid_end = array.array("q", [0])
-        self.content: list[bytes | None] = [b""]
+        self.content: list[bytes] = [b""]
         self.children: list[dict | None] = [None]
         self.pindex: list[dict[int, SortedFirsts] | None] = [None]
-        self.values: list[list[array.array | None]] = [[None] for _ in range(self.num_windows)]
+        self.values: list[list[array.array]] = [[_VACANT] for _ in range(self.num_windows)]
         self.hashes: list[list | None] = [None]
         self.mm: dict[int, tuple] = {}  # node -> multimodal keys of its single position
         self.free_ids: list[int] = []
@@ -79,7 +84,7 @@ class RadixTree:
         self.block_node = [array.array("i", [NO_BLOCK]) * n for n in blocks_per_window]
         self.block_offset = [array.array("i", [0]) * n for n in blocks_per_window]
         # signatures (extra-id usage, LoRA task, cache salt), interned with reference counts
-        self.signatures: list[tuple | None] = [PLAIN_SIGNATURE]
+        self.signatures: list[tuple] = [PLAIN_SIGNATURE]
         self.sig_ids: dict[tuple, int] = {PLAIN_SIGNATURE: 0}
         self.sig_refs = [1]  # the plain signature is never released
         self._free_sigs: list[int] = []
@@ -104,7 +109,7 @@ class RadixTree:
         self.sig_refs[sid] -= 1
         if self.sig_refs[sid] == 0:
             del self.sig_ids[self.signatures[sid]]
-            self.signatures[sid] = None
+            self.signatures[sid] = _VACANT
             self._free_sigs.append(sid)
 
     def unit(self, n: int) -> int:
@@ -134,12 +139,12 @@ class RadixTree:
             self.sig.append(sid)
             self.pid.append(pid)
             self.pid_end.append(pid_end)
-            self.content.append(None)
+            self.content.append(_VACANT)
             self.children.append(None)
             self.pindex.append(None)
             self.hashes.append(None)
             for rows in self.values:
-                rows.append(None)
+                rows.append(_VACANT)
         self.num_nodes += 1
         return n
 
@@ -148,12 +153,12 @@ class RadixTree:
         self.parent[n] = -1
         self.length[n] = 0
         self.pid[n] = self.pid_end[n] = -1
-        self.content[n] = None
+        self.content[n] = _VACANT
         self.children[n] = None
         self.pindex[n] = None
         self.hashes[n] = None
         for rows in self.values:
-            rows[n] = None
+            rows[n] = _VACANT
         self.mm.pop(n, None)
         self.free_ids.append(n)
         self.num_nodes -= 1
@@ -182,6 +187,7 @@ class RadixTree:
     def _remove_child(self, p: int, n: int) -> None:
         first, key = self._first_key(n)
         kids = self.children[p]
+        assert kids is not None  # `n` is one of them
         del kids[key]
         if not kids:
             self.children[p] = None
@@ -263,7 +269,9 @@ class RadixTree:
         if hs is not None:
             self.hashes[h], self.hashes[n] = hs[:o], hs[o:]
         _, key = self._first_key(h)
-        self.children[p][key] = h  # the same key: the parent's partial index is unchanged
+        kids = self.children[p]
+        assert kids is not None  # `n` was one of them
+        kids[key] = h  # the same key: the parent's partial index is unchanged
         self.parent[n] = h
         self.depth[n] += o
         self.length[n] -= o
@@ -515,7 +523,9 @@ class RadixTree:
             done_lo, done_hi = lo, hi
         return NO_BLOCK, 0
 
-    def _oldest_with_prefix(self, kids: dict, sid: int, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool) -> int:
+    def _oldest_with_prefix(
+        self, kids: dict, sid: int, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
+    ) -> int:
         """The block of the oldest child (dict order: creation order) whose first block starts
         with `prefix` and that holds a block (unreferenced when `skip_referenced`)."""
         mm = self.mm
@@ -538,7 +548,9 @@ class RadixTree:
         """Sorted first blocks of `n`'s children, per signature (built on the first partial
         lookup at `n`, kept in step from then on)."""
         lists: dict[int, list[bytes]] = {}
-        for key, c in self.children[n].items():
+        kids = self.children[n]
+        assert kids is not None  # only a node with children is searched for partial matches
+        for key, c in kids.items():
             if c in self.mm:
                 continue
             first = key if type(key) is bytes else key[1]
@@ -587,9 +599,9 @@ class RadixTree:
                 m = _equal_blocks(P, (d - base) * bb, c, (o + 1) * bb, k, bb) if k > 0 else 0
                 if m == 0:
                     # our partial last block may equal the run's partial last position
-                    if d == n_blocks - 1 and d >= n_full and full_n == o + 1 and o + 2 == length[n] and (mm is None or d not in mm):
-                        if P[(d - base) * bb :] == c[(o + 1) * bb :]:
-                            m = 1
+                    last_partial = d == n_blocks - 1 and d >= n_full and full_n == o + 1 and o + 2 == length[n]
+                    if last_partial and (mm is None or d not in mm) and P[(d - base) * bb :] == c[(o + 1) * bb :]:
+                        m = 1
                     if m == 0:
                         n = self.split(n, o + 1)
                         cursor = self._create_rest(w, path, n, d, n_blocks, n_full, blocks, on_move, attached, cursor)
@@ -766,7 +778,7 @@ class RadixTree:
                 bb = 4 * self.tokens_per_block
                 c = self.content[n][o * bb : (o + 1) * bb]
                 head = self._full_head if len(c) == bb else b"T" + _U32.pack(len(c) >> 2)
-                h = _sha256(b"".join((parent, head, c, _PLAIN_TAIL))).digest()
+                h = _sha256(b"".join((cast(bytes, parent), head, c, _PLAIN_TAIL))).digest()  # SHA-256 chains bytes
             else:
                 h = self.hasher.hash(self.key_at(n, o), parent)
             hs[o] = h
@@ -780,7 +792,7 @@ class RadixTree:
             c = self.content[n][o * bb : (o + 1) * bb]
             return self._unpack_full(c) if len(c) == bb else tuple(array.array("i", c))
         key = self.key_at(n, o)
-        return key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids))
+        return key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids, strict=True))
 
     # ------------------------------------------------------------------ inspection
     def iter_nodes(self) -> Iterator[int]:
