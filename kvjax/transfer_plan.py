@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -106,12 +106,12 @@ class TransferPlan:
             raise ValueError(f"TransferPlan.kind holds values outside TransferKind: {np.unique(self.kind)}")
 
     @classmethod
-    def empty(cls) -> "TransferPlan":
+    def empty(cls) -> TransferPlan:
         z = np.zeros(0, np.int32)
         return cls(z, z, z, z, z)
 
     @classmethod
-    def empty_numbered(cls, seq: int) -> "TransferPlan":
+    def empty_numbered(cls, seq: int) -> TransferPlan:
         """An empty plan numbered `seq` (>= 0), built without re-validating its arrays: the
         ledger hands one out on most steps, and they share one read-only empty column."""
         plan = object.__new__(cls)
@@ -121,24 +121,28 @@ class TransferPlan:
         return plan
 
     @classmethod
-    def from_ops(cls, ops: list[TransferOp] | list[tuple[int, int, int, int, int]]) -> "TransferPlan":
+    def from_ops(cls, ops: list[TransferOp] | list[tuple[int, int, int, int, int]]) -> TransferPlan:
         if not ops:
             return cls.empty()
         if any(len(op) != 5 for op in ops):
             raise ValueError("TransferPlan.from_ops takes (kind, pool, src, dst, num_tokens) tuples")
-        return cls(*(list(col) for col in zip(*ops)))
+        # lists: `__post_init__` checks them and makes them int32 arrays
+        cols: list[Any] = [list(col) for col in zip(*ops, strict=True)]
+        kind, pool, src, dst, num_tokens = cols
+        return cls(kind, pool, src, dst, num_tokens)
 
     @classmethod
-    def concat(cls, plans: list["TransferPlan"]) -> "TransferPlan":
+    def concat(cls, plans: list[TransferPlan]) -> TransferPlan:
         if not plans:
             return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in plans]) for f in PLAN_FIELDS))
+        kind, pool, src, dst, num_tokens = (np.concatenate([getattr(p, f) for p in plans]) for f in PLAN_FIELDS)
+        return cls(kind, pool, src, dst, num_tokens)
 
     def __len__(self) -> int:
         return int(self.kind.shape[0])
 
     def __iter__(self) -> Iterator[TransferOp]:
-        for k, p, s, d, n in zip(*(getattr(self, f).tolist() for f in PLAN_FIELDS)):
+        for k, p, s, d, n in zip(*(getattr(self, f).tolist() for f in PLAN_FIELDS), strict=True):
             yield TransferOp(TransferKind(k), p, s, d, n)
 
     def __eq__(self, other: object) -> bool:

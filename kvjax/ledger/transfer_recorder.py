@@ -34,7 +34,7 @@ class TransferRecorder:
 
     def pending(self) -> list[tuple[int, int, int, int, int]]:
         """The ops recorded since the last take, as (kind, pool, src, dst, num_tokens)."""
-        return list(zip(*self._cols))
+        return list(zip(*self._cols, strict=True))
 
     def take(self, seq: int = 0) -> TransferPlan:
         cols = self._cols
@@ -42,7 +42,8 @@ class TransferRecorder:
             self.taken = cols
             self._cols = tuple(array.array("i") for _ in PLAN_FIELDS)
             return TransferPlan.empty_numbered(seq)
-        plan = TransferPlan(*(np.frombuffer(c, dtype=np.int32).copy() for c in cols), seq=seq)
+        kind, pool, src, dst, num_tokens = (np.frombuffer(c, dtype=np.int32).copy() for c in cols)
+        plan = TransferPlan(kind, pool, src, dst, num_tokens, seq=seq)
         self._cols = tuple(array.array("i") for _ in PLAN_FIELDS)
         self.taken = cols
         return plan
