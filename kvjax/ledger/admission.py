@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
@@ -106,6 +106,7 @@ def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int,
     end = min(start + tpb, usable)
     if d < num_shared and end > start and bm.config.enable_partial_reuse:
         after = (ROOT, -1) if not matched else tree.position_of(wm.index, matched[-1])
+        assert after is not None  # a matched block is in the tree
         query = path.prefix(d, end - start)
         b, n = tree.best_partial(
             wm.index, after, query, path.signature, path.mm_keys(d), wm.refs.ref, not bm.config.copy_on_partial_reuse
@@ -147,9 +148,9 @@ def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     path = prompt_path(bm, seq, usable)
     was = [walk(bm, wm, path, usable, shared) for wm in bm.windows]
     length = min(wa.coverage for wa in was)
-    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(bm.windows, was)):
+    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(bm.windows, was, strict=True)):
         length = (length - 1) // tpb * tpb
-    for wm, wa in zip(bm.windows, was):
+    for wm, wa in zip(bm.windows, was, strict=True):
         wa.num_per_beam = int(shared < n_ctx)
         if length < wa.coverage or wm.is_swa:
             _truncate(bm, wm, wa, length)
@@ -265,7 +266,8 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             matched = wa.matched
             # full matches: claim (keeping a cached block's priority unless the request
             # states one), onboard secondary ones, then append to every beam
-            real = [b for b in matched if b is not None] if wm.is_swa else matched
+            # only a sliding window's walk leaves gaps (None) in `matched`
+            real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
             gaps = len(matched) - len(real)
             refs.acquire_all(real)
             queues.clear_durations(real)
@@ -276,14 +278,17 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if seq.retention is not None and matched:
                 seq.block_priority(0, tpb)  # builds the per-block retention table
                 priority = queues.priority
-                for b, (prio, dur) in zip(matched, seq.context_retention):
-                    if b is not None:
+                table = seq.context_retention
+                assert table is not None  # built by the call above
+                # `matched` is the first context blocks (never the last one); the table has them all
+                for mb, (prio, dur) in zip(matched, table, strict=False):
+                    if mb is not None:
                         if dur is not None:
-                            queues.set_duration(b, dur)
-                        if prio is not None and prio != priority[b]:
-                            wm.set_priority(b, prio)
+                            queues.set_duration(mb, dur)
+                        if prio is not None and prio != priority[mb]:
+                            wm.set_priority(mb, prio)
             c.reused_full += len(matched) - gaps
-            row = matched
+            row = cast("list[int]", matched)  # no gaps: every entry is a block
             if gaps:
                 row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
                 sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)

@@ -8,6 +8,7 @@ what may grow (the expiry heap, the tree's node table) stays bounded by the pool
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from kvjax.errors import IntegrityError
@@ -131,7 +132,7 @@ def _verify_tree(bm: BlockManager) -> None:
     num_nodes = num_positions = 0
     stack = [ROOT]
     seen_nodes = set()
-    held = [dict() for _ in bm.windows]  # window index -> block -> (node, offset)
+    held: list[dict[int, tuple[int, int]]] = [{} for _ in bm.windows]  # window index -> block -> (node, offset)
     id_ranges: list[tuple[int, int]] = []
     while stack:
         n = stack.pop()
@@ -153,7 +154,10 @@ def _verify_tree(bm: BlockManager) -> None:
             if len(content) % unit or ntok <= (length - 1) * tpb:
                 _fail(f"tree node {n}: {ntok} tokens do not fill {length} positions (only the last may be partial)")
             if not tree.pid[n] + length <= tree.pid_end[n] <= tree.next_pid:
-                _fail(f"tree node {n}: position ids [{tree.pid[n]}, {tree.pid[n] + length}) outside its range ending {tree.pid_end[n]}")
+                _fail(
+                    f"tree node {n}: position ids [{tree.pid[n]}, {tree.pid[n] + length}) "
+                    f"outside its range ending {tree.pid_end[n]}"
+                )
             id_ranges.append((tree.pid[n], tree.pid_end[n]))
             if n in tree.mm and length != 1:
                 _fail(f"tree node {n} holds a multimodal block inside a run of {length}")
@@ -199,7 +203,7 @@ def _verify_tree(bm: BlockManager) -> None:
         elif tree.pindex[n]:
             _fail(f"leaf tree node {n} keeps a partial-match index")
     id_ranges.sort()
-    for (_, end), (start, _) in zip(id_ranges, id_ranges[1:]):
+    for (_, end), (start, _) in pairwise(id_ranges):
         if start < end:
             _fail("two tree nodes own overlapping position ids")
     if num_nodes != tree.num_nodes or num_positions != tree.num_positions:
@@ -240,7 +244,8 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
         q, refs, cols = wm.queues, wm.refs, wm.columns
         bn, bo = tree.block_node[wm.index], tree.block_offset[wm.index]
         blocks = tuple(
-            (b, cols.slot[b], cols.level[b], refs.ref[b], refs.pin[b], q.priority[b], q.duration.get(b), q.expiry.get(b), q.queue[b], bn[b], bo[b])
+            (b, cols.slot[b], cols.level[b], refs.ref[b], refs.pin[b], q.priority[b],
+             q.duration.get(b), q.expiry.get(b), q.queue[b], bn[b], bo[b])
             for b in range(wm.num_blocks)
         )
         queues = tuple(tuple(q.free_blocks(level)) for level in (PRIMARY, SECONDARY))
@@ -255,7 +260,10 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
             tuple(seq.tokens),
             seq.num_tokens,
             seq.context_position,
-            tuple((tuple(tuple(b) for b in sw.blocks), tuple(tuple(s) for s in sw.slots), sw.num_front_removed) for sw in seq.windows),
+            tuple(
+                (tuple(tuple(b) for b in sw.blocks), tuple(tuple(s) for s in sw.slots), sw.num_front_removed)
+                for sw in seq.windows
+            ),
         )
         for rid, seq in seqs.items()
     )

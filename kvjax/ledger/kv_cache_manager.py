@@ -114,7 +114,7 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
 
-    def _seqs_of(self, request_ids: list[Hashable]) -> list[TrackedSequence]:
+    def _seqs_of(self, request_ids: Sequence[Hashable]) -> list[TrackedSequence]:
         """The live sequences of `request_ids`, in order (`UnknownRequestError` for the first
         id that is not live)."""
         seqs = self._seqs
@@ -378,7 +378,9 @@ class KVCacheManager:
         return [row.tolist() for row in self._seq(request_id).windows[wm.index].blocks]
 
     @reader
-    def block_table(self, request_ids: Iterable[Hashable], window: int | None = None, *, max_blocks: int | None = None) -> np.ndarray:
+    def block_table(
+        self, request_ids: Iterable[Hashable], window: int | None = None, *, max_blocks: int | None = None
+    ) -> np.ndarray:
         """int32 `[rows, max_blocks]` primary slots, one row per (request, beam); padding and
         placeholders point to the null slot (slot `primary_blocks`), which no block owns.
         Thread-safe."""
@@ -430,7 +432,9 @@ class KVCacheManager:
     @reader
     def request_stats(self, request_id: Hashable) -> RequestStats:
         """What admission did for a live request."""
-        return self._seq(request_id).stats
+        stats = self._seq(request_id).stats
+        assert stats is not None  # a sequence goes live when admission sets its stats
+        return stats
 
     @reader
     def iteration_stats(self) -> IterationStats:
@@ -542,7 +546,10 @@ class KVCacheManager:
         return recorder.take(log.issue(len(recorder)))
 
     def _open_plan(self, plan_or_seq: TransferPlan | int) -> int:
-        seq = plan_or_seq.seq if isinstance(plan_or_seq, TransferPlan) else check_int("plan sequence number", plan_or_seq, 0, None)
+        if isinstance(plan_or_seq, TransferPlan):
+            seq = plan_or_seq.seq
+        else:
+            seq = check_int("plan sequence number", plan_or_seq, 0, None)
         self._transfers.check_report(seq)
         return seq
 
@@ -566,7 +573,7 @@ class KVCacheManager:
         seq = self._open_plan(plan_or_seq)
         taken = self._bm.recorder.taken
         failed = check_op_indices(op_indices, len(taken[0]))
-        result = apply_failure(self, seq, list(zip(*taken)), failed)
+        result = apply_failure(self, seq, list(zip(*taken, strict=True)), failed)
         self._transfers.status = FAILED
         return result
 

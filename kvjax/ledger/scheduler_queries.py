@@ -109,7 +109,9 @@ def needed_blocks_one_step(
     return (-(-nxt // tpb) - -(-curr // tpb)) * beam
 
 
-def remaining_blocks_to_completion(m: KVCacheManager, request_or_id, window: int | None, summary: PrefixReuseSummary | None) -> int:
+def remaining_blocks_to_completion(
+    m: KVCacheManager, request_or_id, window: int | None, summary: PrefixReuseSummary | None
+) -> int:
     check_query_args(False, summary)
     wm = m._window_manager(window)
     request, seq = resolve(m, request_or_id)
@@ -118,7 +120,10 @@ def remaining_blocks_to_completion(m: KVCacheManager, request_or_id, window: int
     bubble = cfg.sink_bubble_length
     beam = request.beam_width
     if bm.is_cross:
-        return -(-request.encoder_len // tpb) if seq is None else 0
+        if seq is not None:
+            return 0
+        assert request.encoder_len is not None  # `resolve` validated the request for a cross cache
+        return -(-request.encoder_len // tpb)
     prompt_len = len(request.prompt)
     final = prompt_len + request.max_new_tokens
     alloc = 0 if seq is None else len(seq.windows[wm.index].blocks[0])

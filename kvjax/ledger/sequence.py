@@ -8,12 +8,16 @@ the slot rows are kept incrementally and block tables are copied out of them dir
 from __future__ import annotations
 
 import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.token_path import TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.request import Request
+
+if TYPE_CHECKING:
+    from kvjax.ledger.stats import RequestStats
 
 
 class SequenceWindow:
@@ -71,13 +75,17 @@ class TrackedSequence:
         "slow_at",
     )
 
-    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: list[int] | None = None) -> None:
+    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
         self.request_id: Hashable = request.request_id
         self.request = request
         self.is_cross = is_cross
         self.tokens: list[int] = list(request.prompt if tokens is None else tokens)
         self.extra_ids: list[int] | None = None if request.extra_ids is None else list(request.extra_ids)
-        self.prompt_len = request.encoder_len if is_cross else len(self.tokens)
+        if is_cross:
+            assert request.encoder_len is not None  # validation requires it of a cross cache's request
+            self.prompt_len = request.encoder_len
+        else:
+            self.prompt_len = len(self.tokens)
         self.num_tokens = self.prompt_len
         self.beam_width = request.beam_width
         self.lora_task_id = request.lora_task_id
@@ -90,8 +98,8 @@ class TrackedSequence:
         self.context_position = self.prompt_len
         self.prepopulated = 0
         self.windows = [SequenceWindow(self.beam_width) for _ in range(num_windows)]
-        self.stats = None
-        self.context_retention: list | None = None
+        self.stats: RequestStats | None = None  # set when admission commits
+        self.context_retention: list[tuple[int | None, float | None]] | None = None
         # `add_token` takes its fast path (append only) while the new token count stays below
         # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
         self.slow_at = 0
@@ -125,7 +133,9 @@ class TrackedSequence:
         """Per context block (priority, duration): the range holding the block's first token."""
         n = -(-self.prompt_len // tpb)
         table: list[tuple[int | None, float | None]] = [(None, None)] * n
-        for r in self.retention.ranges:
+        retention = self.retention
+        assert retention is not None  # only `block_priority` of a request with retention builds it
+        for r in retention.ranges:
             lo = -(-r.start // tpb)
             hi = n if r.end is None else min(n, -(-r.end // tpb))
             if hi > lo:

@@ -23,6 +23,19 @@ class Counters:
         "copy_bytes",
         "evicted",
     )
+    alloc_total: int
+    alloc_new: int
+    reused_full: int
+    reused_partial: int
+    missed: int
+    gen_alloc: int
+    offloaded: int
+    onboarded: int
+    copied: int
+    offload_bytes: int
+    onboard_bytes: int
+    copy_bytes: int
+    evicted: int
 
     def __init__(self) -> None:
         for f in self.__slots__:
@@ -101,12 +114,12 @@ def counter_totals(windows) -> list[int]:
     """Every counter summed over the window managers (in `Counters.__slots__` order)."""
     totals = [0] * len(Counters.__slots__)
     for wm in windows:
-        totals = [a + b for a, b in zip(totals, wm.counters.as_tuple())]
+        totals = [a + b for a, b in zip(totals, wm.counters.as_tuple(), strict=True)]
     return totals
 
 
 def cache_stats(windows, tokens_per_block: int) -> KVCacheStats:
-    c = dict(zip(Counters.__slots__, counter_totals(windows)))
+    c = dict(zip(Counters.__slots__, counter_totals(windows), strict=True))
     reused = c["reused_full"] + c["reused_partial"]
     max_blocks = sum(wm.num_primary for wm in windows)
     free = sum(wm.num_free_primary for wm in windows)
@@ -134,7 +147,7 @@ def cache_stats(windows, tokens_per_block: int) -> KVCacheStats:
 def iteration_stats(windows, base: list[int]) -> tuple[IterationStats, list[int]]:
     """Counters since `base` (an earlier `counter_totals`) plus occupancy, and the new base."""
     now = counter_totals(windows)
-    d = dict(zip(Counters.__slots__, (a - b for a, b in zip(now, base))))
+    d = dict(zip(Counters.__slots__, (a - b for a, b in zip(now, base, strict=True)), strict=True))
     reused = d["reused_full"] + d["reused_partial"]
     p_free = sum(wm.num_free_primary for wm in windows)
     s_free = sum(wm.num_free_secondary for wm in windows)

@@ -7,7 +7,8 @@ the argument normalised (numpy integers as `int`, id collections as lists).
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def check_max_blocks(config: CacheConfig, max_blocks: object) -> int | None:
     return check_int("max_blocks", max_blocks, 0, max_table_width(config))
 
 
-def check_table_ids(request_ids: object) -> list[Hashable]:
+def check_table_ids(request_ids: object) -> Sequence[Hashable]:
     """Request ids of a block table: a collection, each id once (a repeated row would make a
     forward write the same positions twice)."""
     ids = check_id_list("request_ids", request_ids)
@@ -179,7 +180,7 @@ def check_beam_token(seq: TrackedSequence, token: object) -> int:
     if hasattr(token, "__index__"):  # one token for every beam
         token = [token] * seq.beam_width
     try:
-        tokens = [int(t.__index__()) for t in token]  # type: ignore[union-attr]
+        tokens = [int(t.__index__()) for t in cast("Iterable[Any]", token)]  # not iterable: TypeError
     except (TypeError, AttributeError):
         raise InvalidRequestError(f"token must be an int or one int per beam, got {token!r}") from None
     if len(tokens) != seq.beam_width:

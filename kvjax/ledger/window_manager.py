@@ -150,7 +150,7 @@ class WindowBlockManager:
                     self.tree.detach(self.index, b)
                     c.evicted += 1
             if retention is not None:
-                for b, (p, d) in zip(out, retention):
+                for b, (p, d) in zip(out, retention, strict=True):
                     queues.set_retention(b, DEFAULT_PRIORITY if p is None else p, d)
         self.refs.acquire_all(out)
         return out
@@ -300,6 +300,7 @@ class WindowBlockManager:
         tree, widx, window = self.tree, self.index, self.window
         bnode, boff = self.block_node, tree.block_offset[widx]
         events = self.events
+        assert events is not None  # called only with events on
         level, prio = self.columns.level, self.queues.priority
         sig, signatures, mm = tree.sig, tree.signatures, tree.mm
         hash_after, stored_tokens = tree.hash_after, tree.stored_tokens
