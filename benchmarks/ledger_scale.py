@@ -271,7 +271,10 @@ def _store_run(events: bool, requests: int, seed: int) -> tuple[float, int]:
     rng = random.Random(seed)
     prompt_tokens, gen_tokens = 512, 64
     m = KVCacheManager(config(16 * (prompt_tokens + gen_tokens) // TPB + 64, prompt_tokens + gen_tokens + TPB, events))
-    trace = [([rng.randrange(VOCAB) for _ in range(prompt_tokens)], [rng.randrange(VOCAB) for _ in range(gen_tokens)]) for _ in range(requests)]
+    trace = [
+        ([rng.randrange(VOCAB) for _ in range(prompt_tokens)], [rng.randrange(VOCAB) for _ in range(gen_tokens)])
+        for _ in range(requests)
+    ]
     m.flush_iteration_events()
     m.get_latest_events()
     stored = 0

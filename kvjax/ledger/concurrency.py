@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
-
-F = TypeVar("F", bound=Callable)
 
 
-def writer(fn: F) -> F:
+def writer[F: Callable](fn: F) -> F:
     """Run a mutating method under the manager's lock; count it once it succeeded."""
 
     @functools.wraps(fn)
@@ -37,7 +34,7 @@ def writer(fn: F) -> F:
     return locked  # type: ignore[return-value]
 
 
-def reader(fn: F) -> F:
+def reader[F: Callable](fn: F) -> F:
     """Run a read under the manager's lock, so other threads see whole operations only."""
 
     @functools.wraps(fn)

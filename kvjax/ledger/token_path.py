@@ -31,7 +31,7 @@ def encode_tokens(tokens) -> bytes:
 def encode_with_extra(tokens, extra_ids) -> bytes:
     """12-byte units: each token's int32 then its extra id's uint64 (little-endian)."""
     pack = _EXTRA_PAIR.pack
-    return b"".join([pack(t, e) for t, e in zip(tokens, extra_ids)])
+    return b"".join([pack(t, e) for t, e in zip(tokens, extra_ids, strict=True)])
 
 
 def decode_units(content: bytes, uses_extra: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -64,7 +64,9 @@ class TokenPath:
 
     __slots__ = ("content", "base", "signature", "unit", "block_bytes", "num_tokens", "tokens_per_block", "mm")
 
-    def __init__(self, content: bytes, base: int, signature: tuple, tokens_per_block: int, num_tokens: int, mm: dict | None) -> None:
+    def __init__(
+        self, content: bytes, base: int, signature: tuple, tokens_per_block: int, num_tokens: int, mm: dict | None
+    ) -> None:
         self.content = content
         self.base = base  # first block the content covers
         self.signature = signature

@@ -101,7 +101,9 @@ class TransferLog:
             raise TransferSequenceError(f"plan {seq} was already reported failed")
 
 
-def _lost_slots(ops: list[tuple[int, int, int, int, int]], failed: set[int], pending: list[tuple[int, int, int, int, int]]) -> set:
+def _lost_slots(
+    ops: list[tuple[int, int, int, int, int]], failed: set[int], pending: list[tuple[int, int, int, int, int]]
+) -> set:
     """(pool, level, slot) whose content is lost after `ops` (with `failed` failing) and then
     the not-yet-taken `pending` ops, replayed in order."""
     lost: set = set()
