@@ -31,7 +31,7 @@ def writer[F: Callable](fn: F) -> F:
         finally:
             lock.release()
 
-    return locked  # type: ignore[return-value]
+    return locked  # type: ignore[return-value]  # same signature as fn (functools.wraps), which mypy cannot see
 
 
 def reader[F: Callable](fn: F) -> F:
@@ -46,4 +46,4 @@ def reader[F: Callable](fn: F) -> F:
         finally:
             lock.release()
 
-    return locked  # type: ignore[return-value]
+    return locked  # type: ignore[return-value]  # same signature as fn (functools.wraps), which mypy cannot see
