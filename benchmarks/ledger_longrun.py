@@ -292,22 +292,20 @@ class Episode:
                         got = self.held(w, blk.level, blk.slot, i % tpb + 1)[i % tpb]
                         if got != info.tags[b][i]:
                             raise Violation(f"deep: request {info.rid} window {w} position {i} holds {got!r}")
-        tree = m._bm.tree
-        for wm in m._bm.windows:
-            for blk in wm.blocks:
-                node = blk.node
-                if node is None:
-                    continue
-                keys = tree.path_keys(node)
+        inspector = m.inspector
+        for w in self.config.windows:
+            for bid in inspector.cached_block_ids(self.win(w)):
+                blk = m.block(bid, self.win(w))
+                keys = inspector.cached_path(bid, self.win(w))
                 tag = seq_seed(keys[0].lora_task_id, keys[0].cache_salt_id)
                 want = []
-                for key in keys:
+                for i, key in enumerate(keys):
                     for j, t in enumerate(key.tokens):
                         tag = next_tag(tag, t, None if key.extra_ids is None else key.extra_ids[j])
-                        if key is node.key:
+                        if i == len(keys) - 1:
                             want.append(tag)
-                if self.held(wm.window, blk.level, blk.slot, len(want)) != want:
-                    raise Violation(f"deep: cached block {blk.block_id} (window {wm.window}) does not hold its tree path")
+                if self.held(w, blk.level, blk.slot, len(want)) != want:
+                    raise Violation(f"deep: cached block {bid} (window {w}) does not hold its tree path")
         for (w, bid), want in list(self.pinned_content.items()):
             blk = m.block(bid, self.win(w))
             if blk.pin_count == 0:
@@ -401,6 +399,9 @@ class Episode:
                 self.call("set_context_position", req.request_id, p)  # chunked prefill: later
             else:
                 self.forward(info, p, info.prompt_len, "prefill")
+                # the prompt is one chunk: report it, as an engine does (a failed transfer of
+                # this very step may have cut the ledger's context position back)
+                self.call("set_context_position", req.request_id, info.prompt_len)
                 self.call("store_context_blocks", req.request_id)
 
     def admit_quiet(self) -> None:
@@ -625,6 +626,7 @@ class Episode:
                         if info.computed:
                             self.check_reads(info, info.computed, info.computed - 1, "admission")
                         self.forward(info, info.computed, info.prompt_len, "riding prefill")
+                        self.call("set_context_position", info.rid, info.prompt_len)
                         self.call("store_context_blocks", info.rid)
                 self.pending_prefill = []
             if r < 0.16 and len(self.live) < 5:

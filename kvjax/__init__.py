@@ -21,7 +21,7 @@ from kvjax.errors import (
     UnknownBlockError,
     UnknownRequestError,
 )
-from kvjax.ledger.transfer_plan import TransferKind, TransferOp, TransferPlan
+from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
 from kvjax.request import MultimodalItem, Request, RetentionConfig, TokenRangeRetention
 
 _LEDGER_NAMES = {

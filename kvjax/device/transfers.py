@@ -55,7 +55,7 @@ from kvjax.device import _checks as chk
 from kvjax.device import sharding as shd
 from kvjax.device.buckets import bucket
 from kvjax.device.pools import KVPools, PoolMeta
-from kvjax.ledger.transfer_plan import TransferKind, TransferPlan
+from kvjax.transfer_plan import TransferKind, TransferPlan
 
 STRATEGIES = ("auto", "sequential", "bulk", "blockwise")
 _PRIMARY, _SECONDARY = 0, 1

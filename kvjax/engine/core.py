@@ -35,7 +35,7 @@ import numpy as np
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
-from kvjax.ledger.transfer_plan import TransferKind
+from kvjax.transfer_plan import TransferKind
 from kvjax.engine.batching import Row
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord

@@ -53,11 +53,11 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class WireEventBase(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the tagged events (the tag is the class name)."""
 
 
-class BlockStored(KVCacheEvent):
+class BlockStored(WireEventBase):
     """Consecutive blocks of one chain: `block_hashes[0]`'s parent is `parent_block_hash`
     (None at the root), each later block's parent is the block before it; `token_ids` holds
     `block_size` tokens per block, in order."""
@@ -75,13 +75,13 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class BlockRemoved(WireEventBase):
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
+class AllBlocksCleared(WireEventBase):
     """Every block of the publisher is gone (a fresh or reset cache)."""
 
 

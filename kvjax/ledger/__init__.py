@@ -1,16 +1,19 @@
-"""The host ledger: block metadata, radix tree, eviction and sequence bookkeeping (no JAX)."""
-from kvjax.ledger.transfer_plan import TransferKind, TransferOp, TransferPlan, TransferRecorder
-from kvjax.ledger.block import PLACEHOLDER_BLOCK_ID, Block
+"""The host ledger: block metadata, radix tree, eviction and sequence bookkeeping (no JAX).
+
+`KVCacheManager` is the API (docs/semantics.md); the rest of `__all__` are the types its
+calls take and return, and the block-key and block-hash helpers routers share with it.
+"""
+from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.block_key import (
     SHA256_ROOT_HASH,
     BlockHasher,
     BlockKey,
     MmKey,
     cache_salt_id,
+    prompt_block_hashes,
     sha256_block_hash,
     trtllm64_block_hash,
 )
-from kvjax.ledger.eviction import LRUEvictionPolicy
 from kvjax.ledger.events import (
     BlockHash,
     CreatedData,
@@ -20,9 +23,40 @@ from kvjax.ledger.events import (
     StoredData,
     UpdatedData,
 )
-from kvjax.ledger.kv_cache_manager import KVCacheManager, PrefixReuseSummary
-from kvjax.ledger.radix_tree import RadixNode, UnifiedBlockTree
+from kvjax.ledger.inspection import BlockInfo, LedgerInspector, TreeSize
+from kvjax.ledger.kv_cache_manager import KVCacheManager
+from kvjax.ledger.scheduler_queries import PrefixReuseSummary
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
 from kvjax.ledger.transfer_failures import TransferFailure
-from kvjax.ledger.window_manager import WindowBlockManager
-from kvjax.ledger.block_manager import BlockManager
+from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
+
+__all__ = [
+    "PLACEHOLDER_BLOCK_ID",
+    "SHA256_ROOT_HASH",
+    "BlockHash",
+    "BlockHasher",
+    "BlockInfo",
+    "BlockKey",
+    "CreatedData",
+    "IterationStats",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "KVCacheStats",
+    "LedgerInspector",
+    "MmKey",
+    "PrefixReuseSummary",
+    "RemovedData",
+    "RequestStats",
+    "StoredBlock",
+    "StoredData",
+    "TransferFailure",
+    "TransferKind",
+    "TransferOp",
+    "TransferPlan",
+    "TreeSize",
+    "UpdatedData",
+    "cache_salt_id",
+    "prompt_block_hashes",
+    "sha256_block_hash",
+    "trtllm64_block_hash",
+]

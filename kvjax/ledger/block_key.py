@@ -12,7 +12,8 @@ import array
 import hashlib
 import struct
 import sys
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
@@ -158,7 +159,7 @@ def trtllm64_block_hash(key: BlockKey, parent_hash: int = 0, memo: dict[int, int
         for t in key.tokens:
             seed ^= (_token_mix(t) + ((seed << 6) & _M64) + (seed >> 2)) & _M64
     else:
-        for t, e in zip(key.tokens, key.extra_ids):
+        for t, e in zip(key.tokens, key.extra_ids, strict=True):
             seed = _mix32(t, seed)
             seed = _mix64(e, seed)
     if key.lora_task_id is not None:
@@ -243,6 +244,9 @@ class BlockHasher:
             raise ValueError(f"hash algorithm must be one of {HASH_ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
         self.memo: dict[int, int] = {}
+        # (key, parent hash) -> hash; the parent is always a hash of the same algorithm (`root` or
+        # an earlier result), which only the algorithm's name tells apart
+        self.hash: Callable[[BlockKey, Any], bytes | int]
         if algorithm == "sha256":
             self.root: bytes | int = SHA256_ROOT_HASH
             self.hash = sha256_block_hash
@@ -278,7 +282,7 @@ def prompt_block_hashes(
     tokens = tuple(tokens)
     usable = max(len(tokens) - 1, 0) if for_reuse else len(tokens)
     salt = cache_salt_id(cache_salt)
-    out = []
+    out: list[Any] = []  # all bytes (sha256) or all ints (trtllm64)
     parent = hasher.root
     for start in range(0, usable // tokens_per_block * tokens_per_block, tokens_per_block):
         key = BlockKey(tokens[start : start + tokens_per_block], None, lora_task_id, salt, ())

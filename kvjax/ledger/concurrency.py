@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypeVar
-
-F = TypeVar("F", bound=Callable)
 
 
-def writer(fn: F) -> F:
+def writer[F: Callable](fn: F) -> F:
     """Run a mutating method under the manager's lock; count it once it succeeded."""
 
     @functools.wraps(fn)
@@ -34,10 +31,10 @@ def writer(fn: F) -> F:
         finally:
             lock.release()
 
-    return locked  # type: ignore[return-value]
+    return locked  # type: ignore[return-value]  # same signature as fn (functools.wraps), which mypy cannot see
 
 
-def reader(fn: F) -> F:
+def reader[F: Callable](fn: F) -> F:
     """Run a read under the manager's lock, so other threads see whole operations only."""
 
     @functools.wraps(fn)
@@ -49,4 +46,4 @@ def reader(fn: F) -> F:
         finally:
             lock.release()
 
-    return locked  # type: ignore[return-value]
+    return locked  # type: ignore[return-value]  # same signature as fn (functools.wraps), which mypy cannot see

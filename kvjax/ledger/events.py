@@ -63,6 +63,36 @@ class KVCacheEvent:
     data: CreatedData | StoredData | RemovedData | UpdatedData
 
 
+# Positional constructors that skip the generated `__init__` of the frozen dataclasses (one
+# `object.__setattr__` per field): the ledger builds one event per stored run and one
+# `StoredBlock` per stored block from values it already holds checked. Each fills every field
+# of its class (tests compare them with the dataclass constructors).
+_new, _set = object.__new__, object.__setattr__
+
+
+def new_stored_block(
+    block_hash: BlockHash, tokens: tuple, lora_id: int | None, cache_level: int, priority: int, mm_keys: tuple[MmKey, ...]
+) -> StoredBlock:
+    obj = _new(StoredBlock)
+    _set(obj, "__dict__", {
+        "block_hash": block_hash, "tokens": tokens, "lora_id": lora_id,
+        "cache_level": cache_level, "priority": priority, "mm_keys": mm_keys,
+    })  # fmt: skip
+    return obj
+
+
+def _new_stored_data(parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> StoredData:
+    obj = _new(StoredData)
+    _set(obj, "__dict__", {"parent_hash": parent_hash, "blocks": blocks})
+    return obj
+
+
+def _new_event(event_id: int, window_size: int, data: CreatedData | StoredData | RemovedData | UpdatedData) -> KVCacheEvent:
+    obj = _new(KVCacheEvent)
+    _set(obj, "__dict__", {"event_id": event_id, "window_size": window_size, "data": data})
+    return obj
+
+
 class KVCacheEventManager:
     def __init__(self, max_size: int) -> None:
         self.max_size = max_size
@@ -76,14 +106,14 @@ class KVCacheEventManager:
     def _enqueue(self, window: int, data) -> None:
         if len(self._pending) == self.max_size:
             self.dropped += 1
-        self._pending.append(KVCacheEvent(next(self._ids), window, data))
+        self._pending.append(_new_event(next(self._ids), window, data))
 
     def created(self, window: int, num_primary: int, num_secondary: int) -> None:
         self._enqueue(window, CreatedData((num_primary, num_secondary)))
 
     def stored(self, window: int, parent_hash: BlockHash | None, blocks: list[StoredBlock]) -> None:
         self._flush_removed(window)
-        self._enqueue(window, StoredData(parent_hash, tuple(blocks)))
+        self._enqueue(window, _new_stored_data(parent_hash, tuple(blocks)))
 
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)

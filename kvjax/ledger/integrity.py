@@ -2,16 +2,19 @@
 
 The ledger must never leak or double-count a block: every block is either referenced (its
 ref count equals the live sequences holding it plus pins) or sits in exactly one free queue
-of its cache level; slots form a permutation per level; the tree's links agree both ways.
+of its cache level; slots form a permutation per level; the tree's links agree both ways; and
+what may grow (the expiry heap, the tree's node table) stays bounded by the pools.
 """
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from kvjax.errors import IntegrityError
-from kvjax.ledger.block import NOT_FREE, PRIMARY, SECONDARY
-from kvjax.ledger.block_key import partial_index_key
+from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
+from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
+from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
@@ -26,18 +29,19 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
     for wm in bm.windows:
         w = wm.window
         refs: Counter = Counter()
+        slot_col, level_col = wm.columns.slot, wm.columns.level
         for rid, seq in seqs.items():
             sw = seq.windows[wm.index]
             n_expected = -(-seq.num_tokens // tpb)
-            lengths = {len(beam) for beam in sw.beams}
-            if lengths != {n_expected}:
+            lengths = {len(beam) for beam in sw.blocks}
+            if lengths != {n_expected} or len(sw.slots) != len(sw.blocks):
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
-            for b, beam in enumerate(sw.beams):
-                slots = list(sw.slots[b])
+            for b, beam in enumerate(sw.blocks):
+                slots = sw.slots[b]
+                if len(slots) != len(beam):
+                    _fail(f"window {w}: request {rid!r} beam {b} has {len(beam)} blocks but {len(slots)} slots")
                 for pos, blk in enumerate(beam):
-                    if blk.placeholder:
-                        if blk is not wm.placeholder:
-                            _fail(f"window {w}: request {rid!r} holds a foreign placeholder")
+                    if blk == PLACEHOLDER_BLOCK_ID:
                         if pos >= sw.num_front_removed:
                             _fail(f"window {w}: request {rid!r} has a placeholder at {pos} past the detached prefix")
                         if slots[pos] != wm.null_slot:
@@ -45,123 +49,211 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
                         continue
                     if pos < sw.num_front_removed:
                         _fail(f"window {w}: request {rid!r} holds a real block inside its detached prefix")
-                    if wm.blocks[blk.block_id] is not blk:
-                        _fail(f"window {w}: request {rid!r} holds a block of another manager")
-                    if blk.level != PRIMARY:
-                        _fail(f"window {w}: request {rid!r} references secondary block {blk.block_id}")
-                    if slots[pos] != blk.slot:
-                        _fail(f"window {w}: slot row of {rid!r} says {slots[pos]} at {pos}, block {blk.block_id} owns {blk.slot}")
+                    if not 0 <= blk < wm.num_blocks:
+                        _fail(f"window {w}: request {rid!r} holds block id {blk}, not one of this manager's")
+                    if level_col[blk] != PRIMARY:
+                        _fail(f"window {w}: request {rid!r} references secondary block {blk}")
+                    if slots[pos] != slot_col[blk]:
+                        _fail(f"window {w}: slot row of {rid!r} says {slots[pos]} at {pos}, block {blk} owns {slot_col[blk]}")
             for blk in sw.unique_blocks():
                 refs[blk] += 1
-        policy = wm.policy
-        seen_free = set()
-        for level in (PRIMARY, SECONDARY):
-            total = 0
-            mask = 0
-            for prio, q in enumerate(policy.queues[level]):
-                if q:
-                    mask |= 1 << prio
-                for blk in q:
-                    total += 1
-                    if blk.block_id in seen_free:
-                        _fail(f"window {w}: block {blk.block_id} is in two free queues")
-                    seen_free.add(blk.block_id)
-                    if wm.blocks[blk.block_id] is not blk:
-                        _fail(f"window {w}: a free queue holds a foreign block")
-                    if blk.free_level != level or blk.free_priority != prio:
-                        _fail(f"window {w}: block {blk.block_id} queued at ({level},{prio}) but records ({blk.free_level},{blk.free_priority})")
-                    if blk.level != level:
-                        _fail(f"window {w}: block {blk.block_id} at level {blk.level} sits in level-{level} queue")
-                    if blk.priority != prio:
-                        _fail(f"window {w}: block {blk.block_id} has priority {blk.priority} but sits in queue {prio}")
-            if total != policy.num_free[level]:
-                _fail(f"window {w}: level {level} counts {policy.num_free[level]} free blocks, queues hold {total}")
-            if mask != policy.nonempty[level]:
-                _fail(f"window {w}: level {level} non-empty mask is stale")
-        for blk in wm.blocks:
-            if blk.pin_count < 0:
-                _fail(f"window {w}: block {blk.block_id} has negative pins")
-            if blk.ref_count != refs[blk] + blk.pin_count:
-                _fail(f"window {w}: block {blk.block_id} ref_count {blk.ref_count} != {refs[blk]} sequence refs + {blk.pin_count} pins")
-            if blk.ref_count == 0 and blk.block_id not in seen_free:
-                _fail(f"window {w}: block {blk.block_id} is unreferenced but in no free queue (leak)")
-            if blk.ref_count > 0 and blk.free_level != NOT_FREE:
-                _fail(f"window {w}: block {blk.block_id} is referenced and free at once")
-            if blk.node is not None and (not blk.node.attached or blk.node.blocks.get(w) is not blk):
-                _fail(f"window {w}: block {blk.block_id} points at a tree node that does not hold it")
+        _verify_queues(wm)
+        ref, pin, queue = wm.refs.ref, wm.refs.pin, wm.queues.queue
+        for blk in range(wm.num_blocks):
+            if pin[blk] < 0:
+                _fail(f"window {w}: block {blk} has negative pins")
+            if ref[blk] != refs[blk] + pin[blk]:
+                _fail(f"window {w}: block {blk} ref_count {ref[blk]} != {refs[blk]} sequence refs + {pin[blk]} pins")
+            if ref[blk] == 0 and queue[blk] == NOT_FREE:
+                _fail(f"window {w}: block {blk} is unreferenced but in no free queue (leak)")
+            if ref[blk] > 0 and queue[blk] != NOT_FREE:
+                _fail(f"window {w}: block {blk} is referenced and free at once")
         for level, count in ((PRIMARY, wm.num_primary), (SECONDARY, wm.num_secondary)):
-            slots = sorted(b.slot for b in wm.blocks if b.level == level)
+            slots = sorted(slot_col[b] for b in range(wm.num_blocks) if level_col[b] == level)
             if slots != list(range(count)):
                 _fail(f"window {w}: level-{level} slots are not a permutation of 0..{count - 1}")
     _verify_tree(bm)
-    _verify_bounds(bm)
+
+
+def _verify_queues(wm) -> None:
+    """Every free block sits in exactly the queue it records, the lists link both ways, and
+    the counts, masks and retention agree."""
+    q = wm.queues
+    w = wm.window
+    n = q.num_blocks
+    seen = set()
+    for level in (PRIMARY, SECONDARY):
+        total = 0
+        mask = 0
+        for prio in range(NUM_PRIORITIES):
+            s = n + level * NUM_PRIORITIES + prio
+            prev = s
+            b = q.next[s]
+            while b != s:
+                if not 0 <= b < n:
+                    _fail(f"window {w}: free queue ({level},{prio}) links to {b}, not a block")
+                if b in seen:
+                    _fail(f"window {w}: block {b} is in two free queues (or a queue loops)")
+                seen.add(b)
+                if q.prev[b] != prev:
+                    _fail(f"window {w}: free queue ({level},{prio}) links are not symmetric at block {b}")
+                if q.queue[b] != level * NUM_PRIORITIES + prio:
+                    _fail(f"window {w}: block {b} queued at ({level},{prio}) but records queue {q.queue[b]}")
+                if wm.columns.level[b] != level:
+                    _fail(f"window {w}: block {b} at level {wm.columns.level[b]} sits in level-{level} queue")
+                if q.priority[b] != prio:
+                    _fail(f"window {w}: block {b} has priority {q.priority[b]} but sits in queue {prio}")
+                total += 1
+                prev = b
+                b = q.next[b]
+            if q.prev[s] != prev:
+                _fail(f"window {w}: free queue ({level},{prio}) tail link is stale")
+            if total and q.next[s] != s:
+                mask |= 1 << prio
+        if total != q.num_free[level]:
+            _fail(f"window {w}: level {level} counts {q.num_free[level]} free blocks, queues hold {total}")
+        if mask != q.nonempty[level]:
+            _fail(f"window {w}: level {level} non-empty mask is stale")
+    for b in range(n):
+        if q.queue[b] != NOT_FREE and b not in seen:
+            _fail(f"window {w}: block {b} records a free queue but none holds it")
+    for b in q.armed:
+        if q.queue[b] == NOT_FREE or b not in q.expiry:
+            _fail(f"window {w}: block {b} has an expiry armed but is not free")
+    if set(q.expiry) != set(q.armed):
+        _fail(f"window {w}: expiry times and armed heap entries disagree")
+    if q.heap_size > q.heap_limit:
+        _fail(f"window {w}: expiry heap holds {q.heap_size} entries, limit {q.heap_limit}")
 
 
 def _verify_tree(bm: BlockManager) -> None:
-    from kvjax.ledger import radix_tree
-
-    if radix_tree._EMPTY:
-        _fail("the shared empty child map was mutated")
     tree = bm.tree
-    managers = {wm.window: wm for wm in bm.windows}
-    count = 0
-    stack = [tree.root]
+    tpb = tree.tokens_per_block
+    num_nodes = num_positions = 0
+    stack = [ROOT]
+    seen_nodes = set()
+    held: list[dict[int, tuple[int, int]]] = [{} for _ in bm.windows]  # window index -> block -> (node, offset)
+    id_ranges: list[tuple[int, int]] = []
     while stack:
-        node = stack.pop()
-        if node.parent is not None:
-            count += 1
-            if not node.blocks and not node.children:
-                _fail(f"empty tree node left unpruned at depth {node.depth}")
-        buckets: dict = {}
-        for key, child in node.children.items():
-            if child.key != key or child.parent is not node or not child.attached:
-                _fail(f"tree link broken under depth {node.depth}")
-            if child.depth != node.depth + 1:
-                _fail("tree depth inconsistent")
-            bk = partial_index_key(key)
-            if bk is not None:
-                buckets.setdefault(bk, set()).add(child)
-            stack.append(child)
-        if node.partial_index is not None and {k: set(v) for k, v in node.partial_index.items()} != buckets:
-            _fail(f"partial-match index stale at depth {node.depth}")
-        for w, blk in node.blocks.items():
-            if w not in managers or managers[w].blocks[blk.block_id] is not blk:
-                _fail(f"tree node holds a foreign block for window {w}")
-            if blk.node is not node or blk.window != w:
-                _fail(f"block {blk.block_id} of window {w} does not point back at its node")
-    if count != tree.num_nodes:
-        _fail(f"tree counts {tree.num_nodes} nodes, walk found {count}")
-
-
-def _verify_bounds(bm: BlockManager) -> None:
-    """What must stay bounded by the pools: the expiry heaps, and no live node may keep a
-    pruned one (and through it the rest of a dead run) alive."""
+        n = stack.pop()
+        if n in seen_nodes:
+            _fail(f"tree node {n} is reachable twice")
+        seen_nodes.add(n)
+        length = tree.length[n]
+        kids = tree.children[n]
+        if kids is not None and not kids:
+            _fail(f"tree node {n} keeps an empty child map")
+        if n != ROOT:
+            num_nodes += 1
+            num_positions += length
+            content = tree.content[n]
+            unit = tree.unit(n)
+            if length < 1 or content is None:
+                _fail(f"live tree node {n} has no positions")
+            ntok = len(content) // unit  # a truncated node keeps its dropped positions' tokens
+            if len(content) % unit or ntok <= (length - 1) * tpb:
+                _fail(f"tree node {n}: {ntok} tokens do not fill {length} positions (only the last may be partial)")
+            if not tree.pid[n] + length <= tree.pid_end[n] <= tree.next_pid:
+                _fail(
+                    f"tree node {n}: position ids [{tree.pid[n]}, {tree.pid[n] + length}) "
+                    f"outside its range ending {tree.pid_end[n]}"
+                )
+            id_ranges.append((tree.pid[n], tree.pid_end[n]))
+            if n in tree.mm and length != 1:
+                _fail(f"tree node {n} holds a multimodal block inside a run of {length}")
+            if tree.signatures[tree.sig[n]] is None or tree.sig_refs[tree.sig[n]] < 1:
+                _fail(f"tree node {n} carries a released signature")
+            if kids is None:
+                last = max((vals[n][length - 1] for vals in tree.values), default=NO_BLOCK)
+                if last == NO_BLOCK:
+                    _fail(f"empty tree position left unpruned at the end of leaf node {n}")
+            elif ntok < length * tpb:
+                _fail(f"tree node {n} ends on a partial block but has children")
+            hs = tree.hashes[n]
+            if hs is not None and len(hs) != length:
+                _fail(f"tree node {n}: {len(hs)} cached hashes for {length} positions")
+        for widx, vals in enumerate(tree.values):
+            row = vals[n]
+            if n == ROOT:
+                continue
+            if row is None or len(row) != length:
+                _fail(f"tree node {n}: window {bm.windows[widx].window} row does not cover its {length} positions")
+            for o, b in enumerate(row):
+                if b == NO_BLOCK:
+                    continue
+                if b in held[widx]:
+                    _fail(f"block {b} of window {bm.windows[widx].window} sits at two tree positions")
+                held[widx][b] = (n, o)
+        if kids:
+            index = tree.pindex[n]
+            buckets: dict[int, list] = {}
+            for key, c in kids.items():
+                if tree.parent[c] != n:
+                    _fail(f"tree link broken under node {n}: child {c} names parent {tree.parent[c]}")
+                if tree.depth[c] != tree.depth[n] + length:
+                    _fail(f"tree node {c}: depth {tree.depth[c]} after a parent ending at {tree.depth[n] + length}")
+                first, own_key = tree._first_key(c)
+                if own_key != key:
+                    _fail(f"tree node {c} is filed under a key that is not its first block")
+                if c not in tree.mm:
+                    buckets.setdefault(tree.sig[c], []).append(first)
+                stack.append(c)
+            if index is not None and {s: sorted(v) for s, v in buckets.items()} != {s: f.live() for s, f in index.items()}:
+                _fail(f"partial-match index of tree node {n} is stale")
+        elif tree.pindex[n]:
+            _fail(f"leaf tree node {n} keeps a partial-match index")
+    id_ranges.sort()
+    for (_, end), (start, _) in pairwise(id_ranges):
+        if start < end:
+            _fail("two tree nodes own overlapping position ids")
+    if num_nodes != tree.num_nodes or num_positions != tree.num_positions:
+        _fail(f"tree counts {tree.num_nodes} nodes / {tree.num_positions} positions, walk found {num_nodes} / {num_positions}")
     for wm in bm.windows:
-        if wm.policy.heap_size > wm.policy.heap_limit:
-            _fail(f"window {wm.window}: expiry heap holds {wm.policy.heap_size} entries, limit {wm.policy.heap_limit}")
-    for node in bm.tree.iter_nodes():
-        nxt = node.next_in_run
-        if nxt is not None and (not nxt.attached or nxt.parent is not node):
-            _fail(f"a tree node at depth {node.depth} links a pruned or foreign node as its run successor")
+        bn, bo = tree.block_node[wm.index], tree.block_offset[wm.index]
+        mine = held[wm.index]
+        for b in range(wm.num_blocks):
+            pos = mine.get(b)
+            if pos is None:
+                if bn[b] != NO_BLOCK:
+                    _fail(f"window {wm.window}: block {b} points at a tree position that does not hold it")
+            elif (bn[b], bo[b]) != pos:
+                _fail(f"window {wm.window}: block {b} points at {(bn[b], bo[b])} but is held at {pos}")
+    # bounded storage: every node id is live or free, free ones hold nothing
+    capacity = len(tree.content)
+    if len(tree.free_ids) + tree.num_nodes + 1 != capacity or len(set(tree.free_ids)) != len(tree.free_ids):
+        _fail(f"tree node table: {capacity} ids, {tree.num_nodes} live + root, {len(tree.free_ids)} free")
+    for n in tree.free_ids:
+        if n in seen_nodes or tree.content[n] is not None or tree.children[n] is not None or tree.parent[n] != -1:
+            _fail(f"free tree node {n} still holds data or is linked")
+    live_sigs = Counter(tree.sig[n] for n in seen_nodes if n != ROOT)
+    for sid, sig in enumerate(tree.signatures):
+        if sig is None:
+            continue
+        if tree.sig_refs[sid] != live_sigs.get(sid, 0) + (sid == 0):
+            _fail(f"signature {sig} counts {tree.sig_refs[sid]} nodes, {live_sigs.get(sid, 0)} carry it")
 
 
 def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
+    """Per window (window, per-block tuples (id, slot, level, refs, pins, priority, duration,
+    expiry, queue, tree node, offset), free queues, counters, free counts); the tree's nodes;
+    per sequence (id, tokens, length, context position, per window (block ids per beam, slots
+    per beam, detached prefix)); pending transfer ops; events; storing cursors."""
     out = []
+    tree = bm.tree
     for wm in bm.windows:
+        q, refs, cols = wm.queues, wm.refs, wm.columns
+        bn, bo = tree.block_node[wm.index], tree.block_offset[wm.index]
         blocks = tuple(
-            (b.block_id, b.slot, b.level, b.ref_count, b.pin_count, b.priority, b.duration, b.expiry, b.free_level, b.free_priority)
-            for b in wm.blocks
+            (b, cols.slot[b], cols.level[b], refs.ref[b], refs.pin[b], q.priority[b],
+             q.duration.get(b), q.expiry.get(b), q.queue[b], bn[b], bo[b])
+            for b in range(wm.num_blocks)
         )
-        queues = tuple(tuple(tuple(b.block_id for b in q) for q in level) for level in wm.policy.queues)
-        out.append((wm.window, blocks, queues, wm.counters.as_tuple(), tuple(wm.policy.num_free)))
+        queues = tuple(tuple(q.free_blocks(level)) for level in (PRIMARY, SECONDARY))
+        out.append((wm.window, blocks, queues, wm.counters.as_tuple(), tuple(q.num_free)))
     nodes = []
-    stack = [(bm.tree.root, ())]
-    while stack:
-        node, path = stack.pop()
-        if node.parent is not None:
-            nodes.append((path, tuple(sorted((w, b.block_id) for w, b in node.blocks.items()))))
-        for key, child in node.children.items():
-            stack.append((child, path + (key,)))
+    for n in tree.iter_nodes():
+        rows = tuple(tuple(vals[n]) for vals in tree.values)
+        nodes.append((n, tree.parent[n], tree.pid[n], tree.content[n], rows, tree.mm.get(n)))
     sequences = tuple(
         (
             repr(rid),
@@ -169,11 +261,12 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
             seq.num_tokens,
             seq.context_position,
             tuple(
-                (tuple(tuple(b.block_id for b in beam) for beam in sw.beams), tuple(tuple(s) for s in sw.slots), sw.num_front_removed)
+                (tuple(tuple(b) for b in sw.blocks), tuple(tuple(s) for s in sw.slots), sw.num_front_removed)
                 for sw in seq.windows
             ),
         )
         for rid, seq in seqs.items()
     )
+    cursors = tuple(tuple(sw.cursor for sw in seq.windows) for seq in seqs.values())
     events = bm.events.state() if bm.events is not None else ()
-    return (tuple(out), tuple(sorted(nodes, key=repr)), sequences, len(bm.recorder), events)
+    return (tuple(out), tuple(sorted(nodes)), sequences, len(bm.recorder), events, cursors)

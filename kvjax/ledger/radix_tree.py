@@ -1,212 +1,867 @@
-"""`UnifiedBlockTree`: one radix tree of block keys shared by every attention window.
+"""`RadixTree`: one radix tree of cached blocks shared by every attention window.
 
-A node is one block position along a token path; it holds at most one block per window
-(`blocks[window]`). Children are found by exact key (a dict) and, for partial reuse, through a
-bucket of children sharing the first token and constraint fields, so a partial lookup never
-scans unrelated siblings. Nodes left with no block and no child are pruned up to the root.
+A *position* is one block of a token path; it holds at most one block per window. Positions
+are stored in compressed edges: a node is a run of consecutive positions, so a 1k-token
+context is one node, not 64. A run is split where another path diverges from it (as in
+SGLang's radix tree), never merged; a leaf run grows in place when its path goes on (a
+decode storing one block at a time extends one node), up to `RUN_LIMIT` positions.
+
+Everything is addressed by integers. Node `n` has columns `parent`, `depth` (the block index
+of its first position), `length` (positions), `sig` (the constraint signature every block of
+the run shares, interned) and `pid` (the id of its first position: position `o` of `n` is
+`pid[n] + o`; ids are never reused, so a sequence can remember "the position I stored last"
+across splits and notice when it was pruned). A node owns the ids `[pid, pid_end)`: a new
+node reserves `RUN_LIMIT` of them, so a leaf can grow into ids nobody else was given; a node
+that ever lost positions from its end (its `content` then keeps their tokens) never grows
+again, so an id is never handed out twice. Its tokens are one `bytes` object (`content`,
+see `kvjax.ledger.token_path`), its per-window block ids one `array('i')` per window
+(`values`, -1 where the window holds none). Blocks point back through `block_node` /
+`block_offset`, one int column per window. Children are found by the exact key of their first
+block (a dict), and partial matches through a per-node sorted list of first blocks, so a
+partial lookup is two binary searches over the siblings, never a scan.
+
+This module is the only one that attaches blocks to positions or detaches them. Positions
+left with no block and nothing after them are pruned up to the root.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import array
+import bisect
+import hashlib
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
-from kvjax.ledger.block_key import BlockHasher, BlockKey, common_prefix_length, partial_index_key
+from kvjax.ledger.block_key import BlockHasher, BlockKey, SHA256_ROOT_HASH
+from kvjax.ledger.token_path import (
+    EXTRA_UNIT,
+    NATIVE_LITTLE,
+    PLAIN_SIGNATURE,
+    PLAIN_UNIT,
+    TokenPath,
+    block_key,
+    common_units,
+)
 
-if TYPE_CHECKING:
-    from kvjax.ledger.block import Block
-
-
-# Shared, never-mutated stand-in for a leaf's child map: most nodes are leaves, and a dict per
-# node would weigh on the cost of storing a block.
-_EMPTY: dict = {}
-
-
-class TokenRun:
-    """The tokens one `store` call covered (a plain sequence: no extra ids or multimodal keys),
-    shared by the nodes it created. A walk that matches one of those nodes can compare the rest
-    of its prompt against the run in one C-level slice comparison and follow `next_in_run`
-    links instead of hashing a key per block."""
-
-    __slots__ = ("tokens", "sig", "base")
-
-    def __init__(self, tokens: tuple[int, ...], sig: tuple, base: int) -> None:
-        self.tokens = tokens  # the sequence's tokens from position `base` on
-        self.sig = sig  # (lora_task_id, cache_salt_id) of every key in the run
-        self.base = base
-
-
-class RadixNode:
-    __slots__ = (
-        "key",
-        "parent",
-        "children",
-        "partial_index",
-        "blocks",
-        "depth",
-        "is_full",
-        "_hash",
-        "attached",
-        "run",
-        "next_in_run",
-    )
-
-    def __init__(self, key: BlockKey | None, parent: RadixNode | None, depth: int, tokens_per_block: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.children: dict[BlockKey, RadixNode] = _EMPTY
-        # Children bucketed by partial_index_key, built on the first partial lookup at this node
-        # (divergence points) and maintained from then on; None until then.
-        self.partial_index: dict[tuple, dict[RadixNode, None]] | None = None
-        self.blocks: dict[int, Block] = {}
-        self.depth = depth
-        self.is_full = key is not None and len(key.tokens) == tokens_per_block
-        self._hash: int | None = None
-        self.attached = True  # False once pruned from the tree
-        self.run: TokenRun | None = None  # set when created by a plain sequence's store
-        self.next_in_run: RadixNode | None = None  # the child created right after it, same run
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def __repr__(self) -> str:
-        toks = None if self.key is None else self.key.tokens
-        return f"RadixNode(depth={self.depth}, tokens={toks}, windows={sorted(self.blocks)})"
+ROOT = 0
+NO_BLOCK = -1
+RUN_LIMIT = 256  # positions a leaf run may grow to in place (new nodes may start longer)
+_U32 = struct.Struct("<I")
+_PLAIN_TAIL = b"elsM" + _U32.pack(0)  # see block_key.canonical_key_bytes
+_sha256 = hashlib.sha256
+# What a freed node id holds in the `content` and `values` columns (the root, which has no
+# positions, too in `values`), and a released signature id in `signatures`: nothing reads a
+# vacant entry, so these columns are typed by what live entries hold.
+_VACANT: Any = None
 
 
-class UnifiedBlockTree:
-    """The lookup tree. Blocks attach to nodes per window; the tree owns node lifetime."""
-
-    def __init__(self, tokens_per_block: int, hasher: BlockHasher | None = None) -> None:
+class RadixTree:
+    def __init__(self, tokens_per_block: int, blocks_per_window: list[int], hasher: BlockHasher | None = None) -> None:
         self.tokens_per_block = tokens_per_block
-        self.root = RadixNode(None, None, 0, tokens_per_block)
-        self.num_nodes = 0
+        self.num_windows = len(blocks_per_window)
         self.hasher = BlockHasher() if hasher is None else hasher
+        self._fast_sha256 = self.hasher.algorithm == "sha256" and NATIVE_LITTLE
+        self._full_head = b"T" + _U32.pack(tokens_per_block)  # a full plain block's canonical prefix
+        self._unpack_full = struct.Struct(f"{tokens_per_block}i").unpack  # native int32 units
+        # node columns (node 0 is the root: no positions)
+        self.parent = array.array("i", [-1])
+        self.depth = array.array("i", [0])
+        self.length = array.array("i", [0])
+        self.sig = array.array("i", [0])
+        self.pid = array.array("q", [0])
+        self.pid_end = array.array("q", [0])
+        self.content: list[bytes] = [b""]
+        self.children: list[dict | None] = [None]
+        self.pindex: list[dict[int, SortedFirsts] | None] = [None]
+        self.values: list[list[array.array]] = [[_VACANT] for _ in range(self.num_windows)]
+        self.hashes: list[list | None] = [None]
+        self.mm: dict[int, tuple] = {}  # node -> multimodal keys of its single position
+        self.free_ids: list[int] = []
+        self.next_pid = 1
+        self.num_nodes = 0  # live nodes besides the root
+        self.num_positions = 0
+        # per window: block -> (node, offset) of the position holding it (node -1: not cached)
+        self.block_node = [array.array("i", [NO_BLOCK]) * n for n in blocks_per_window]
+        self.block_offset = [array.array("i", [0]) * n for n in blocks_per_window]
+        # signatures (extra-id usage, LoRA task, cache salt), interned with reference counts
+        self.signatures: list[tuple] = [PLAIN_SIGNATURE]
+        self.sig_ids: dict[tuple, int] = {PLAIN_SIGNATURE: 0}
+        self.sig_refs = [1]  # the plain signature is never released
+        self._free_sigs: list[int] = []
 
-    # ------------------------------------------------------------------ lookups
+    # ------------------------------------------------------------------ signatures
+    def _acquire_signature(self, signature: tuple) -> int:
+        sid = self.sig_ids.get(signature)
+        if sid is None:
+            if self._free_sigs:
+                sid = self._free_sigs.pop()
+                self.signatures[sid] = signature
+                self.sig_refs[sid] = 0
+            else:
+                sid = len(self.signatures)
+                self.signatures.append(signature)
+                self.sig_refs.append(0)
+            self.sig_ids[signature] = sid
+        self.sig_refs[sid] += 1
+        return sid
+
+    def _release_signature(self, sid: int) -> None:
+        self.sig_refs[sid] -= 1
+        if self.sig_refs[sid] == 0:
+            del self.sig_ids[self.signatures[sid]]
+            self.signatures[sid] = _VACANT
+            self._free_sigs.append(sid)
+
+    def unit(self, n: int) -> int:
+        return EXTRA_UNIT if self.signatures[self.sig[n]][0] else PLAIN_UNIT
+
     @staticmethod
-    def child(node: RadixNode, key: BlockKey) -> RadixNode | None:
-        return node.children.get(key)
+    def child_key(sid: int, first: bytes, mm: tuple) -> bytes | tuple:
+        """Key of a child under its parent: its first block's bytes (plain signature), else
+        the signature id, those bytes and the multimodal keys."""
+        return first if sid == 0 and not mm else (sid, first, mm)
 
-    @staticmethod
-    def best_partial_child(
-        node: RadixNode, key: BlockKey, window: int, skip_referenced: bool
-    ) -> tuple[RadixNode | None, int]:
-        """Child holding a block for `window` whose key shares the most leading tokens with
-        `key` (ties: the oldest child). Referenced blocks are skipped when `skip_referenced`."""
-        bucket_key = partial_index_key(key)
-        if bucket_key is None:
-            return None, 0
-        index = node.partial_index
-        if index is None:
-            index = node.partial_index = {}
-            for child in node.children.values():
-                bk = partial_index_key(child.key)
-                if bk is not None:
-                    index.setdefault(bk, {})[child] = None
-        bucket = index.get(bucket_key)
-        if not bucket:
-            return None, 0
-        best, best_n = None, 0
-        for cand in bucket:
-            blk = cand.blocks.get(window)
-            if blk is None or (skip_referenced and blk.ref_count > 0):
-                continue
-            n = common_prefix_length(key, cand.key)
-            if n > best_n:
-                best, best_n = cand, n
-        return best, best_n
+    # ------------------------------------------------------------------ node storage
+    def _alloc(self, parent: int, depth: int, length: int, sid: int, pid: int, pid_end: int) -> int:
+        if self.free_ids:
+            n = self.free_ids.pop()
+            self.parent[n] = parent
+            self.depth[n] = depth
+            self.length[n] = length
+            self.sig[n] = sid
+            self.pid[n] = pid
+            self.pid_end[n] = pid_end
+        else:
+            n = len(self.content)
+            self.parent.append(parent)
+            self.depth.append(depth)
+            self.length.append(length)
+            self.sig.append(sid)
+            self.pid.append(pid)
+            self.pid_end.append(pid_end)
+            self.content.append(_VACANT)
+            self.children.append(None)
+            self.pindex.append(None)
+            self.hashes.append(None)
+            for rows in self.values:
+                rows.append(_VACANT)
+        self.num_nodes += 1
+        return n
 
-    # ------------------------------------------------------------------ mutation
-    def get_or_create_child(self, node: RadixNode, key: BlockKey) -> RadixNode:
-        child = node.children.get(key)
-        if child is None:
-            child = RadixNode(key, node, node.depth + 1, self.tokens_per_block)
-            if node.children is _EMPTY:
-                node.children = {}
-            node.children[key] = child
-            if node.partial_index is not None:
-                bucket_key = partial_index_key(key)
-                if bucket_key is not None:
-                    node.partial_index.setdefault(bucket_key, {})[child] = None
-            self.num_nodes += 1
-        return child
+    def _free(self, n: int) -> None:
+        self._release_signature(self.sig[n])
+        self.parent[n] = -1
+        self.length[n] = 0
+        self.pid[n] = self.pid_end[n] = -1
+        self.content[n] = _VACANT
+        self.children[n] = None
+        self.pindex[n] = None
+        self.hashes[n] = None
+        for rows in self.values:
+            rows[n] = _VACANT
+        self.mm.pop(n, None)
+        self.free_ids.append(n)
+        self.num_nodes -= 1
 
-    def attach(self, node: RadixNode, window: int, block: Block) -> Block:
-        """Attach `block` as `node`'s value for `window` unless one is there already.
+    def _first_key(self, n: int) -> tuple[bytes, bytes | tuple]:
+        """(first block's bytes, key under the parent) of node `n`."""
+        c = self.content[n]
+        bb = self.unit(n) * self.tokens_per_block
+        first = c if len(c) <= bb else c[:bb]
+        sid = self.sig[n]
+        return first, self.child_key(sid, first, self.mm.get(n, ()))
 
-        Returns the block now cached at that node (an existing value is never overwritten).
-        A block attached elsewhere is detached from its old node first.
-        """
-        existing = node.blocks.get(window)
-        if existing is not None:
-            return existing
-        if block.node is not None:
-            self.detach(block)
-        node.blocks[window] = block
-        block.node = node
-        return block
+    def _add_child(self, p: int, n: int) -> None:
+        first, key = self._first_key(n)
+        kids = self.children[p]
+        if kids is None:
+            kids = self.children[p] = {}
+        kids[key] = n
+        index = self.pindex[p]
+        if index is not None and n not in self.mm:
+            firsts = index.get(self.sig[n])
+            if firsts is None:
+                firsts = index[self.sig[n]] = SortedFirsts([])
+            firsts.add(first)
 
-    def detach(self, block: Block) -> RadixNode | None:
-        """Detach `block` from its node and prune nodes left empty. Returns the old node."""
-        node = block.node
-        if node is None:
-            return None
-        del node.blocks[block.window]
-        block.node = None
-        self._prune(node)
-        return node
+    def _remove_child(self, p: int, n: int) -> None:
+        first, key = self._first_key(n)
+        kids = self.children[p]
+        assert kids is not None  # `n` is one of them
+        del kids[key]
+        if not kids:
+            self.children[p] = None
+        index = self.pindex[p]
+        if index is not None and n not in self.mm:
+            sid = self.sig[n]
+            firsts = index[sid]
+            firsts.remove(first)
+            if not firsts:
+                del index[sid]
 
-    def _prune(self, node: RadixNode) -> None:
-        while node.parent is not None and not node.blocks and not node.children:
-            parent = node.parent
-            del parent.children[node.key]
-            if parent.partial_index is not None:
-                bucket_key = partial_index_key(node.key)
-                if bucket_key is not None:
-                    bucket = parent.partial_index[bucket_key]
-                    del bucket[node]
-                    if not bucket:
-                        del parent.partial_index[bucket_key]
-            node.attached = False
-            # Break the run links both ways: a live predecessor (always the parent) would
-            # keep the pruned node, its successors and their token run alive for good.
-            if parent.next_in_run is node:
-                parent.next_in_run = None
-            node.next_in_run = None
-            node.run = None
-            self.num_nodes -= 1
-            node = parent
+    def new_edge(self, p: int, depth: int, signature: tuple, content: bytes, mm: tuple, rows: dict[int, array.array]) -> int:
+        """A node of `len(row)` new positions under `p`, holding `rows[w]` for window w."""
+        length = len(next(iter(rows.values())))
+        sid = self._acquire_signature(signature)
+        pid = self.next_pid
+        self.next_pid = pid_end = pid + max(length, RUN_LIMIT)
+        n = self._alloc(p, depth, length, sid, pid, pid_end)
+        self.content[n] = content
+        for w, vals in enumerate(self.values):
+            row = rows.get(w)
+            vals[n] = array.array("i", [NO_BLOCK]) * length if row is None else row
+        if mm:
+            self.mm[n] = mm
+        self._add_child(p, n)
+        self.num_positions += length
+        return n
 
-    # ------------------------------------------------------------------ block hashes
-    def node_hash(self, node: RadixNode) -> bytes | int:
-        """Chained block hash of `node` (`hasher.root` for the root), computed once per node,
-        iteratively (a deep path never hits the recursion limit)."""
-        h = node._hash
-        if h is not None:
-            return h
-        pending = []
-        while node._hash is None and node.parent is not None:
-            pending.append(node)
-            node = node.parent
-        h = self.hasher.root if node.parent is None else node._hash
-        link = self.hasher.hash
-        for n in reversed(pending):
-            h = n._hash = link(n.key, h)
+    def can_grow(self, n: int, sid: int, block_bytes: int, k: int) -> bool:
+        """May leaf `n` take `k` more positions of a path with signature `sid` in place? Only
+        a run of full blocks that never lost positions at its end, with ids to spare."""
+        return (
+            n != ROOT
+            and self.children[n] is None
+            and self.sig[n] == sid
+            and n not in self.mm
+            and len(self.content[n]) == self.length[n] * block_bytes
+            and self.pid[n] + self.length[n] + k <= self.pid_end[n]
+        )
+
+    def grow(self, n: int, content: bytes, k: int) -> int:
+        """Append `k` empty positions holding `content` to leaf `n` (see `can_grow`); returns
+        the offset of the first."""
+        first = self.length[n]
+        self.content[n] += content
+        empty = array.array("i", [NO_BLOCK]) * k
+        for vals in self.values:
+            vals[n].extend(empty)
+        hs = self.hashes[n]
+        if hs is not None:
+            hs.extend([None] * k)
+        self.length[n] = first + k
+        self.num_positions += k
+        return first
+
+    def split(self, n: int, o: int) -> int:
+        """Cut node `n` before its position `o` (0 < o < length): the first `o` positions move
+        to a new node `h` (returned) that takes `n`'s place; `n` keeps the rest and its
+        children. Position ids do not change."""
+        p = self.parent[n]
+        h = self._alloc(p, self.depth[n], o, self.sig[n], self.pid[n], self.pid[n] + o)  # h never grows: n follows it
+        self.sig_refs[self.sig[n]] += 1
+        bb = self.unit(n) * self.tokens_per_block
+        c = self.content[n]
+        self.content[h] = c[: o * bb]
+        self.content[n] = c[o * bb :]
+        for w, vals in enumerate(self.values):
+            row = vals[n]
+            head, tail = row[:o], row[o:]
+            vals[h], vals[n] = head, tail
+            bn, bo = self.block_node[w], self.block_offset[w]
+            for b in head:
+                if b >= 0:
+                    bn[b] = h
+            for b in tail:
+                if b >= 0:
+                    bo[b] -= o
+        hs = self.hashes[n]
+        if hs is not None:
+            self.hashes[h], self.hashes[n] = hs[:o], hs[o:]
+        _, key = self._first_key(h)
+        kids = self.children[p]
+        assert kids is not None  # `n` was one of them
+        kids[key] = h  # the same key: the parent's partial index is unchanged
+        self.parent[n] = h
+        self.depth[n] += o
+        self.length[n] -= o
+        self.pid[n] += o
+        self.children[h] = None
+        self.pindex[h] = None
+        self._add_child(h, n)
         return h
 
-    # ------------------------------------------------------------------ inspection
-    def iter_nodes(self) -> Iterator[RadixNode]:
-        """Every non-root node, depth first."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+    # ------------------------------------------------------------------ positions
+    def value(self, w: int, n: int, o: int) -> int:
+        return self.values[w][n][o]
 
-    def path_keys(self, node: RadixNode) -> list[BlockKey]:
+    def position_of(self, w: int, b: int) -> tuple[int, int] | None:
+        n = self.block_node[w][b]
+        return None if n < 0 else (n, self.block_offset[w][b])
+
+    def position_tokens(self, n: int, o: int) -> int:
+        """Tokens of position `o` of `n` (fewer than a block only for a partial last one)."""
+        tpb = self.tokens_per_block
+        if o < self.length[n] - 1:
+            return tpb
+        return min(tpb, len(self.content[n]) // self.unit(n) - o * tpb)
+
+    def previous(self, n: int, o: int) -> tuple[int, int]:
+        """The position before `(n, o)` on its path ((ROOT, -1) before the first)."""
+        if o > 0:
+            return n, o - 1
+        p = self.parent[n]
+        return p, self.length[p] - 1
+
+    def key_at(self, n: int, o: int) -> BlockKey:
+        bb = self.unit(n) * self.tokens_per_block
+        c = self.content[n][o * bb : (o + 1) * bb]
+        return block_key(c, self.signatures[self.sig[n]], self.mm.get(n, ()))
+
+    def path_keys(self, n: int, o: int) -> list[BlockKey]:
+        """Keys of every position from the root to `(n, o)`."""
         keys = []
-        while node.parent is not None:
-            keys.append(node.key)
-            node = node.parent
+        while n != ROOT:
+            keys.append(self.key_at(n, o))
+            n, o = self.previous(n, o)
         return keys[::-1]
+
+    def is_leaf(self, w: int, b: int) -> bool:
+        """No position right after `b`'s holds a block of window `w` (nobody's prefix)."""
+        n = self.block_node[w][b]
+        if n < 0:
+            return True
+        o = self.block_offset[w][b]
+        vals = self.values[w]
+        if o + 1 < self.length[n]:
+            return vals[n][o + 1] == NO_BLOCK
+        kids = self.children[n]
+        if kids:
+            for c in kids.values():
+                if vals[c][0] != NO_BLOCK:
+                    return False
+        return True
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self, w: int, n: int, o: int, b: int) -> None:
+        """Make `b` window `w`'s block at `(n, o)` (the position holds none; `b` is detached)."""
+        self.values[w][n][o] = b
+        self.block_node[w][b] = n
+        self.block_offset[w][b] = o
+
+    def detach(self, w: int, b: int) -> bool:
+        """Take `b` out of the tree and prune what is left empty. False if it was not cached."""
+        bn = self.block_node[w]
+        n = bn[b]
+        if n < 0:
+            return False
+        o = self.block_offset[w][b]
+        row = self.values[w][n]
+        row[o] = NO_BLOCK
+        bn[b] = NO_BLOCK
+        if o == len(row) - 1 and self.children[n] is None:
+            if o and self.num_windows == 1 and row[o - 1] != NO_BLOCK:  # the usual tail eviction
+                del row[o]
+                hs = self.hashes[n]
+                if hs is not None:
+                    del hs[o]
+                self.length[n] = o
+                self.num_positions -= 1
+            else:
+                self.prune(n)
+        return True
+
+    def prune(self, n: int) -> None:
+        """Drop trailing empty positions of leaf nodes, from `n` up to the root."""
+        values = self.values
+        while n != ROOT and self.children[n] is None:
+            length = self.length[n]
+            last = -1
+            for vals in values:
+                row = vals[n]
+                for o in range(length - 1, last, -1):
+                    if row[o] != NO_BLOCK:
+                        last = o
+                        break
+            if last == length - 1:
+                return
+            if last >= 0:
+                self._truncate(n, last + 1)
+                return
+            p = self.parent[n]
+            self._remove_child(p, n)
+            self.num_positions -= length
+            self._free(n)
+            n = p
+
+    def _truncate(self, n: int, keep: int) -> None:
+        """Keep the first `keep` positions of `n`. Its content keeps the dropped positions'
+        tokens (bounded by what the node was created with; they go with the node or a split):
+        only `length` says how many positions are live."""
+        self.num_positions -= self.length[n] - keep
+        for vals in self.values:
+            del vals[n][keep:]
+        hs = self.hashes[n]
+        if hs is not None:
+            del hs[keep:]
+        self.length[n] = keep
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, w: int, path: TokenPath, n_full: int, swa: bool) -> tuple[list, list[int]]:
+        """Exact walk from the root over the path's first `n_full` full blocks in window `w`:
+        the matched block ids (None where a sliding window may skip a missing block) and, for
+        each None, the end token of its block. A full-attention walk stops at the first
+        position without a block of `w`."""
+        matched: list = []
+        gaps: list[int] = []
+        sid = self.sig_ids.get(path.signature, -1)
+        if sid < 0 or n_full <= 0:
+            return matched, gaps
+        tpb = self.tokens_per_block
+        bb = path.block_bytes
+        P = path.content
+        base = path.base
+        mm = path.mm
+        children, content, length = self.children, self.content, self.length
+        vals = self.values[w]
+        n, o, d = ROOT, -1, 0
+        while d < n_full:
+            if o + 1 < length[n]:  # along the current node's run
+                c = content[n]
+                k = min(min(len(c) // bb, length[n]) - (o + 1), n_full - d)
+                if mm is not None:
+                    k = min(k, _next_mm(mm, d) - d)  # a multimodal block has its own node
+                if k <= 0:
+                    break
+                first = o + 1
+                m = _equal_blocks(P, (d - base) * bb, c, first * bb, k, bb)
+                if m == 0:
+                    break
+            else:
+                kids = children[n]
+                if kids is None:
+                    break
+                p0 = (d - base) * bb
+                blk = P[p0 : p0 + bb]
+                mmk = () if mm is None else mm.get(d, ())
+                c_id = kids.get(blk if sid == 0 and not mmk else (sid, blk, mmk))
+                if c_id is None:
+                    break
+                n, first, m, k = c_id, 0, 1, 1
+            seg = vals[n][first : first + m]
+            if NO_BLOCK in seg:
+                if not swa:
+                    matched.extend(seg[: seg.index(NO_BLOCK)])
+                    break
+                for j, b in enumerate(seg):
+                    if b == NO_BLOCK:
+                        matched.append(None)
+                        gaps.append((d + j + 1) * tpb)
+                    else:
+                        matched.append(b)
+            else:
+                matched.extend(seg)
+            d += m
+            o = first + m - 1
+            if m < k:
+                break
+        return matched, gaps
+
+    def best_partial(
+        self, w: int, after: tuple[int, int], query: bytes, signature: tuple, mm: tuple, ref: array.array, skip_referenced: bool
+    ) -> tuple[int, int]:
+        """The block, among the positions right after `after`, holding a block of window `w`
+        whose tokens share the most leading units with `query` (ties: the oldest position),
+        and that count; referenced blocks are skipped when `skip_referenced`. (-1, 0) when
+        none shares a unit. Blocks with multimodal keys never partially match."""
+        sid = self.sig_ids.get(signature, -1)
+        if sid < 0 or mm or not query:
+            return NO_BLOCK, 0
+        n, o = after
+        unit = EXTRA_UNIT if signature[0] else PLAIN_UNIT
+        vals = self.values[w]
+        if n != ROOT and o + 1 < self.length[n]:  # inside a run: one candidate
+            b = vals[n][o + 1]
+            if b == NO_BLOCK or (skip_referenced and ref[b] > 0):
+                return NO_BLOCK, 0
+            bb = unit * self.tokens_per_block
+            t = common_units(query, self.content[n][(o + 1) * bb : (o + 2) * bb], unit)
+            return (b, t) if t else (NO_BLOCK, 0)
+        kids = self.children[n]
+        if not kids:
+            return NO_BLOCK, 0
+        index = self.pindex[n]
+        if index is None:
+            index = self._build_index(n)
+        firsts = index.get(sid)
+        if not firsts:
+            return NO_BLOCK, 0
+        keys = firsts.keys  # sorted, with the removed ones still in (children.get skips them)
+        i = bisect.bisect_left(keys, query)
+        best_t = 0
+        for j in (i - 1, i):
+            if 0 <= j < len(keys):
+                best_t = max(best_t, common_units(query, keys[j], unit))
+        pid = self.pid
+        top = b"\xff" * (unit * self.tokens_per_block)
+        done_lo = done_hi = i
+        for t in range(best_t, 0, -1):
+            # the keys sharing t units with the query are one range of the sorted keys
+            prefix = query[: t * unit]
+            lo = bisect.bisect_left(keys, prefix, 0, done_lo)
+            hi = bisect.bisect_right(keys, prefix + top, done_hi)
+            size = hi - lo
+            if size * size > len(kids):
+                # many ties (siblings after a shared first token): children are kept oldest
+                # first, and about len(kids) / size of them are seen before one has the prefix
+                b = self._oldest_with_prefix(kids, sid, prefix, vals, ref, skip_referenced)
+            else:
+                b = NO_BLOCK
+                best_pid = None
+                for j in [*range(lo, done_lo), *range(done_hi, hi)]:
+                    first = keys[j]
+                    c = kids.get(first if sid == 0 else (sid, first, ()))
+                    if c is None:  # removed since the index was compacted
+                        continue
+                    cb = vals[c][0]
+                    if cb == NO_BLOCK or (skip_referenced and ref[cb] > 0):
+                        continue
+                    if best_pid is None or pid[c] < best_pid:
+                        b, best_pid = cb, pid[c]
+            if b != NO_BLOCK:
+                return b, t
+            done_lo, done_hi = lo, hi
+        return NO_BLOCK, 0
+
+    def _oldest_with_prefix(
+        self, kids: dict, sid: int, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
+    ) -> int:
+        """The block of the oldest child (dict order: creation order) whose first block starts
+        with `prefix` and that holds a block (unreferenced when `skip_referenced`)."""
+        mm = self.mm
+        for key, c in kids.items():
+            if sid == 0:
+                if type(key) is not bytes:
+                    continue
+                first = key
+            elif type(key) is bytes or key[0] != sid or c in mm:
+                continue
+            else:
+                first = key[1]
+            if first.startswith(prefix):
+                b = vals[c][0]
+                if b != NO_BLOCK and not (skip_referenced and ref[b] > 0):
+                    return b
+        return NO_BLOCK
+
+    def _build_index(self, n: int) -> dict[int, SortedFirsts]:
+        """Sorted first blocks of `n`'s children, per signature (built on the first partial
+        lookup at `n`, kept in step from then on)."""
+        lists: dict[int, list[bytes]] = {}
+        kids = self.children[n]
+        assert kids is not None  # only a node with children is searched for partial matches
+        for key, c in kids.items():
+            if c in self.mm:
+                continue
+            first = key if type(key) is bytes else key[1]
+            lists.setdefault(self.sig[c], []).append(first)
+        index = {sid: SortedFirsts(sorted(keys)) for sid, keys in lists.items()}
+        self.pindex[n] = index
+        return index
+
+    # ------------------------------------------------------------------ storing
+    def insert(
+        self,
+        w: int,
+        path: TokenPath,
+        start: tuple[int, int],
+        n_blocks: int,
+        n_full: int,
+        blocks: array.array,
+        on_move: Callable[[int, int], None],
+    ) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+        """Attach `blocks[d]` (window `w`) at depth d of the path for d from `path.base` to
+        `n_blocks`, starting after position `start` (the one at depth `path.base - 1`), creating
+        the positions that do not exist. A position already holding a block of `w` keeps it,
+        and placeholders (negative ids) attach nowhere. A block cached elsewhere (a partial
+        block that grew) is reported to `on_move(depth, block)` and moved. Returns the (depth, block) pairs
+        attached, in order, and (node, position id) of the position at depth `n_full - 1` if
+        the walk passed it."""
+        bb = path.block_bytes
+        P = path.content
+        base = path.base
+        mm = path.mm
+        sid = self.sig_ids.get(path.signature, -1)
+        children, content, length, pid = self.children, self.content, self.length, self.pid
+        vals = self.values[w]
+        bnode = self.block_node[w]
+        attached: list[tuple[int, int]] = []
+        cursor = None
+        n, o = start
+        d = base
+        while d < n_blocks:
+            if o + 1 < length[n]:  # along the current node's run
+                c = content[n]
+                full_n = min(len(c) // bb, length[n])
+                k = min(full_n - (o + 1), n_full - d)
+                if mm is not None:
+                    k = min(k, _next_mm(mm, d) - d)
+                m = _equal_blocks(P, (d - base) * bb, c, (o + 1) * bb, k, bb) if k > 0 else 0
+                if m == 0:
+                    # our partial last block may equal the run's partial last position
+                    last_partial = d == n_blocks - 1 and d >= n_full and full_n == o + 1 and o + 2 == length[n]
+                    if last_partial and (mm is None or d not in mm) and P[(d - base) * bb :] == c[(o + 1) * bb :]:
+                        m = 1
+                    if m == 0:
+                        n = self.split(n, o + 1)
+                        cursor = self._create_rest(w, path, n, d, n_blocks, n_full, blocks, on_move, attached, cursor)
+                        break
+                first = o + 1
+            else:
+                kids = children[n]
+                c_id = None
+                if kids is not None and sid >= 0:
+                    blk = path.block(d)
+                    mmk = () if mm is None else mm.get(d, ())
+                    c_id = kids.get(blk if sid == 0 and not mmk else (sid, blk, mmk))
+                if c_id is None:
+                    cursor = self._create_rest(w, path, n, d, n_blocks, n_full, blocks, on_move, attached, cursor)
+                    break
+                n, first, m = c_id, 0, 1
+            row = vals[n]
+            for j in range(m):
+                b = blocks[d + j]
+                if b >= 0 and row[first + j] == NO_BLOCK:
+                    if bnode[b] >= 0:
+                        on_move(d + j, b)
+                        self.detach(w, b)
+                    self.attach(w, n, first + j, b)
+                    attached.append((d + j, b))
+            if d < n_full <= d + m:
+                cursor = (n, pid[n] + first + n_full - 1 - d)
+            d += m
+            o = first + m - 1
+        return attached, cursor
+
+    def _create_rest(
+        self, w, path: TokenPath, p: int, d: int, n_blocks: int, n_full: int, blocks, on_move, attached: list, cursor
+    ) -> tuple[int, int] | None:
+        """New nodes under `p` for depths `d..n_blocks-1` (a multimodal block gets its own)."""
+        bb = path.block_bytes
+        unit = path.unit
+        tpb = self.tokens_per_block
+        base = path.base
+        mm = path.mm
+        bnode = self.block_node[w]
+        sid = self.sig_ids.get(path.signature, -1)
+        last = p
+        while d < n_blocks:
+            if mm is None:
+                end, mmk = n_blocks, ()
+            elif d in mm:
+                end, mmk = d + 1, mm[d]
+            else:
+                end, mmk = min(_next_mm(mm, d), n_blocks), ()
+            lo = (d - base) * bb
+            hi = (min(end * tpb, path.num_tokens) - base * tpb) * unit
+            row = blocks[d:end]
+            if min(row) < 0:  # placeholders hold no position
+                row = array.array("i", [b if b >= 0 else NO_BLOCK for b in row])
+            moving = [(j, b) for j, b in enumerate(row) if b >= 0 and bnode[b] >= 0]
+            if not mmk and self.can_grow(last, sid, bb, len(row)):  # the leaf run goes on
+                n = last
+                first = self.grow(n, path.content[lo:hi], len(row))
+                for j, b in enumerate(row):
+                    if b >= 0:
+                        if bnode[b] >= 0:  # a partial block that grew leaves its old key first
+                            on_move(d + j, b)
+                            self.detach(w, b)
+                        self.attach(w, n, first + j, b)
+                        attached.append((d + j, b))
+                if d < n_full <= end:
+                    cursor = (n, self.pid[n] + first + n_full - 1 - d)
+                d = end
+                continue
+            if moving:  # partial blocks that grew: attached one by one, after leaving their old key
+                empty = array.array("i", [NO_BLOCK]) * len(row)
+                n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: empty})
+                for j, b in enumerate(row):
+                    if b >= 0:
+                        if bnode[b] >= 0:
+                            on_move(d + j, b)
+                            self.detach(w, b)
+                        self.attach(w, n, j, b)
+                        attached.append((d + j, b))
+            else:
+                n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: row})
+                boff = self.block_offset[w]
+                for j, b in enumerate(row, d):
+                    if b >= 0:
+                        bnode[b] = n
+                        boff[b] = j - d
+                        attached.append((j, b))
+            if d < n_full <= end:
+                cursor = (n, self.pid[n] + n_full - 1 - d)
+            last = n
+            d = end
+        self.prune(last)  # a trailing run of placeholders holds nothing
+        return cursor
+
+    def locate(self, node: int, pid: int) -> tuple[int, int] | None:
+        """Where position `pid` is now, looking from `node` (where it was) up to the root.
+        None if it is not found there: pruned, or `node` was reused (then look it up by path)."""
+        pids, length, parent = self.pid, self.length, self.parent
+        while node > ROOT:
+            b = pids[node]
+            if b <= pid < b + length[node]:
+                return node, pid - b
+            node = parent[node]
+        return None
+
+    def find(self, path: TokenPath, depth: int) -> tuple[int, int] | None:
+        """The position at block index `depth` on the path's full blocks (path.base == 0)."""
+        sid = self.sig_ids.get(path.signature, -1)
+        if sid < 0:
+            return None
+        bb = path.block_bytes
+        mm = path.mm
+        n, o, d = ROOT, -1, 0
+        while d <= depth:
+            if o + 1 < self.length[n]:
+                c = self.content[n]
+                k = min(min(len(c) // bb, self.length[n]) - (o + 1), depth + 1 - d)
+                if mm is not None:
+                    k = min(k, _next_mm(mm, d) - d)
+                m = _equal_blocks(path.content, d * bb, c, (o + 1) * bb, k, bb) if k > 0 else 0
+                if m == 0:
+                    return None
+                d += m
+                o += m
+            else:
+                kids = self.children[n]
+                if kids is None:
+                    return None
+                blk = path.block(d)
+                mmk = () if mm is None else mm.get(d, ())
+                c_id = kids.get(blk if sid == 0 and not mmk else (sid, blk, mmk))
+                if c_id is None:
+                    return None
+                n, o = c_id, 0
+                d += 1
+        return n, o
+
+    # ------------------------------------------------------------------ block hashes
+    def position_hash(self, n: int, o: int) -> bytes | int:
+        """Chained block hash of position `(n, o)` (`hasher.root` for the root), computed once
+        per position, iteratively (a deep path never hits the recursion limit)."""
+        hs = self.hashes[n]
+        if hs is not None:
+            h = hs[o]
+            if h is not None:
+                return h
+        pending = []
+        while True:
+            if n == ROOT:
+                h = self.hasher.root
+                break
+            hs = self.hashes[n]
+            if hs is None:
+                hs = self.hashes[n] = [None] * self.length[n]
+            h = hs[o]
+            if h is not None:
+                break
+            pending.append((n, o))
+            n, o = self.previous(n, o)
+        for n, o in reversed(pending):
+            h = self.hash_after(n, o, h)
+        return h
+
+    def hash_after(self, n: int, o: int, parent: bytes | int) -> bytes | int:
+        """Chained hash of position `(n, o)` given its parent's (`parent`): the cached one, or
+        computed and cached. Walking a path forwards this costs one hash per new position."""
+        hs = self.hashes[n]
+        if hs is None:
+            hs = self.hashes[n] = [None] * self.length[n]
+        h = hs[o]
+        if h is None:
+            if self._fast_sha256 and self.sig[n] == 0 and n not in self.mm:
+                bb = 4 * self.tokens_per_block
+                c = self.content[n][o * bb : (o + 1) * bb]
+                head = self._full_head if len(c) == bb else b"T" + _U32.pack(len(c) >> 2)
+                h = _sha256(b"".join((cast(bytes, parent), head, c, _PLAIN_TAIL))).digest()  # SHA-256 chains bytes
+            else:
+                h = self.hasher.hash(self.key_at(n, o), parent)
+            hs[o] = h
+        return h
+
+    def stored_tokens(self, n: int, o: int) -> tuple:
+        """Tokens of position `(n, o)` as a Stored event carries them: token ids, or (token,
+        extra id) pairs when the path uses extra ids."""
+        if self.sig[n] == 0:
+            bb = PLAIN_UNIT * self.tokens_per_block
+            c = self.content[n][o * bb : (o + 1) * bb]
+            return self._unpack_full(c) if len(c) == bb else tuple(array.array("i", c))
+        key = self.key_at(n, o)
+        return key.tokens if key.extra_ids is None else tuple(zip(key.tokens, key.extra_ids, strict=True))
+
+    # ------------------------------------------------------------------ inspection
+    def iter_nodes(self) -> Iterator[int]:
+        """Every live node but the root, parents before children."""
+        stack = [ROOT]
+        while stack:
+            n = stack.pop()
+            if n != ROOT:
+                yield n
+            kids = self.children[n]
+            if kids:
+                stack.extend(kids.values())
+
+
+class SortedFirsts:
+    """The first blocks of one node's children of one signature, sorted, for partial matching.
+
+    A removal only marks the key dead (deleting from the middle of a sorted list moves half of
+    it: with 100k siblings, most of an admission's time); lookups skip dead keys, and the list
+    drops them once they are half of it, so removals cost O(1) amortised and lookups stay two
+    binary searches. Each key is live at most once (children are keyed by their first block)."""
+
+    __slots__ = ("keys", "dead")
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = keys
+        self.dead: set[bytes] = set()
+
+    def add(self, key: bytes) -> None:
+        dead = self.dead
+        if key in dead:  # still in the list: live again
+            dead.discard(key)
+        else:
+            bisect.insort(self.keys, key)
+
+    def remove(self, key: bytes) -> None:
+        dead = self.dead
+        dead.add(key)
+        if 2 * len(dead) > len(self.keys):
+            self.keys = [k for k in self.keys if k not in dead]
+            dead.clear()
+
+    def live(self) -> list[bytes]:
+        """The live keys, sorted."""
+        dead = self.dead
+        return [k for k in self.keys if k not in dead] if dead else list(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys) - len(self.dead)
+
+
+def _equal_blocks(P: bytes, p: int, C: bytes, c: int, k: int, bb: int) -> int:
+    """How many of the `k` blocks at `P[p:]` and `C[c:]` are equal, from the first."""
+    size = k * bb
+    if c == 0 and size == len(C):
+        if P.startswith(C, p):
+            return k
+    elif P.startswith(C[c : c + size], p):
+        return k
+    return common_units(P[p : p + size], C[c : c + size], bb)
+
+
+def _next_mm(mm: dict, d: int) -> int:
+    """The first block from `d` on that has multimodal keys (a large number if none)."""
+    nxt = 1 << 60
+    for k in mm:
+        if d <= k < nxt:
+            nxt = k
+    return nxt
+
+
+__all__ = ["NO_BLOCK", "ROOT", "RadixTree", "SHA256_ROOT_HASH"]

@@ -22,12 +22,12 @@ def reset_prefix_cache(bm: BlockManager) -> int:
     Returns the number of blocks dropped."""
     dropped = 0
     for wm in bm.windows:
-        policy = wm.policy
-        for blk in wm.blocks:
-            if blk.node is None or blk.ref_count > 0:
+        queues, ref, bnode = wm.queues, wm.refs.ref, wm.block_node
+        for b in range(wm.num_blocks):
+            if bnode[b] < 0 or ref[b] > 0:
                 continue
-            wm.drop_cached(blk, evicted=False)
-            policy.claim(blk, MIN_PRIORITY, None)  # out of its queue, retention cleared
-            policy.release(blk, to_front=True)
+            wm.drop_cached(b, evicted=False)
+            queues.claim(b, MIN_PRIORITY, None)  # out of its queue, retention cleared
+            queues.release(b, to_front=True)
             dropped += 1
     return dropped

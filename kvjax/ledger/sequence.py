@@ -1,55 +1,56 @@
-"""`Sequence`: the ledger's record of one live request (TensorRT-LLM's `GenerationRequest`).
+"""`TrackedSequence`: the ledger's record of one live request (TensorRT-LLM's `GenerationRequest`).
 
-Holds the tokens (beam 0: what keys are built from), and per window the block list of every
-beam plus a mirror of their primary slots. A referenced block never changes slot (only free
-blocks are offloaded, onboards happen before a block joins a sequence), so the slot rows are
-maintained incrementally and block tables are copied out without touching block objects.
+Holds the tokens (beam 0: what keys are built from), and per window the block ids of every beam
+plus a mirror of their primary slots, both as int arrays. A referenced block never changes
+slot (only free blocks are offloaded, onboards happen before a block joins a sequence), so
+the slot rows are kept incrementally and block tables are copied out of them directly.
 """
 from __future__ import annotations
 
 import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from kvjax.ledger.block_key import BlockKey, MmKey, cache_salt_id
+from kvjax.ledger.block_key import cache_salt_id
+from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
+from kvjax.ledger.token_path import TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.request import Request
 
 if TYPE_CHECKING:
-    from kvjax.ledger.block import Block
-    from kvjax.ledger.radix_tree import RadixNode
-
-_new_key = tuple.__new__  # BlockKey(...) without NamedTuple's Python-level __new__
+    from kvjax.ledger.stats import RequestStats
 
 
 class SequenceWindow:
     """One sequence's blocks in one window manager."""
 
-    __slots__ = ("beams", "slots", "num_front_removed", "store_node", "store_depth")
+    __slots__ = ("blocks", "slots", "num_front_removed", "cursor")
 
     def __init__(self, beam_width: int) -> None:
-        self.beams: list[list[Block]] = [[] for _ in range(beam_width)]
+        self.blocks: list[array.array] = [array.array("i") for _ in range(beam_width)]
         self.slots: list[array.array] = [array.array("i") for _ in range(beam_width)]
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
-        self.store_node: RadixNode | None = None  # tree node of the last full block known stored
-        self.store_depth = 0
+        # (node, position id, full blocks) of the last full block known stored, or None
+        self.cursor: tuple[int, int, int] | None = None
 
-    def unique_blocks(self) -> list[Block]:
+    def unique_blocks(self) -> list[int]:
         """Real blocks this sequence references, in allocation order (shared blocks once)."""
-        out: list[Block] = []
-        beams = self.beams
+        beams = self.blocks
+        if len(beams) == 1:
+            return beams[0][self.num_front_removed :].tolist()
+        out: list[int] = []
         for pos in range(len(beams[0])):
             first = None
             for beam in beams:
-                blk = beam[pos]
-                if blk.placeholder or blk is first:
+                b = beam[pos]
+                if b == PLACEHOLDER_BLOCK_ID or b == first:
                     continue
                 if first is None:
-                    first = blk
-                out.append(blk)
+                    first = b
+                out.append(b)
         return out
 
 
-class Sequence:
+class TrackedSequence:
     __slots__ = (
         "request_id",
         "request",
@@ -60,6 +61,7 @@ class Sequence:
         "beam_width",
         "lora_task_id",
         "salt_id",
+        "signature",
         "mm_items",
         "retention",
         "max_new_tokens",
@@ -73,17 +75,22 @@ class Sequence:
         "slow_at",
     )
 
-    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: list[int] | None = None) -> None:
+    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
         self.request_id: Hashable = request.request_id
         self.request = request
         self.is_cross = is_cross
         self.tokens: list[int] = list(request.prompt if tokens is None else tokens)
         self.extra_ids: list[int] | None = None if request.extra_ids is None else list(request.extra_ids)
-        self.prompt_len = request.encoder_len if is_cross else len(self.tokens)
+        if is_cross:
+            assert request.encoder_len is not None  # validation requires it of a cross cache's request
+            self.prompt_len = request.encoder_len
+        else:
+            self.prompt_len = len(self.tokens)
         self.num_tokens = self.prompt_len
         self.beam_width = request.beam_width
         self.lora_task_id = request.lora_task_id
         self.salt_id = cache_salt_id(request.cache_salt)
+        self.signature = (self.extra_ids is not None, self.lora_task_id, self.salt_id)
         self.mm_items = request.mm_items
         self.retention = request.retention
         self.max_new_tokens = request.max_new_tokens
@@ -91,33 +98,23 @@ class Sequence:
         self.context_position = self.prompt_len
         self.prepopulated = 0
         self.windows = [SequenceWindow(self.beam_width) for _ in range(num_windows)]
-        self.stats = None
-        self.context_retention: list | None = None
+        self.stats: RequestStats | None = None  # set when admission commits
+        self.context_retention: list[tuple[int | None, float | None]] | None = None
         # `add_token` takes its fast path (append only) while the new token count stays below
         # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
         self.slow_at = 0
 
     # ------------------------------------------------------------------ keys
-    def key(self, start: int, end: int) -> BlockKey:
-        """Key of tokens [start, end) (one block or a prefix of one)."""
-        extra = self.extra_ids
-        mm: tuple[MmKey, ...] = ()
-        if self.mm_items:
-            mm = tuple(
-                MmKey(it.hash, max(start, it.start) - it.start)
-                for it in self.mm_items
-                if it.start < end and start < it.start + it.length
-            )
-        return _new_key(
-            BlockKey,
-            (
-                tuple(self.tokens[start:end]),
-                None if extra is None else tuple(extra[start:end]),
-                self.lora_task_id,
-                self.salt_id,
-                mm,
-            ),
-        )
+    def token_path(self, first_block: int, end_token: int, tokens_per_block: int) -> TokenPath:
+        """Tokens `[first_block * tokens_per_block, end_token)` encoded for the radix tree
+        (raises `struct.error` for a token id outside int32)."""
+        start = first_block * tokens_per_block
+        if self.extra_ids is None:
+            content = encode_tokens(self.tokens[start:end_token])
+        else:
+            content = encode_with_extra(self.tokens[start:end_token], self.extra_ids[start:end_token])
+        mm = mm_keys_by_block(self.mm_items, tokens_per_block, first_block, end_token) if self.mm_items else None
+        return TokenPath(content, first_block, self.signature, tokens_per_block, end_token, mm)
 
     def block_priority(self, block_index: int, tokens_per_block: int) -> tuple[int | None, float | None]:
         """Retention (priority, duration) of block `block_index`: its range's for context blocks,
@@ -136,7 +133,9 @@ class Sequence:
         """Per context block (priority, duration): the range holding the block's first token."""
         n = -(-self.prompt_len // tpb)
         table: list[tuple[int | None, float | None]] = [(None, None)] * n
-        for r in self.retention.ranges:
+        retention = self.retention
+        assert retention is not None  # only `block_priority` of a request with retention builds it
+        for r in retention.ranges:
             lo = -(-r.start // tpb)
             hi = n if r.end is None else min(n, -(-r.end // tpb))
             if hi > lo:

@@ -30,8 +30,8 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from kvjax.errors import TransferSequenceError
-from kvjax.ledger.block import PRIMARY, SECONDARY
-from kvjax.ledger.transfer_plan import TransferKind
+from kvjax.ledger.block_columns import PRIMARY, SECONDARY
+from kvjax.transfer_plan import TransferKind
 
 if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
@@ -101,7 +101,9 @@ class TransferLog:
             raise TransferSequenceError(f"plan {seq} was already reported failed")
 
 
-def _lost_slots(ops: list[tuple[int, int, int, int, int]], failed: set[int], pending: list[tuple[int, int, int, int, int]]) -> set:
+def _lost_slots(
+    ops: list[tuple[int, int, int, int, int]], failed: set[int], pending: list[tuple[int, int, int, int, int]]
+) -> set:
     """(pool, level, slot) whose content is lost after `ops` (with `failed` failing) and then
     the not-yet-taken `pending` ops, replayed in order."""
     lost: set = set()
@@ -127,17 +129,18 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
         wm = bm.windows[bm.window_index[pools[pool].window]]
         table = owners.get(wm.index)
         if table is None:
-            table = owners[wm.index] = {(b.level, b.slot): b for b in wm.blocks}
+            cols = wm.columns
+            table = owners[wm.index] = {(cols.level[b], cols.slot[b]): b for b in range(wm.num_blocks)}
         bad.setdefault(wm.index, {})[table[(level, slot)]] = None
     dropped = 0
     pinned: dict[int, tuple[int, ...]] = {}
     for widx, blocks in bad.items():
         wm = bm.windows[widx]
-        for blk in blocks:
-            if blk.node is not None:
-                wm.drop_cached(blk, evicted=False)
+        for b in blocks:
+            if wm.is_cached(b):
+                wm.drop_cached(b, evicted=False)
                 dropped += 1
-        ids = tuple(b.block_id for b in blocks if b.pin_count)
+        ids = tuple(b for b in blocks if wm.refs.pin[b])
         if ids:
             pinned[wm.window] = ids
     recompute: dict[Hashable, int] = {}
@@ -145,9 +148,9 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
     for rid, seq in m._seqs.items():
         cut = None
         for widx, blocks in bad.items():
-            for beam in seq.windows[widx].beams:
-                for pos, blk in enumerate(beam):
-                    if blk in blocks and (cut is None or pos * tpb < cut):
+            for beam in seq.windows[widx].blocks:
+                for pos, b in enumerate(beam):
+                    if b in blocks and (cut is None or pos * tpb < cut):
                         cut = pos * tpb
                         break
         # KV may exist up to the context position during a prefill, else for every token (the
@@ -175,5 +178,5 @@ def _cut_back(m: KVCacheManager, seq, cut: int) -> None:
             seq.stats = dataclasses.replace(seq.stats, prepopulated_tokens=cut)
     tpb = m.tokens_per_block
     for sw in seq.windows:
-        if sw.store_depth > cut // tpb:  # the storing cursor must not skip the recomputed blocks
-            sw.store_node, sw.store_depth = None, 0
+        if sw.cursor is not None and sw.cursor[2] > cut // tpb:  # must not skip the recomputed blocks
+            sw.cursor = None

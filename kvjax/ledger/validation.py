@@ -1,4 +1,5 @@
-"""Argument checks of `KVCacheManager`'s entry points (the rules live in `kvjax.validation`).
+"""Argument and request checks of `KVCacheManager`'s entry points (the rules live in
+`kvjax.validation`).
 
 Each function raises a typed `KVCacheError` before the manager touches any state, and returns
 the argument normalised (numpy integers as `int`, id collections as lists).
@@ -6,12 +7,15 @@ the argument normalised (numpy integers as `int`, id collections as lists).
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError
+from kvjax.ledger.sequence import TrackedSequence
+from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
 
 
@@ -34,7 +38,7 @@ def check_max_blocks(config: CacheConfig, max_blocks: object) -> int | None:
     return check_int("max_blocks", max_blocks, 0, max_table_width(config))
 
 
-def check_table_ids(request_ids: object) -> list[Hashable]:
+def check_table_ids(request_ids: object) -> Sequence[Hashable]:
     """Request ids of a block table: a collection, each id once (a repeated row would make a
     forward write the same positions twice)."""
     ids = check_id_list("request_ids", request_ids)
@@ -106,3 +110,88 @@ def check_op_indices(op_indices: object, num_ops: int) -> set[int]:
     if not out:
         raise InvalidArgumentError("op_indices is empty: report a plan that applied with transfers_applied")
     return set(out)
+
+
+# ---------------------------------------------------------------------------- requests and tokens
+def validate_request(
+    request: object, config: CacheConfig, num_windows: int, is_cross: bool, live: dict, batch_ids: set | None, live_ok: bool
+) -> TrackedSequence:
+    """A `Request` checked as admission needs it (its fields again: a Request is mutable),
+    returned as the sequence admission would build. Token *values* are checked later, on the
+    tokens the tree walk did not match (`check_token_values`)."""
+    if not isinstance(request, Request):
+        raise InvalidRequestError(f"expected a kvjax.Request, got {type(request).__name__}")
+    request.validate()
+    rid = request.request_id
+    if not live_ok and (rid in live or (batch_ids is not None and rid in batch_ids)):
+        raise DuplicateRequestError(f"request id {rid!r} is already tracked")
+    if request.beam_width > config.max_beam_width:
+        raise InvalidRequestError(f"beam_width={request.beam_width} exceeds max_beam_width={config.max_beam_width}")
+    if is_cross:
+        if request.encoder_len is None:
+            raise InvalidRequestError("a cross-attention cache needs request.encoder_len")
+        length = request.encoder_len
+    else:
+        length = len(request.prompt)
+        if length == 0:
+            raise InvalidRequestError(f"request {rid!r} has an empty prompt")
+    if length + (0 if is_cross else request.max_new_tokens) > config.max_seq_len:
+        raise InvalidRequestError(
+            f"request {rid!r}: {length} prompt tokens + max_new_tokens={request.max_new_tokens} "
+            f"exceed max_seq_len={config.max_seq_len}"
+        )
+    prompt = request.prompt
+    if not isinstance(prompt, (list, tuple)):
+        raise InvalidRequestError(f"request {rid!r}: prompt must be a list of token ids, got {type(prompt).__name__}")
+    # One cheap pass over the whole prompt (exact ints keep the sum an int; floats, str and
+    # None do not). Values are checked after the tree walk, on the tokens that did not
+    # match: matched tokens equal cached ones, which were checked when they were stored.
+    tokens = prompt
+    try:
+        exact = type(sum(prompt)) is int
+    except TypeError:
+        exact = False
+    if not exact:  # numpy integers are converted once; anything else is rejected
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in prompt):
+            raise InvalidRequestError(f"request {rid!r}: prompt tokens must be ints in [0, 2**31)")
+        tokens = [int(t) for t in prompt]
+    if request.extra_ids is not None and len(request.extra_ids) != len(request.prompt):
+        raise InvalidRequestError(f"request {rid!r}: extra_ids needs one id per prompt token")
+    return TrackedSequence(request, num_windows, is_cross, tokens)
+
+
+def check_token_values(seq: TrackedSequence, start: int) -> None:
+    """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids)."""
+    rest = seq.tokens[start:] if start else seq.tokens
+    if rest and (bool in set(map(type, rest)) or min(rest) < 0 or max(rest) > INT32_MAX):
+        raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
+
+
+def check_beam_token(seq: TrackedSequence, token: object) -> int:
+    """`add_token`'s token for a sequence on the slow path: one int (every beam appends it) or
+    one int per beam; returns beam 0's token."""
+    if isinstance(token, bool) or (isinstance(token, (list, tuple)) and any(isinstance(t, bool) for t in token)):
+        raise InvalidRequestError(f"tokens must be ints, got {token!r}")
+    if seq.beam_width == 1 and hasattr(token, "__index__"):
+        token = int(token.__index__())
+        if not 0 <= token <= INT32_MAX:
+            raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
+        return token
+    if hasattr(token, "__index__"):  # one token for every beam
+        token = [token] * seq.beam_width
+    try:
+        tokens = [int(t.__index__()) for t in cast("Iterable[Any]", token)]  # not iterable: TypeError
+    except (TypeError, AttributeError):
+        raise InvalidRequestError(f"token must be an int or one int per beam, got {token!r}") from None
+    if len(tokens) != seq.beam_width:
+        raise InvalidRequestError(f"request {seq.request_id!r} has {seq.beam_width} beams, got {len(tokens)} tokens")
+    if not all(0 <= t <= INT32_MAX for t in tokens):
+        raise InvalidRequestError(f"tokens must be ints in [0, 2**31), got {tokens!r}")
+    return tokens[0]
+
+
+def check_block_id(block_id: object, num_blocks: int, window: int, error: type[Exception]) -> int:
+    """A block id of one window manager (an int in [0, num_blocks))."""
+    if isinstance(block_id, (bool, np.bool_)) or not isinstance(block_id, (int, np.integer)) or not 0 <= block_id < num_blocks:
+        raise error(f"unknown block id {block_id!r} in window {window}")
+    return int(block_id)

@@ -8,7 +8,7 @@ from engine_helpers import TIGHT, assert_same_tokens, cache, check_accounting
 from kvjax.errors import TransferError
 from kvjax.engine import ChatWorkload
 from kvjax.ledger import KVCacheManager
-from kvjax.ledger.transfer_plan import TransferPlan
+from kvjax.transfer_plan import TransferPlan
 
 CHAT = ChatWorkload(
     users=6, turns=3, system_prompts=2, system_prompt_tokens=(36, 44), user_tokens=(4, 20),

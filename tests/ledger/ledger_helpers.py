@@ -1,10 +1,10 @@
 """Shared helpers of the ledger tests: tiny configs, a fake clock, queue/tree inspection and
 a slot-content model that replays `TransferPlan`s op by op.
 
-Only public API plus the documented inspection handle `KVCacheManager.block(id, window)` is
-used to read results; free-queue order is read from the eviction policy because
-docs/semantics.md pins it ("never-used before released, release to the back, last block
-first") and no public query exposes it.
+Only public API plus the documented inspection views (`KVCacheManager.block(id, window)` and
+`KVCacheManager.inspector`) is used to read results; free-queue order comes from the
+inspector because docs/semantics.md pins it ("never-used before released, release to the
+back, last block first") and no scheduling query exposes it.
 """
 from __future__ import annotations
 
@@ -46,38 +46,26 @@ class FakeClock:
         self.t += dt
 
 
-def _wm(m: KVCacheManager, window: int | None):
-    windows = m._bm.windows
-    if window is None:
-        assert len(windows) == 1
-        return windows[0]
-    return windows[m._bm.window_index[window]]
-
-
 def free_order(m: KVCacheManager, window: int | None = None, level: int = 0) -> list[int]:
     """Ids of the free blocks of `level` in eviction order (lowest priority first, LRU first)."""
-    return [b.block_id for b in _wm(m, window).policy.free_blocks(level)]
+    return m.inspector.free_order(window, level)
 
 
 def free_queue(m: KVCacheManager, priority: int, window: int | None = None, level: int = 0) -> list[int]:
-    return [b.block_id for b in _wm(m, window).policy.queues[level][priority]]
+    return m.inspector.free_queue(priority, window, level)
 
 
 def cached_ids(m: KVCacheManager, window: int | None = None) -> set[int]:
     """Ids of the blocks of `window` attached to the radix tree."""
-    wm = _wm(m, window)
-    return {b.block_id for b in wm.blocks if b.node is not None}
+    return m.inspector.cached_block_ids(window)
 
 
 def cached_tokens(m: KVCacheManager, block_id: int, window: int | None = None) -> tuple[int, ...] | None:
     """The full token path (prefix + own key tokens) a cached block stands for."""
-    blk = m.block(block_id, window)
-    if blk.node is None:
+    keys = m.inspector.cached_path(block_id, window)
+    if keys is None:
         return None
-    toks: list[int] = []
-    for key in m._bm.tree.path_keys(blk.node):
-        toks.extend(key.tokens)
-    return tuple(toks)
+    return tuple(t for key in keys for t in key.tokens)
 
 
 def plan_ops(m: KVCacheManager) -> list[tuple[str, int, int, int, int]]:
@@ -94,7 +82,7 @@ def tag(lora, salt_id, tokens, i, extra=None):
 class SlotModel:
     """Per pool, the content of every primary and secondary slot: one tag per token position
     (None = never written / undefined). `apply` replays a `TransferPlan` with the semantics of
-    kvjax/ledger/transfer_plan.py; `write` is what a model forward does to the slot table."""
+    kvjax/transfer_plan.py; `write` is what a model forward does to the slot table."""
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config

@@ -198,7 +198,7 @@ def test_hash_matches_an_independent_transcription(key, parent):
 def test_trtllm64_memo_is_bounded_and_per_manager():
     m1 = KVCacheManager(make_config(event_hash="trtllm64"))
     m2 = KVCacheManager(make_config(event_hash="trtllm64"))
-    h1, h2 = m1._bm.tree.hasher, m2._bm.tree.hasher
+    h1, h2 = m1.inspector.event_hasher, m2.inspector.event_hasher
     assert h1.memo is not h2.memo
     keys = [BlockKey(tuple(range(i, i + 64))) for i in range(0, TOKEN_MEMO_MAX + 5000, 64)]
     for k in keys:
@@ -219,4 +219,16 @@ def test_sha256_hasher_keeps_no_memo():
     for i in range(20):
         m.add_sequence(Request(i, list(range(i * 100, i * 100 + 30))))
         m.remove_sequence(i)
-    assert stored_hashes(m) and m._bm.tree.hasher.memo == {}
+    assert stored_hashes(m) and m.inspector.event_hasher.memo == {}
+
+
+def test_fast_event_constructors_fill_every_field():
+    """The ledger builds Stored events without the dataclasses' `__init__`; what it builds
+    must equal (and hash like) what the public constructors build."""
+    from kvjax.ledger.events import KVCacheEvent, StoredBlock, StoredData, _new_event, _new_stored_data, new_stored_block
+
+    args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
+    fast, slow = new_stored_block(*args), StoredBlock(*args)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    assert _new_stored_data(None, (fast,)) == StoredData(None, (slow,))
+    assert _new_event(3, 64, StoredData(b"p", ())) == KVCacheEvent(3, 64, StoredData(b"p", ()))

@@ -15,8 +15,7 @@ def R(a, b=None):
 
 
 def stored_hashes(m, window=None):
-    wm = m._bm.windows[0] if window is None else m._bm.windows[m._bm.window_index[window]]
-    return {b.block_id: m._bm.tree.node_hash(b.node) for b in wm.blocks if b.node is not None}
+    return {b: m.inspector.block_hash(b, window) for b in m.inspector.cached_block_ids(window)}
 
 
 def removed_hashes(events):
@@ -69,7 +68,7 @@ def test_reset_drops_offloaded_blocks_too():
     m.remove_sequence("a")  # 2 full + 1 partial cached
     m.add_sequence(Request("b", R(100, 116)))  # 4 blocks: the cached ones are offloaded
     m.take_transfers()
-    secondary_cached = [b for b in m._bm.windows[0].blocks if b.node is not None and b.level == 1]
+    secondary_cached = [b for b in cached_ids(m) if m.block(b).level == 1]
     assert secondary_cached
     m.remove_sequence("b", store_for_reuse=False)
     n = m.reset_prefix_cache()
@@ -148,7 +147,7 @@ def test_random_operations_with_resets_keep_the_ledger_consistent():
             m.remove_sequence(rid, store_for_reuse=rng.random() < 0.8)
             del live[rid]
         else:
-            referenced = {b.block_id for b in m._bm.windows[0].blocks if b.node is not None and b.ref_count > 0}
+            referenced = {b for b in cached_ids(m) if m.block(b).ref_count > 0}
             m.flush_iteration_events()
             m.get_latest_events()
             before = stored_hashes(m)

@@ -1465,7 +1465,7 @@ def test_regrown_partial_block_removes_its_old_hash():
     m.add_token("a", 11)
     m.add_token("a", 12)
     m.store_new_block("a")  # block 2 now stored as [8, 9, 10, 11]
-    assert cached_tokens(m, 2) == tuple(R(12)) and m._bm.tree.num_nodes == 3
+    assert cached_tokens(m, 2) == tuple(R(12)) and m.inspector.tree_size()[0] == 3  # positions
     h_full = block_hash(BlockKey((8, 9, 10, 11)), h1)
     assert [e.data for e in events(m)] == [
         RemovedData((h_partial,)),

@@ -546,7 +546,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if isinstance(d, CreatedData):
                 assert view == {}
             elif isinstance(d, StoredData):
-                assert d.parent_hash is None or d.parent_hash not in (0, self.m._bm.tree.hasher.root)
+                assert d.parent_hash is None or d.parent_hash not in (0, self.m.inspector.event_hasher.root)
                 for b in d.blocks:
                     assert b.block_hash not in view, f"Stored twice without Removed: {b}"
                     view[b.block_hash] = b.cache_level
@@ -558,9 +558,11 @@ class LedgerMachine(RuleBasedStateMachine):
                 old, new = d.cache_level
                 assert view.get(d.block_hash) == old, f"Updated {d} but router has {view.get(d.block_hash)}"
                 view[d.block_hash] = new
-        for wm in self.m._bm.windows:
-            truth = {self.m._bm.tree.node_hash(b.node): b.level for b in wm.blocks if b.node is not None}
-            assert self.router.get(wm.window, {}) == truth
+        inspector = self.m.inspector
+        for w in self.config.windows:
+            ww = w if self.multi else None
+            truth = {inspector.block_hash(b, ww): self.m.block(b, ww).level for b in inspector.cached_block_ids(ww)}
+            assert self.router.get(w, {}) == truth
 
     @invariant()
     def slot_contents(self):
@@ -568,22 +570,23 @@ class LedgerMachine(RuleBasedStateMachine):
         for rid, info in self.live.items():
             self._check_seq_content(rid, len(info["beams"][0]))
         # every cached block holds what its tree path spells
-        for wm in self.m._bm.windows:
-            w = wm.window
-            for blk in wm.blocks:
-                node = blk.node
-                if node is None:
-                    continue
-                keys = self.m._bm.tree.path_keys(node)
+        inspector = self.m.inspector
+        for w in self.config.windows:
+            ww = w if self.multi else None
+            for bid in inspector.cached_block_ids(ww):
+                blk = self.m.block(bid, ww)
+                keys = inspector.cached_path(bid, ww)
+                key = keys[-1]
+                assert blk.key == key
                 toks = [t for k in keys for t in k.tokens]
-                offset = len(toks) - len(node.key.tokens)
+                offset = len(toks) - len(key.tokens)
                 content = self.model.read(w, blk.level, blk.slot)
                 extra = None
-                if node.key.extra_ids is not None:
+                if key.extra_ids is not None:
                     extra = [e for k in keys for e in k.extra_ids]
-                for j in range(len(node.key.tokens)):
-                    want = tag(node.key.lora_task_id, node.key.cache_salt_id, toks, offset + j, extra)
-                    assert content[j] == want, f"cached block {blk.block_id} (window {w}) position {j}: {content[j]} != {want}"
+                for j in range(len(key.tokens)):
+                    want = tag(key.lora_task_id, key.cache_salt_id, toks, offset + j, extra)
+                    assert content[j] == want, f"cached block {bid} (window {w}) position {j}: {content[j]} != {want}"
         # pinned blocks keep every position they held when pinned (new positions may fill in)
         for (w, bid), records in list(self.pinned_content.items()):
             blk = self.m.block(bid, w if self.multi else None)

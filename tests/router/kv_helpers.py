@@ -26,11 +26,14 @@ def ledger_view(ledger: KVCacheManager) -> dict[tuple[int, str], set]:
     tpb = ledger.tokens_per_block
     group = {w: i for i, w in enumerate(ledger.windows)}
     out: dict[tuple[int, str], set] = collections.defaultdict(set)
-    for node in ledger._bm.tree.iter_nodes():
-        if node.key.num_tokens != tpb:
-            continue
-        for window, blk in node.blocks.items():
-            out[(group[window], MEDIA[blk.level])].add(ledger._bm.tree.node_hash(node))
+    inspector = ledger.inspector
+    for window in ledger.windows:
+        w = window if len(ledger.windows) > 1 else None
+        for bid in inspector.cached_block_ids(w):
+            blk = ledger.block(bid, w)
+            if blk.key.num_tokens != tpb:
+                continue
+            out[(group[window], MEDIA[blk.level])].add(inspector.block_hash(bid, w))
     return dict(out)
 
 

@@ -32,7 +32,7 @@ def test_created_is_all_blocks_cleared_and_a_run_is_one_block_stored():
     assert batch.ts == 5.0 and batch.data_parallel_rank == 2
     cleared, stored = batch.events
     assert cleared == AllBlocksCleared()
-    h = [led._bm.tree.node_hash(n) for n in led._bm.tree.iter_nodes()]
+    h = [led.inspector.block_hash(b) for b in led.inspector.cached_block_ids()]
     assert stored.parent_block_hash is None and stored.token_ids == list(range(1, 9)) and stored.block_size == 4
     assert stored.lora_id == 7 and stored.medium == "GPU" and stored.group_idx == 0
     assert stored.kv_cache_spec_kind == "full_attention" and stored.kv_cache_spec_sliding_window is None

@@ -1,0 +1,345 @@
+"""Admission with reuse: plan every request and window read-only, check the batch's capacity,
+then commit, so that admission is atomic and batch-aware.
+
+`plan_sequence` walks the tree for every window and fixes the prepopulated length (the
+minimum over windows, shortened until every sliding window is safe); `check_capacity` decides
+in-place versus copy for partial matches and counts what the batch takes (`window_need`, the
+count the scheduler queries share); only then does `commit_admission` claim, copy, onboard
+and allocate. A failed check raises before anything changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+from kvjax.errors import InvalidRequestError, OutOfBlocksError
+from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
+from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.sequence import TrackedSequence
+from kvjax.ledger.token_path import TokenPath
+
+if TYPE_CHECKING:
+    from kvjax.ledger.block_manager import BlockManager
+    from kvjax.ledger.window_manager import WindowBlockManager
+
+
+@dataclasses.dataclass
+class WindowAdmission:
+    """What admission will do for one request in one window.
+
+    `matched` holds the fully matched block ids from position 0 (None: a position a sliding
+    window does not need, left as a placeholder); `partial` the (block, tokens) matched in the
+    next position, if any; the remaining shared positions and per-beam blocks are allocated.
+    """
+
+    matched: list[int | None]
+    partial: tuple[int, int] | None
+    num_shared: int  # context blocks shared by all beams
+    num_per_beam: int = 0  # 1 when the last context block is allocated once per beam
+    gap_ends: list[int] = dataclasses.field(default_factory=list)  # sliding window: end of each missing position
+    coverage: int = 0  # tokens matched
+
+    @property
+    def num_matched_positions(self) -> int:
+        return len(self.matched) + (self.partial is not None)
+
+
+class WindowNeed(NamedTuple):
+    """Free primary blocks an admission takes from one window, phase by phase.
+
+    `held`: free matched primary blocks taken out of the queues first (copy sources included);
+    `claims`: blocks phase A allocates (onboard targets, partial copies); `released`: held
+    copy sources that go back to the queues after phase A; `fresh`: blocks phase B allocates.
+    """
+
+    held: int
+    claims: int
+    released: int
+    fresh: int
+    in_place: dict
+
+    @property
+    def required(self) -> int:
+        """Free primary blocks the window must have: phase A draws on the unheld ones, phase B
+        on what is left plus the released copy sources."""
+        return self.held + max(self.claims, self.claims + self.fresh - self.released)
+
+    @property
+    def taken(self) -> int:
+        """How far `num_free_blocks` drops once the admission is committed."""
+        return self.held - self.released + self.claims + self.fresh
+
+
+@dataclasses.dataclass
+class AdmissionPlan:
+    """One request's admission: its sequence, per-window plans and prepopulated length."""
+
+    seq: TrackedSequence
+    windows: list[WindowAdmission]
+    prepopulated: int = 0
+    # per-request deltas: reused, missed, alloc_total, alloc_new
+    deltas: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])
+
+
+# ---------------------------------------------------------------------------- planning
+def prompt_path(bm: BlockManager, seq: TrackedSequence, usable: int) -> TokenPath:
+    """The prompt's first `usable` tokens encoded once for every window's walk."""
+    try:
+        return seq.token_path(0, usable, bm.tokens_per_block)
+    except (OverflowError, struct.error):  # a token id beyond int32 matches nothing
+        raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)") from None
+
+
+def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int, num_shared: int) -> WindowAdmission:
+    """One read-only tree walk matching the prompt's first `usable` tokens in one window."""
+    tpb = bm.tokens_per_block
+    tree = bm.tree
+    n_full = min(usable // tpb, num_shared)
+    matched, gaps = tree.match(wm.index, path, n_full, wm.is_swa)
+    while matched and matched[-1] is None:  # a walk cannot end on a gap
+        matched.pop()
+        gaps.pop()
+    partial = None
+    d = len(matched)
+    start = d * tpb
+    end = min(start + tpb, usable)
+    if d < num_shared and end > start and bm.config.enable_partial_reuse:
+        after = (ROOT, -1) if not matched else tree.position_of(wm.index, matched[-1])
+        assert after is not None  # a matched block is in the tree
+        query = path.prefix(d, end - start)
+        b, n = tree.best_partial(
+            wm.index, after, query, path.signature, path.mm_keys(d), wm.refs.ref, not bm.config.copy_on_partial_reuse
+        )
+        if b != NO_BLOCK:
+            partial = (b, n)
+    coverage = len(matched) * tpb + (partial[1] if partial else 0)
+    return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage)
+
+
+def _safe(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
+    """Can `length` prepopulated tokens be reused in this window? A sliding window needs
+    every position inside the window before the reuse point to be real."""
+    if length > wa.coverage:
+        return False
+    if not wm.is_swa:
+        return True
+    last_gap = 0
+    for end in wa.gap_ends:
+        if end - bm.tokens_per_block < length:
+            last_gap = end
+    return last_gap == 0 or length >= last_gap + wm.window
+
+
+def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
+    tpb = bm.tokens_per_block
+    n_ctx = -(-seq.prompt_len // tpb)
+    beam = seq.beam_width
+    plan = AdmissionPlan(seq, [])
+    if bm.is_cross:
+        plan.windows = [WindowAdmission([], None, n_ctx) for _ in bm.windows]
+        return plan
+    if not bm.reuse:
+        shared = n_ctx if beam == 1 or seq.prompt_len % tpb == 0 else n_ctx - 1
+        plan.windows = [WindowAdmission([], None, shared, int(shared < n_ctx)) for _ in bm.windows]
+        return plan
+    shared = n_ctx if beam == 1 else n_ctx - 1
+    usable = seq.prompt_len - 1  # the last prompt token is always recomputed (its logits)
+    path = prompt_path(bm, seq, usable)
+    was = [walk(bm, wm, path, usable, shared) for wm in bm.windows]
+    length = min(wa.coverage for wa in was)
+    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(bm.windows, was, strict=True)):
+        length = (length - 1) // tpb * tpb
+    for wm, wa in zip(bm.windows, was, strict=True):
+        wa.num_per_beam = int(shared < n_ctx)
+        if length < wa.coverage or wm.is_swa:
+            _truncate(bm, wm, wa, length)
+    plan.windows = was
+    plan.prepopulated = length
+    return plan
+
+
+def _truncate(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> None:
+    """Keep the matches inside the first `length` tokens (a straddled full block becomes a
+    partial match); a sliding window leaves positions it will never read as placeholders."""
+    tpb = bm.tokens_per_block
+    full, rest = divmod(length, tpb)
+    if full < len(wa.matched):
+        b = wa.matched[full]
+        wa.partial = (b, rest) if rest and b is not None else None
+        del wa.matched[full:]
+    elif wa.partial is not None and rest < wa.partial[1]:
+        wa.partial = (wa.partial[0], rest) if rest else None
+    if wm.is_swa:
+        needed_from = length - wm.window + 1  # first key position the first new query sees
+        for d in range(len(wa.matched)):
+            if (d + 1) * tpb <= needed_from:
+                wa.matched[d] = None
+    wa.coverage = length
+
+
+def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNeed:
+    """What committing `plans` takes from `wm`'s free primary blocks, phase by phase (see
+    `commit_admission`): the one count both admission and the scheduler queries use."""
+    idx = wm.index
+    ref = wm.refs.ref
+    level = wm.columns.level
+    fresh = 0
+    partial: dict[int, list[int]] = {}
+    for i, adm in enumerate(plans):
+        wa = adm.windows[idx]
+        if wa.partial is not None:
+            partial.setdefault(wa.partial[0], []).append(i)
+        fresh += wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width
+    # Matched blocks that are free leave the free pool: primary ones are held, secondary
+    # ones need an onboard target (referenced blocks are always primary).
+    if len(plans) == 1:
+        free_matched = [b for b in plans[0].windows[idx].matched if b is not None and not ref[b]]
+    else:
+        free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
+    held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
+    claims = len(free_matched) - held  # onboard targets
+    released = 0
+    in_place: dict[int, int | None] = {}
+    if partial:
+        full = {b for adm in plans for b in adm.windows[idx].matched} if len(plans) > 1 else ()
+        for b, claimers in partial.items():
+            ok = b not in full and ref[b] == 0 and wm.is_leaf(b)
+            in_place[b] = claimers[-1] if ok else None
+            claims += len(claimers) - ok  # copies
+            claims += ok and level[b] == SECONDARY  # onboard target
+            free_source = b not in full and not ref[b] and level[b] == PRIMARY
+            held += free_source
+            released += free_source and not ok  # a copy source only: free again once copied
+    return WindowNeed(held, claims, released, fresh, in_place)
+
+
+def check_capacity(bm: BlockManager, plans: list[AdmissionPlan]) -> dict[int, dict[int, int | None]]:
+    """Raise `OutOfBlocksError` unless every window can serve the whole batch; returns, per
+    window, each partially matched block -> index of the request reusing it in place."""
+    in_place_by_window: dict[int, dict[int, int | None]] = {}
+    for wm in bm.windows:
+        need = window_need(wm, plans)
+        free = wm.num_free_primary
+        if need.required > free:
+            raise OutOfBlocksError(f"window {wm.window}: admission needs {need.required} free primary blocks, {free} available")
+        in_place_by_window[wm.index] = need.in_place
+    return in_place_by_window
+
+
+# ---------------------------------------------------------------------------- commit
+def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_window: dict) -> None:
+    """Per window, in two phases over the whole batch: (A) claim every match, onboard
+    secondary ones, copy or claim partial matches; then copy sources nobody claimed go back
+    to the free queues, their content read by the copies the plan already holds; (B) allocate
+    every fresh block. So a copy source may be recycled by the same batch, and what a batch
+    takes is what `window_need` counted."""
+    tpb = bm.tokens_per_block
+    reuse = bm.reuse
+    tree = bm.tree
+    for wm in bm.windows:
+        widx = wm.index
+        in_place = in_place_by_window[widx]
+        c = wm.counters
+        queues = wm.queues
+        queue = queues.queue
+        refs = wm.refs
+        ref = refs.ref  # read only: RefCounts changes it
+        level = wm.columns.level
+        bnode = wm.block_node
+        has_secondary = wm.num_secondary > 0
+        # Take every matched free block out of the queues first, so no allocation (an
+        # onboard target, a copy, a fresh block, another request's) can evict a block the
+        # batch is about to reuse or copy.
+        held: list[int] = []
+        for adm in plans:
+            wa = adm.windows[widx]
+            queues.take_many(wa.matched, held)
+            if wa.partial is not None and queue[wa.partial[0]] >= 0:
+                queues.take(wa.partial[0])
+                held.append(wa.partial[0])
+        for i, adm in enumerate(plans):  # phase A: matches
+            seq = adm.seq
+            wa = adm.windows[widx]
+            sw = seq.windows[widx]
+            before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            matched = wa.matched
+            # full matches: claim (keeping a cached block's priority unless the request
+            # states one), onboard secondary ones, then append to every beam
+            # only a sliding window's walk leaves gaps (None) in `matched`
+            real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
+            gaps = len(matched) - len(real)
+            refs.acquire_all(real)
+            queues.clear_durations(real)
+            if has_secondary:
+                for b in real:
+                    if level[b]:
+                        wm.onboard(b)
+            if seq.retention is not None and matched:
+                seq.block_priority(0, tpb)  # builds the per-block retention table
+                priority = queues.priority
+                table = seq.context_retention
+                assert table is not None  # built by the call above
+                # `matched` is the first context blocks (never the last one); the table has them all
+                for mb, (prio, dur) in zip(matched, table, strict=False):
+                    if mb is not None:
+                        if dur is not None:
+                            queues.set_duration(mb, dur)
+                        if prio is not None and prio != priority[mb]:
+                            wm.set_priority(mb, prio)
+            c.reused_full += len(matched) - gaps
+            row = cast("list[int]", matched)  # no gaps: every entry is a block
+            if gaps:
+                row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
+                sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)
+            wm.extend_blocks(sw, row)
+            if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
+                # storing resumes after the matched chain
+                n = bnode[matched[-1]]
+                sw.cursor = (n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched))
+            if wa.partial is not None:
+                b, n_tok = wa.partial
+                prio, dur = seq.block_priority(len(matched), tpb)
+                if in_place.get(b) == i:
+                    wm.drop_cached(b, evicted=False)
+                    if prio is not None:  # else the block keeps its own, as a full match does
+                        queues.set_priority(b, prio)
+                    queues.set_duration(b, dur)
+                    refs.acquire(b)
+                    if level[b]:
+                        wm.onboard(b)
+                else:  # the copy inherits the source's retention unless the request states one
+                    if prio is None:
+                        prio, dur = queues.priority[b], queues.duration.get(b)
+                    b = wm.copy_prefix(b, n_tok, prio, dur)
+                    refs.acquire(b)
+                c.reused_partial += 1
+                wm.extend_blocks(sw, [b])
+            after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            for k in range(4):
+                adm.deltas[k] += after[k] - before[k]
+        for b in held:  # copy sources nobody claimed: free again (the copies come first)
+            if ref[b] == 0 and queue[b] < 0:
+                queues.release(b)
+        for adm in plans:  # phase B: fresh blocks
+            seq = adm.seq
+            wa = adm.windows[widx]
+            sw = seq.windows[widx]
+            before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            first, stop = wa.num_matched_positions, wa.num_shared
+            if stop > first:
+                retention = None if seq.retention is None else [seq.block_priority(d, tpb) for d in range(first, stop)]
+                wm.extend_blocks(sw, wm.take_fresh(stop - first, retention))
+            if reuse:
+                c.missed += wa.num_shared - wa.num_matched_positions + wa.num_per_beam
+            if wa.num_per_beam:
+                prio, dur = seq.block_priority(wa.num_shared, tpb)
+                for beam in range(seq.beam_width):
+                    b = wm.get_free_block(prio, dur)
+                    refs.acquire(b)
+                    wm.append_block(sw, beam, b)
+            after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            for k in range(4):
+                adm.deltas[k] += after[k] - before[k]
+    for adm in plans:
+        adm.seq.prepopulated = adm.prepopulated
