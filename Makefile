@@ -38,4 +38,4 @@ bench-device: venv
 	JAX_PLATFORMS=cpu $(PY) benchmarks/device_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis results
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache results
