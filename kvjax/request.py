@@ -8,6 +8,7 @@ from collections.abc import Hashable, Sequence
 from kvjax.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from kvjax.errors import InvalidRequestError
 from kvjax.validation import (
+    INT32_MAX,
     UINT64_END,
     check_duration,
     check_hashable_id,
@@ -113,6 +114,23 @@ class Request:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _plain(self) -> bool:
+        """True when every field already has the form `validate` would leave it in and passes
+        its checks (the common request: int or str id, list prompt, defaults elsewhere), so
+        admission does not pay for the general checks twice."""
+        n, d, w = self.max_new_tokens, self.num_draft_tokens, self.beam_width
+        return (
+            (type(self.request_id) is int or type(self.request_id) is str)
+            and (type(self.prompt) is list or type(self.prompt) is tuple)
+            and type(n) is int and 0 <= n <= INT32_MAX
+            and type(d) is int and 0 <= d <= INT32_MAX
+            and type(w) is int and 1 <= w <= INT32_MAX
+            and type(self.mm_items) is tuple and not self.mm_items
+            and self.extra_ids is None and self.lora_task_id is None and self.encoder_len is None
+            and (self.cache_salt is None or type(self.cache_salt) is str)
+            and (self.retention is None or isinstance(self.retention, RetentionConfig))
+        )
+
     def validate(self) -> None:
         """Check and normalise every field (numpy integers become ints); the ledger calls it
         again at admission, since a Request can be changed after construction.
@@ -121,6 +139,8 @@ class Request:
         where they are used (admission, scheduler queries): prompts are long, and admission
         already reads every token it cannot match.
         """
+        if self._plain():
+            return
         err = InvalidRequestError
         check_hashable_id("request_id", self.request_id)
         if hasattr(self.prompt, "tolist") and not isinstance(self.prompt, (list, tuple)):  # numpy / jax arrays

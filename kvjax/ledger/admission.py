@@ -328,7 +328,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
             first, stop = wa.num_matched_positions, wa.num_shared
             if stop > first:
-                retention = None if seq.retention is None else [seq.block_priority(d, tpb) for d in range(first, stop)]
+                retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
                 wm.extend_blocks(sw, wm.take_fresh(stop - first, retention))
             if reuse:
                 c.missed += wa.num_shared - wa.num_matched_positions + wa.num_per_beam

@@ -10,6 +10,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import OutOfBlocksError
 from kvjax.ledger.block_key import BlockHasher
 from kvjax.ledger.events import KVCacheEventManager
+from kvjax.ledger.free_queues import PRIMARY
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.transfer_recorder import TransferRecorder
@@ -37,11 +38,22 @@ class BlockManager:
         """Allocate block `index`, which the sequence's next token starts (one per beam when
         beams diverge). Capacity is checked in every window before anything is allocated."""
         per_token = seq.beam_width
-        for wm in self.windows:
+        windows = self.windows
+        if per_token == 1 and len(windows) == 1:  # the usual case, with the loops unrolled
+            wm = windows[0]
+            if not wm.queues.num_free[PRIMARY]:
+                raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
+            prio, dur = (None, None) if seq.retention is None else seq.block_priority(index, self.tokens_per_block)
+            b = wm.get_free_block(prio, dur)
+            wm.refs.acquire(b)
+            wm.append_block(seq.windows[0], 0, b)
+            wm.counters.gen_alloc += 1
+            return
+        for wm in windows:
             if wm.num_free_primary < per_token:
                 raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
         prio, dur = seq.block_priority(index, self.tokens_per_block)
-        for wm in self.windows:
+        for wm in windows:
             sw = seq.windows[wm.index]
             for beam in range(per_token):
                 b = wm.get_free_block(prio, dur)

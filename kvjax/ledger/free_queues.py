@@ -212,6 +212,23 @@ class FreeQueues:
         else:
             self.duration[b] = duration
 
+    def set_retention_each(self, blocks, retention) -> None:
+        """`set_retention(b, DEFAULT_PRIORITY if p is None else p, d)` for each block and its
+        `(p, d)` in `retention` (blocks just claimed or stored, with the loop kept local)."""
+        if self.armed:
+            armed, expiry = self.armed, self.expiry
+            for b in blocks:
+                armed.pop(b, None)
+                expiry.pop(b, None)
+        priority, duration = self.priority, self.duration
+        for b, (p, d) in zip(blocks, retention, strict=True):
+            priority[b] = DEFAULT_PRIORITY if p is None else p
+            if d is None:
+                if duration:
+                    duration.pop(b, None)
+            else:
+                duration[b] = d
+
     def set_default_retention(self, blocks) -> None:
         """`set_retention(b, DEFAULT_PRIORITY, None)` for blocks in use."""
         priority = self.priority

@@ -226,6 +226,9 @@ class KVCacheManager:
             return
         tpb = self._tpb
         at = min(len(seq.windows[0].blocks[0]) * tpb + 1, self._max_seq_len + 1)
+        if not self._has_swa:
+            seq.slow_at = at
+            return
         for wm in self._bm.windows:
             if wm.is_swa:  # the token count at which the next front block may leave the window
                 at = min(at, wm.window + seq.num_draft_tokens + (seq.windows[wm.index].num_front_removed + 1) * tpb)

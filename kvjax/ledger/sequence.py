@@ -129,6 +129,24 @@ class TrackedSequence:
             table = self.context_retention = self._retention_table(tokens_per_block)
         return table[block_index]
 
+    def block_priorities(self, first: int, stop: int, tokens_per_block: int) -> list[tuple[int | None, float | None]]:
+        """`block_priority` of blocks `first .. stop - 1`, in order (one slice of the context
+        table, then the decode retention)."""
+        count = stop - first
+        r = self.retention
+        if r is None or count <= 0:
+            return [(None, None)] * max(count, 0)
+        n_ctx = -(-self.prompt_len // tokens_per_block)  # blocks holding a prompt token
+        out: list[tuple[int | None, float | None]] = []
+        if first < n_ctx:
+            table = self.context_retention
+            if table is None:
+                table = self.context_retention = self._retention_table(tokens_per_block)
+            out = table[first : min(stop, n_ctx)]
+        if stop > n_ctx:
+            out += [(r.decode_priority, r.decode_duration_s)] * (stop - max(first, n_ctx))
+        return out
+
     def _retention_table(self, tpb: int) -> list[tuple[int | None, float | None]]:
         """Per context block (priority, duration): the range holding the block's first token."""
         n = -(-self.prompt_len // tpb)

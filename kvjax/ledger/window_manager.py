@@ -150,8 +150,7 @@ class WindowBlockManager:
                     self.tree.detach(self.index, b)
                     c.evicted += 1
             if retention is not None:
-                for b, (p, d) in zip(out, retention, strict=True):
-                    queues.set_retention(b, DEFAULT_PRIORITY if p is None else p, d)
+                queues.set_retention_each(out, retention)
         self.refs.acquire_all(out)
         return out
 
@@ -287,9 +286,12 @@ class WindowBlockManager:
         if seq.retention is None:
             queues.set_default_retention([b for _, b in attached])
         else:
-            for d, b in attached:
-                prio, dur = seq.block_priority(d, tpb)
-                queues.set_retention(b, DEFAULT_PRIORITY if prio is None else prio, dur)
+            first, stop = attached[0][0], attached[-1][0] + 1
+            retention = seq.block_priorities(first, stop, tpb)
+            if stop - first == len(attached):  # one run of consecutive blocks (the usual case)
+                queues.set_retention_each([b for _, b in attached], retention)
+            else:
+                queues.set_retention_each([b for _, b in attached], [retention[d - first] for d, _ in attached])
         if events is not None:
             self._emit_stored(attached, moves)
         return len(attached)
