@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kvjax.ledger.window_manager import WindowBlockManager
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class WindowAdmission:
     """What admission will do for one request in one window.
 
@@ -71,7 +71,7 @@ class WindowNeed(NamedTuple):
         return self.held - self.released + self.claims + self.fresh
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class AdmissionPlan:
     """One request's admission: its sequence, per-window plans and prepopulated length."""
 
@@ -262,7 +262,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             seq = adm.seq
             wa = adm.windows[widx]
             sw = seq.windows[widx]
-            before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            alloc_total, alloc_new = c.alloc_total, c.alloc_new
             matched = wa.matched
             # full matches: claim (keeping a cached block's priority unless the request
             # states one), onboard secondary ones, then append to every beam
@@ -315,9 +315,10 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                     refs.acquire(b)
                 c.reused_partial += 1
                 wm.extend_blocks(sw, [b])
-            after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
-            for k in range(4):
-                adm.deltas[k] += after[k] - before[k]
+            deltas = adm.deltas
+            deltas[0] += len(matched) - gaps + (wa.partial is not None)
+            deltas[2] += c.alloc_total - alloc_total
+            deltas[3] += c.alloc_new - alloc_new
         for b in held:  # copy sources nobody claimed: free again (the copies come first)
             if ref[b] == 0 and queue[b] < 0:
                 queues.release(b)
@@ -325,21 +326,23 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             seq = adm.seq
             wa = adm.windows[widx]
             sw = seq.windows[widx]
-            before = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
+            alloc_total, alloc_new = c.alloc_total, c.alloc_new
             first, stop = wa.num_matched_positions, wa.num_shared
             if stop > first:
                 retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
                 wm.extend_blocks(sw, wm.take_fresh(stop - first, retention))
+            deltas = adm.deltas
             if reuse:
-                c.missed += wa.num_shared - wa.num_matched_positions + wa.num_per_beam
+                missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam
+                c.missed += missed
+                deltas[1] += missed
             if wa.num_per_beam:
                 prio, dur = seq.block_priority(wa.num_shared, tpb)
                 for beam in range(seq.beam_width):
                     b = wm.get_free_block(prio, dur)
                     refs.acquire(b)
                     wm.append_block(sw, beam, b)
-            after = (c.reused_full + c.reused_partial, c.missed, c.alloc_total, c.alloc_new)
-            for k in range(4):
-                adm.deltas[k] += after[k] - before[k]
+            deltas[2] += c.alloc_total - alloc_total
+            deltas[3] += c.alloc_new - alloc_new
     for adm in plans:
         adm.seq.prepopulated = adm.prepopulated

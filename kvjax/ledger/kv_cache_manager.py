@@ -144,10 +144,11 @@ class KVCacheManager:
         return validate_request(request, self.config, len(bm.windows), bm.is_cross, self._seqs, batch_ids, live_ok)
 
     # ------------------------------------------------------------------ admission
+    @writer
     def add_sequence(self, request: Request) -> int:
         """Admit a request: reuse cached prefix blocks, allocate the rest of its prompt.
         Returns the prepopulated prompt length (tokens whose KV is already cached)."""
-        return self.add_sequences([request])[0]
+        return self._admit((request,))[0]
 
     @writer
     def add_sequences(self, requests: Iterable[Request]) -> list[int]:
@@ -155,7 +156,9 @@ class KVCacheManager:
         requests partially matching one free block do not both reuse it in place."""
         if isinstance(requests, Request):
             raise InvalidRequestError("add_sequences takes a collection of Requests; use add_sequence for one")
-        requests = check_id_list("requests", requests, error=InvalidRequestError)
+        return self._admit(check_id_list("requests", requests, error=InvalidRequestError))
+
+    def _admit(self, requests: Sequence[Request]) -> list[int]:
         ids: set = set()
         seqs = []
         for r in requests:
@@ -170,8 +173,7 @@ class KVCacheManager:
         out = []
         for plan in plans:
             seq = plan.seq
-            reused, missed, total, new = plan.deltas
-            seq.stats = RequestStats(reused, missed, total, new, hit_rate(reused, missed), plan.prepopulated)
+            seq.admit_counts = plan.deltas
             self._update_slow_at(seq)
             self._seqs[seq.request_id] = seq
             out.append(plan.prepopulated)
@@ -435,9 +437,9 @@ class KVCacheManager:
     @reader
     def request_stats(self, request_id: Hashable) -> RequestStats:
         """What admission did for a live request."""
-        stats = self._seq(request_id).stats
-        assert stats is not None  # a sequence goes live when admission sets its stats
-        return stats
+        seq = self._seq(request_id)
+        reused, missed, total, new = seq.admit_counts
+        return RequestStats(reused, missed, total, new, hit_rate(reused, missed), seq.prepopulated)
 
     @reader
     def iteration_stats(self) -> IterationStats:

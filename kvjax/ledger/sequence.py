@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import array
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
 from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.token_path import TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.request import Request
 
-if TYPE_CHECKING:
-    from kvjax.ledger.stats import RequestStats
 
 
 class SequenceWindow:
@@ -71,7 +68,7 @@ class TrackedSequence:
         "prepopulated",
         "is_cross",
         "windows",
-        "stats",
+        "admit_counts",
         "slow_at",
     )
 
@@ -98,7 +95,8 @@ class TrackedSequence:
         self.context_position = self.prompt_len
         self.prepopulated = 0
         self.windows = [SequenceWindow(self.beam_width) for _ in range(num_windows)]
-        self.stats: RequestStats | None = None  # set when admission commits
+        # (reused, missed, alloc_total, alloc_new) blocks of its admission (`request_stats`)
+        self.admit_counts: list[int] = [0, 0, 0, 0]
         self.context_retention: list[tuple[int | None, float | None]] | None = None
         # `add_token` takes its fast path (append only) while the new token count stays below
         # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.

@@ -173,9 +173,7 @@ def _cut_back(m: KVCacheManager, seq, cut: int) -> None:
     seq.context_position = min(seq.context_position, cut)
     m._kv_valid[seq.request_id] = cut
     if seq.prepopulated > cut:
-        seq.prepopulated = cut
-        if seq.stats is not None:
-            seq.stats = dataclasses.replace(seq.stats, prepopulated_tokens=cut)
+        seq.prepopulated = cut  # what `request_stats` reports as prepopulated tokens
     tpb = m.tokens_per_block
     for sw in seq.windows:
         if sw.cursor is not None and sw.cursor[2] > cut // tpb:  # must not skip the recomputed blocks
