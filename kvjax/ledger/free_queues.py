@@ -270,29 +270,31 @@ class FreeQueues:
             self._disarm(b)
 
     def take_many(self, blocks, taken: list[int]) -> None:
-        """`take` for each of `blocks` (None entries skipped); appends the ones that were free
+        """`take` for each of `blocks` (distinct ids; None entries skipped); appends the ones that were free
         to `taken`."""
         queue, prev, nxt = self.queue, self.prev, self.next
+        if None in blocks:
+            blocks = [b for b in blocks if b is not None]
+        free = [b for b in blocks if queue[b] >= 0]  # blocks in use are skipped
+        if not free:
+            return
         nonempty, num_free = self.nonempty, self.num_free
-        armed = self.armed
-        for b in blocks:
-            if b is None:
-                continue
+        for b in free:
             q = queue[b]
-            if q < 0:
-                continue
             p, f = prev[b], nxt[b]
             nxt[p] = f
             prev[f] = p
-            level, priority = divmod(q, NUM_PRIORITIES)
-            if p == f:
+            if p == f:  # both are the sentinel: the queue is empty now
+                level, priority = divmod(q, NUM_PRIORITIES)
                 nonempty[level] &= ~(1 << priority)
-            num_free[level] -= 1
+            num_free[q >= NUM_PRIORITIES] -= 1  # level of queue q
             queue[b] = NOT_FREE
-            if armed:
+        if self.armed:
+            armed, expiry = self.armed, self.expiry
+            for b in free:
                 armed.pop(b, None)
-                self.expiry.pop(b, None)
-            taken.append(b)
+                expiry.pop(b, None)
+        taken.extend(free)
 
     def release(self, b: int, to_front: bool = False) -> None:
         """Append a block whose last reference went away to its level's queue for its priority."""
