@@ -97,6 +97,9 @@ class BlockManager:
         Returns the number of blocks newly stored."""
         if num_tokens <= 0:
             return 0
+        windows = self.windows
+        if len(windows) == 1:
+            return windows[0].store(seq, seq.windows[0], num_tokens, allow_partial)
         return sum(wm.store(seq, seq.windows[wm.index], num_tokens, allow_partial) for wm in reversed(self.windows))
 
     def has_unstored_block(self, seq: TrackedSequence, num_tokens: int) -> bool:
