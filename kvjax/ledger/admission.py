@@ -10,6 +10,7 @@ and allocate. A failed check raises before anything changed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -280,13 +281,24 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                 priority = queues.priority
                 table = seq.context_retention
                 assert table is not None  # built by the call above
-                # `matched` is the first context blocks (never the last one); the table has them all
-                for mb, (prio, dur) in zip(matched, table, strict=False):
-                    if mb is not None:
-                        if dur is not None:
-                            queues.set_duration(mb, dur)
-                        if prio is not None and prio != priority[mb]:
-                            wm.set_priority(mb, prio)
+                # `matched` is the first context blocks (never the last one); the table has them
+                # all, in runs of equal retention (one per token range)
+                lo = 0
+                for (prio, dur), run in itertools.groupby(table[: len(matched)]):
+                    hi = lo + len(list(run))
+                    blocks = matched[lo:hi]
+                    lo = hi
+                    if dur is not None:
+                        for mb in blocks:
+                            if mb is not None:
+                                queues.set_duration(mb, dur)
+                    # most matched blocks already have the range's priority: one C-level compare
+                    if prio is not None and (
+                        None in blocks or bytes(map(priority.__getitem__, blocks)) != bytes((prio,)) * len(blocks)
+                    ):
+                        for mb in blocks:
+                            if mb is not None and prio != priority[mb]:
+                                wm.set_priority(mb, prio)
             c.reused_full += len(matched) - gaps
             row = cast("list[int]", matched)  # no gaps: every entry is a block
             if gaps:
