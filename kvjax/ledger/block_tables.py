@@ -159,10 +159,13 @@ class SlotTable:
             elif max_blocks < longest:
                 raise InvalidArgumentError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
         table = self.table
-        if max_blocks <= table.shape[1]:
+        width = table.shape[1]
+        if max_blocks == width:
+            return table.take(rows, axis=0)  # [n, width] (a copy; `take` beats fancy indexing here)
+        if max_blocks < width:
             return table[rows, :max_blocks]  # [n, max_blocks] (a copy)
         out = np.full((len(rows), max_blocks), self.null_slot, dtype=np.int32)  # [n, max_blocks]
-        out[:, : table.shape[1]] = table[rows]
+        out[:, :width] = table.take(rows, axis=0)
         return out
 
     def verify(self, owned: Iterable[tuple[object, list[int]]]) -> None:

@@ -15,19 +15,23 @@ ids, a sliding-window detach) run `add_token`'s own slow path, in row order.
 """
 from __future__ import annotations
 
+import array
 from collections.abc import Hashable, Sequence
-from itertools import compress
+from itertools import compress, repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
+from kvjax.ledger.block_tables import EMPTY_ROW
 from kvjax.validation import INT32_MAX, check_id_list
 
 if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
     from kvjax.ledger.sequence import TrackedSequence
+    from kvjax.ledger.window_manager import WindowBlockManager
 
 _PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: list append, batched growth, add_token's slow path
 
@@ -36,13 +40,23 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "epoch")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple", "beam0", "rows", "epoch")
 
-    def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
+    def __init__(self, ids: list | tuple, seqs: list[TrackedSequence], windows: list[WindowBlockManager]) -> None:
         self.ids = ids
         self.seqs = seqs
         self.token_lists = [s.tokens for s in seqs]
-        self.left = np.array([s.slow_at - 1 - len(s.tokens) for s in seqs], dtype=np.int64)  # [n]
+        self.num_tokens = np.array([len(t) for t in self.token_lists], dtype=np.int64)  # [n]
+        self.left = np.array([s.slow_at for s in seqs], dtype=np.int64) - 1 - self.num_tokens  # [n]
+        # rows that grow by the batched path: one beam, no extra ids, no cross cache, no retention
+        self.simple = np.array(
+            [s.beam_width == 1 and s.extra_ids is None and not s.is_cross and s.retention is None for s in seqs], dtype=bool
+        )  # [n]
+        # per window: beam 0's block array and slot-table row of each sequence (EMPTY_ROW: none yet)
+        self.beam0 = [[s.windows[wm.index].blocks[0] for s in seqs] for wm in windows]
+        self.rows = [
+            np.array([wm.slot_table.table_rows(s.windows[wm.index])[0] for s in seqs], dtype=np.intp) for wm in windows
+        ]  # per window [n]
         self.epoch = -1  # the manager's `_seq_epoch` this batch is true of (-1: not yet)
 
 
@@ -88,7 +102,7 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
         return None
     if len(set(ids)) != len(ids):
         return None
-    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
+    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs, m._bm.windows)
     return b
 
 
@@ -108,12 +122,16 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
     if not event.any():  # the common step: every row appends
         list(map(list.append, batch.token_lists, vals))
         left -= 1
+        batch.num_tokens += 1
         return False
+    if bad is None and not m._has_swa and grow_batched(m, batch, vals, np.flatnonzero(event)):
+        return True
     rows = np.flatnonzero(event).tolist()
     plans = plan_rows(m, ids, batch.seqs, vals, rows)  # raises before any change
     plain = ~event  # [n]
     list(map(list.append, compress(batch.token_lists, plain.tolist()), compress(vals, plain.tolist())))
     left[plain] -= 1
+    batch.num_tokens[plain] += 1
     changed = False
     i = 0
     while i < len(plans):
@@ -134,10 +152,55 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
             m._add_token_slow(seq, tok, len(seq.tokens) + 1)
             changed = True
         i += 1
+    num_tokens = batch.num_tokens
     for r in rows:
         seq = batch.seqs[r]
-        left[r] = seq.slow_at - 1 - len(seq.tokens)
+        num_tokens[r] = n = len(seq.tokens)
+        left[r] = seq.slow_at - 1 - n
+        for wm, rows_w in zip(m._bm.windows, batch.rows, strict=True):
+            if rows_w[r] == EMPTY_ROW:  # a first block in this window handed a row out
+                rows_w[r] = wm.slot_table.table_rows(seq.windows[wm.index])[0]
     return changed
+
+
+def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.ndarray) -> bool:
+    """The usual step of one full-attention window: the `event` rows (ascending) all start a
+    block, one beam each, within `max_seq_len` and the free blocks. Appends every row's token
+    and grows those rows in one pass; False (nothing done) when a row needs more than that."""
+    tpb = m._tpb
+    if not batch.simple[event].all():
+        return False
+    n = batch.num_tokens[event] + 1  # [k] each row's token count once its token is in
+    if len(m._bm.windows) != 1:
+        return False
+    wm = m._bm.windows[0]
+    k = len(event)
+    if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
+        return False
+    table = wm.slot_table
+    rows = batch.rows[0][event]  # [k]
+    if (rows == EMPTY_ROW).any():  # a first block hands a row out: the general path does that
+        return False
+    list(map(list.append, batch.token_lists, vals))
+    blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
+    list(map(array.array.append, itemgetter_list(batch.beam0[0], event.tolist()), blocks))
+    table.append_rows(rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
+    wm.counters.gen_alloc += k
+    # `_update_slow_at` of one full-attention window: the block after the new one starts at n + tpb
+    slow_at = np.minimum(n + tpb, m._max_seq_len + 1)  # [k]
+    list(map(setattr, itemgetter_list(batch.seqs, event.tolist()), repeat("slow_at"), slow_at.tolist()))
+    m._seq_epoch += 1
+    batch.num_tokens += 1
+    batch.left -= 1
+    batch.left[event] = slow_at - 1 - n
+    return True
+
+
+def itemgetter_list(items: list, index: list[int]) -> list:
+    """`[items[i] for i in index]` in one C call."""
+    if len(index) == 1:
+        return [items[index[0]]]
+    return list(itemgetter(*index)(items)) if index else []
 
 
 def plan_rows(
