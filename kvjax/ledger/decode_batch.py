@@ -18,20 +18,18 @@ from __future__ import annotations
 import array
 from collections.abc import Hashable, Sequence
 from itertools import compress, repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
-from kvjax.ledger.block_tables import EMPTY_ROW
 from kvjax.validation import INT32_MAX, check_id_list
 
 if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
     from kvjax.ledger.sequence import TrackedSequence
-    from kvjax.ledger.window_manager import WindowBlockManager
 
 _PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: list append, batched growth, add_token's slow path
 
@@ -40,23 +38,16 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple", "beam0", "rows", "epoch")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple", "epoch")
 
-    def __init__(self, ids: list | tuple, seqs: list[TrackedSequence], windows: list[WindowBlockManager]) -> None:
+    def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
+        n = len(seqs)
         self.ids = ids
         self.seqs = seqs
-        self.token_lists = [s.tokens for s in seqs]
-        self.num_tokens = np.array([len(t) for t in self.token_lists], dtype=np.int64)  # [n]
-        self.left = np.array([s.slow_at for s in seqs], dtype=np.int64) - 1 - self.num_tokens  # [n]
-        # rows that grow by the batched path: one beam, no extra ids, no cross cache, no retention
-        self.simple = np.array(
-            [s.beam_width == 1 and s.extra_ids is None and not s.is_cross and s.retention is None for s in seqs], dtype=bool
-        )  # [n]
-        # per window: beam 0's block array and slot-table row of each sequence (EMPTY_ROW: none yet)
-        self.beam0 = [[s.windows[wm.index].blocks[0] for s in seqs] for wm in windows]
-        self.rows = [
-            np.array([wm.slot_table.table_rows(s.windows[wm.index])[0] for s in seqs], dtype=np.intp) for wm in windows
-        ]  # per window [n]
+        self.token_lists: list[list[int]] = list(map(attrgetter("tokens"), seqs))
+        self.num_tokens = np.fromiter(map(len, self.token_lists), dtype=np.int64, count=n)  # [n]
+        self.left = np.fromiter(map(attrgetter("slow_at"), seqs), dtype=np.int64, count=n) - 1 - self.num_tokens  # [n]
+        self.simple = np.fromiter(map(attrgetter("batchable"), seqs), dtype=bool, count=n)  # [n] see grow_batched
         self.epoch = -1  # the manager's `_seq_epoch` this batch is true of (-1: not yet)
 
 
@@ -102,7 +93,7 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
         return None
     if len(set(ids)) != len(ids):
         return None
-    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs, m._bm.windows)
+    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
     return b
 
 
@@ -157,9 +148,6 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
         seq = batch.seqs[r]
         num_tokens[r] = n = len(seq.tokens)
         left[r] = seq.slow_at - 1 - n
-        for wm, rows_w in zip(m._bm.windows, batch.rows, strict=True):
-            if rows_w[r] == EMPTY_ROW:  # a first block in this window handed a row out
-                rows_w[r] = wm.slot_table.table_rows(seq.windows[wm.index])[0]
     return changed
 
 
@@ -177,18 +165,20 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.nd
     k = len(event)
     if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
         return False
-    table = wm.slot_table
-    rows = batch.rows[0][event]  # [k]
-    if (rows == EMPTY_ROW).any():  # a first block hands a row out: the general path does that
+    seqs = itemgetter_list(batch.seqs, event.tolist())
+    windows = [seq.windows[0] for seq in seqs]
+    held = [sw.rows for sw in windows]
+    if None in held:  # a first block hands a slot-table row out: the general path does that
         return False
     list(map(list.append, batch.token_lists, vals))
     blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
-    list(map(array.array.append, itemgetter_list(batch.beam0[0], event.tolist()), blocks))
-    table.append_rows(rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
+    list(map(array.array.append, [sw.blocks[0] for sw in windows], blocks))
+    rows = np.fromiter((r[0] for r in held), dtype=np.intp, count=k)  # [k]
+    wm.slot_table.append_rows(rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
     # `_update_slow_at` of one full-attention window: the block after the new one starts at n + tpb
     slow_at = np.minimum(n + tpb, m._max_seq_len + 1)  # [k]
-    list(map(setattr, itemgetter_list(batch.seqs, event.tolist()), repeat("slow_at"), slow_at.tolist()))
+    list(map(setattr, seqs, repeat("slow_at"), slow_at.tolist()))
     m._seq_epoch += 1
     batch.num_tokens += 1
     batch.left -= 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -211,7 +213,7 @@ class KVCacheManager:
         finally:
             lock.release()
 
-    def add_tokens(self, request_ids: Sequence[Hashable], tokens: Sequence[int] | np.ndarray) -> None:
+    def add_tokens(self, request_ids: Sequence[Hashable], tokens: Sequence[int | Sequence[int]] | np.ndarray) -> None:
         """`add_token(request_ids[i], tokens[i])` for each i, in order, as one atomic call:
         every check (free blocks included) runs first, so a failure raises what the first
         failing `add_token` would and changes nothing. Ids must be distinct. `tokens`: a 1-D
@@ -440,7 +442,10 @@ class KVCacheManager:
             return cached[2]
         ids = check_table_ids(ids)
         seqs = self._seqs_of(ids)
-        rows = np.fromiter((r for s in seqs for r in table.table_rows(s.windows[wm.index])), dtype=np.intp)  # [rows]
+        held = list(map(attrgetter("rows"), map(itemgetter(wm.index), map(attrgetter("windows"), seqs))))
+        if None in held:  # a request holding no block here yet shows the empty row
+            held = [table.table_rows(s.windows[wm.index]) for s in seqs]
+        rows = np.fromiter(chain.from_iterable(held), dtype=np.intp)  # [rows] one per (request, beam)
         rows.flags.writeable = False
         self._table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
         return rows
@@ -645,14 +650,11 @@ class KVCacheManager:
     def snapshot(self) -> tuple:
         """A hashable picture of the whole ledger state (tests compare it around failed calls).
         Thread-safe: `add_token`'s unlocked fast path is switched off (every sequence's next
-        token takes the locked path) and an append already under way is waited out."""
+        token takes the locked path); that path is one list append (`num_tokens` is the token
+        list's length), so no sequence is ever seen half-way through it."""
         seqs = self._seqs
         self._seq_epoch += 1  # `_batch`'s counts of tokens left before `slow_at` go stale below
         for seq in seqs.values():
             seq.slow_at = 0  # `_update_slow_at` restores it on the sequence's next token
-        for _ in range(10_000):  # at most one append can be in flight (one writer)
-            if all(len(s.tokens) == s.num_tokens for s in seqs.values() if not s.is_cross):
-                break
-            time.sleep(0)
         state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
         return ledger_snapshot(self._bm, seqs) + state

@@ -75,6 +75,7 @@ class TrackedSequence:
         "windows",
         "stats",
         "slow_at",
+        "batchable",
     )
 
     def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
@@ -104,6 +105,9 @@ class TrackedSequence:
         # `add_token` takes its fast path (append only) while the new token count stays below
         # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
         self.slow_at = 0
+        # `add_tokens` may grow it in a batch with others (one beam, no extra ids,
+        # no retention, not a cross cache)
+        self.batchable = self.beam_width == 1 and self.extra_ids is None and not is_cross and self.retention is None
 
     @property
     def num_tokens(self) -> int:
