@@ -166,14 +166,15 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.nd
     if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
         return False
     seqs = itemgetter_list(batch.seqs, event.tolist())
-    windows = [seq.windows[0] for seq in seqs]
-    held = [sw.rows for sw in windows]
+    first = itemgetter(0)
+    windows = list(map(first, map(attrgetter("windows"), seqs)))
+    held = list(map(attrgetter("rows"), windows))
     if None in held:  # a first block hands a slot-table row out: the general path does that
         return False
     list(map(list.append, batch.token_lists, vals))
     blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
-    list(map(array.array.append, [sw.blocks[0] for sw in windows], blocks))
-    rows = np.fromiter((r[0] for r in held), dtype=np.intp, count=k)  # [k]
+    list(map(array.array.append, map(first, map(attrgetter("blocks"), windows)), blocks))
+    rows = np.fromiter(map(first, held), dtype=np.intp, count=k)  # [k]
     wm.slot_table.append_rows(rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
     # `_update_slow_at` of one full-attention window: the block after the new one starts at n + tpb
