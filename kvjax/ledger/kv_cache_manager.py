@@ -405,6 +405,7 @@ class KVCacheManager:
             self._pin(seq)
         self._bm.release(seq)
         self._seq_epoch += 1
+        self._batch = None  # it may hold this sequence: let it go
         for wm in self._bm.windows:
             wm.slot_table.release(seq.windows[wm.index])
         del self._seqs[request_id]
