@@ -21,8 +21,10 @@ memory and GC targets to mean much, they only keep the script honest):
   search among K siblings, per admission (the first lookup under a node, which sorts the
   children's first blocks once, is reported on its own).
 - decode: one decode step of B requests of staggered lengths (each step one in 16 starts a
-  block): B `add_token`, `block_table` (padded) and `take_transfers`, mean microseconds per
-  step; the bare loop of B no-op method calls is printed too.
+  block): `add_tokens` of B tokens, `block_table` (padded) and `take_transfers`, mean
+  microseconds per step (the target figure); beside it the same step with B `add_token`
+  calls (a twin ledger, steps interleaved, checked to end identical) and the bare loop of B
+  no-op method calls.
 - events: microseconds per stored block that publishing KV events adds (same workload run with
   events on and off, interleaved, best of 3; the consumer's `get_latest_events` included).
 """
@@ -39,6 +41,8 @@ import time
 import timeit
 import tracemalloc
 from collections.abc import Callable
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -222,31 +226,67 @@ class _Noop:
         pass
 
 
-def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> dict:
+def _decode_ledger(batch: int, seed: int, steps: int, ctx: int) -> tuple[KVCacheManager, list[int]]:
+    """B live requests of staggered lengths: each step, one request in 16 starts a block."""
     rng = random.Random(seed)
     blocks_per_seq = -(-(ctx + steps) // TPB)
     m = KVCacheManager(config(batch * blocks_per_seq + 16, ctx + steps + TPB))
     ids = list(range(batch))
-    for i in ids:  # staggered lengths: each step, one request in 16 starts a block (steady state)
+    for i in ids:
         m.add_sequence(Request(i, [rng.randrange(VOCAB) for _ in range(ctx - i % TPB)], max_new_tokens=steps))
-    width = 1 << (blocks_per_seq - 1).bit_length()
-    tokens = [rng.randrange(VOCAB) for _ in range(steps)]
+    return m, ids
+
+
+def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> dict:
+    """The batched step (`add_tokens`, the padded `block_table`, `take_transfers`: the target
+    figure) and the same step with one `add_token` call per request, on twin ledgers, their
+    steps interleaved so both see the same machine; each step's tokens are one int32 array
+    (what a sampler hands back)."""
+    churn_steps = max(2, steps // 6)
+    batched, ids = _decode_ledger(batch, seed, steps + churn_steps, ctx)
+    looped, _ = _decode_ledger(batch, seed, steps + churn_steps, ctx)
+    width = 1 << (-(-(ctx + steps + churn_steps) // TPB) - 1).bit_length()
+    rng = np.random.default_rng(seed)
+    step_tokens = [rng.integers(0, VOCAB, size=batch, dtype=np.int32) for _ in range(steps + churn_steps)]
     clock = time.perf_counter
     gc.collect()
-    add = table = take = 0.0
-    for step in range(steps):
-        tok = tokens[step]
-        add_token = m.add_token
+    add = table = take = loop_add = loop_table = loop_take = 0.0
+    per_step = []
+    for tokens in step_tokens[:steps]:
         t0 = clock()
-        for i in ids:
-            add_token(i, tok)
+        batched.add_tokens(ids, tokens)
         t1 = clock()
-        m.block_table(ids, max_blocks=width)
+        batched.block_table(ids, max_blocks=width)
         t2 = clock()
-        m.take_transfers()
+        batched.take_transfers()
         t3 = clock()
         add, table, take = add + t1 - t0, table + t2 - t1, take + t3 - t2
-    m.verify_integrity()
+        per_step.append(t3 - t0)
+        add_token, toks = looped.add_token, tokens.tolist()
+        t0 = clock()
+        for i, tok in zip(ids, toks, strict=True):
+            add_token(i, tok)
+        t1 = clock()
+        looped.block_table(ids, max_blocks=width)
+        t2 = clock()
+        looped.take_transfers()
+        t3 = clock()
+        loop_add, loop_table, loop_take = loop_add + t1 - t0, loop_table + t2 - t1, loop_take + t3 - t2
+    for m in (batched, looped):
+        m.verify_integrity()
+    if batched.snapshot() != looped.snapshot():
+        raise AssertionError("add_tokens and add_token one by one left different ledgers")
+    # a batch that changes every step (requests finish and join): nothing learned carries over
+    churn = 0.0
+    for k, tokens in enumerate(step_tokens[steps:], 1):
+        order = ids[k:] + ids[:k]  # another id list each step
+        tokens = np.roll(tokens, -k)
+        t0 = clock()
+        batched.add_tokens(order, tokens)
+        batched.block_table(order, max_blocks=width)
+        batched.take_transfers()
+        churn += clock() - t0
+    batched.verify_integrity()
     noop = _Noop().add_token
     t0 = clock()
     for _ in range(steps):
@@ -257,9 +297,14 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
     return dict(
         batch=batch,
         decode_step_us=(add + table + take) * us,
-        add_token_us=add * us,
+        decode_step_median_us=float(np.median(per_step)) * 1e6,
+        add_tokens_us=add * us,
         block_table_us=table * us,
         take_transfers_us=take * us,
+        changing_batch_step_us=churn / churn_steps * 1e6,
+        per_call_step_us=(loop_add + loop_table + loop_take) * us,
+        per_call_add_token_us=loop_add * us,
+        per_call_block_table_us=loop_table * us,
         bare_call_loop_us=loop * 1e6,
     )
 
@@ -346,6 +391,13 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("memory", "gc_pause_without_manager_ms", "  (gc.collect() ms before any manager existed)"),
         ("partial", "no_candidate_admission_ms", "  (ms/admission with no partial candidate)"),
         ("partial", "first_admission_ms", "  (ms of the first admission, which sorts the siblings)"),
+        ("decode", "decode_step_median_us", "  (median us of the batched step)"),
+        ("decode", "add_tokens_us", "  (us of add_tokens in the batched step)"),
+        ("decode", "block_table_us", "  (us of block_table in the batched step)"),
+        ("decode", "take_transfers_us", "  (us of take_transfers in the batched step)"),
+        ("decode", "changing_batch_step_us", "  (us of the batched step, id list new every step)"),
+        ("decode", "per_call_step_us", "  (us of the step with one add_token per request)"),
+        ("decode", "per_call_add_token_us", "  (us of its add_token calls)"),
         ("decode", "bare_call_loop_us", "  (us of the bare loop of no-op calls)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]

@@ -44,6 +44,7 @@ class TransferOp(NamedTuple):
 PLAN_FIELDS = ("kind", "pool", "src", "dst", "num_tokens")
 _EMPTY_COLUMN = np.zeros(0, np.int32)
 _EMPTY_COLUMN.flags.writeable = False
+_EMPTY_FIELDS = dict.fromkeys(PLAN_FIELDS, _EMPTY_COLUMN)
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -115,9 +116,9 @@ class TransferPlan:
         """An empty plan numbered `seq` (>= 0), built without re-validating its arrays: the
         ledger hands one out on most steps, and they share one read-only empty column."""
         plan = object.__new__(cls)
-        for name in PLAN_FIELDS:
-            object.__setattr__(plan, name, _EMPTY_COLUMN)
-        object.__setattr__(plan, "seq", seq)
+        fields = plan.__dict__  # frozen: fill the instance dict directly
+        fields.update(_EMPTY_FIELDS)
+        fields["seq"] = seq
         return plan
 
     @classmethod

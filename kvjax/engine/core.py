@@ -8,7 +8,7 @@ One step (SPEC §2):
   1. the `CapacityScheduler` picks running requests, admissions, pauses from the ledger's
      accounting (waiting requests in the queue policy's order: FCFS or LPM);
   2. ledger commits: `remove_sequence` for paused requests (blocks stored for reuse),
-     `add_token` of each generating request's pending token, `add_sequences` for admissions
+     `add_tokens` of the generating requests' pending tokens, `add_sequences` for admissions
      (prefix match, claims, allocation; the returned prepopulated length is what prefill
      skips), then prefill chunks are cut from the token budget;
   3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE any forward;
@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -264,16 +265,26 @@ class EngineCore:
         # 1. pauses (MAX_UTILIZATION): blocks stored for reuse, request re-queued first
         for r in sched.pause:
             self._pause(r)
-        # 2. the pending token of every scheduled generating request enters the ledger
+        # 2. the pending token of every scheduled generating request enters the ledger: one
+        # batched call (atomic), or, when it finds no block for some request, one by one
         decode: list[LiveRequest] = []
-        for r in sched.generation:
+        generation = sched.generation
+        pending = [r.pending for r in generation]
+        assert None not in pending  # a scheduled generating request holds its sampled token
+        try:
+            led.add_tokens([r.request_id for r in generation], cast("list[int]", pending))
+            generation_done = True
+        except OutOfBlocksError:  # nothing changed: redo it one by one below
+            generation_done = False
+        for r in generation:
             assert r.pending is not None  # a scheduled generating request holds its sampled token
-            try:
-                led.add_token(r.request_id, r.pending)
-            except OutOfBlocksError:  # the scheduler's accounting let this through: recover
-                self.accounting_misses += 1
-                self._pause(r)
-                continue
+            if not generation_done:
+                try:
+                    led.add_token(r.request_id, r.pending)
+                except OutOfBlocksError:  # the scheduler's accounting let this through: recover
+                    self.accounting_misses += 1
+                    self._pause(r)
+                    continue
             r.pending = None
             decode.append(r)
         # 3. admissions (one batch: two-phase matching in the ledger)

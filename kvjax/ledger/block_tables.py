@@ -1,38 +1,196 @@
 """Block tables for attention kernels: each sequence's primary slots, padded with the null slot.
 
-A sequence keeps, per window and beam, an int array mirroring its blocks' slots, so a table is
-one concatenation of those rows scattered under a ragged mask: no per-block or per-row numpy
-call, whatever the batch.
+`SlotTable` is the one owner of the slots a window's block tables show: an int32 matrix with
+one row per live (sequence, beam), kept in step with the sequence's block ids by every writer
+(admission, growth, sliding-window detach, rewind, release), so a batch's table is one
+fancy-index gather. Entries past a row's length hold the null slot, and a row handed back is
+reset in full before it can be handed out again: a table never shows a slot the request does
+not own.
 """
 from __future__ import annotations
 
-import array
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax.errors import InvalidArgumentError
+from kvjax.errors import InvalidArgumentError, IntegrityError
+
+if TYPE_CHECKING:
+    from kvjax.ledger.sequence import SequenceWindow
+
+EMPTY_ROW = 0  # always empty: the row of a sequence that holds no block in this window yet
 
 
-def slot_rows(seqs: Iterable, index: int) -> list[array.array]:
-    """The slot rows of window manager `index`, one per (sequence, beam), in order."""
-    rows: list[array.array] = []
-    extend = rows.extend
-    for seq in seqs:
-        extend(seq.windows[index].slots)
-    return rows
+class SlotTable:
+    """One window's slot rows: `table` int32 `[rows, width]`, `lengths` int32 `[rows]`.
 
+    A sequence window gets its rows (one per beam) with its first block and gives them back
+    on release; rows and width grow by doubling, so memory follows the live batch (bounded by
+    the pool), never time.
+    """
 
-def padded_table(rows: list[array.array], null_slot: int, max_blocks: int | None) -> np.ndarray:
-    """int32 `[len(rows), width]`: each row's slots, then the null slot; `width` is `max_blocks`
-    or the longest row."""
-    lengths = np.fromiter(map(len, rows), dtype=np.int32, count=len(rows))
-    longest = int(lengths.max()) if len(rows) else 0
-    width = longest if max_blocks is None else max_blocks
-    if width < longest:
-        raise InvalidArgumentError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
-    out = np.full((len(rows), width), null_slot, dtype=np.int32)
-    if longest:
-        flat = np.frombuffer(b"".join(rows), dtype=np.int32)
-        out[np.arange(width, dtype=np.int32) < lengths[:, None]] = flat  # [rows, width] mask
-    return out
+    __slots__ = ("null_slot", "table", "lengths", "free_rows", "next_row", "epoch", "longest")
+
+    def __init__(self, null_slot: int, rows: int = 64, width: int = 16) -> None:
+        self.null_slot = null_slot
+        self.table = np.full((rows, width), null_slot, dtype=np.int32)  # [rows, width]
+        self.lengths = np.zeros(rows, dtype=np.int32)  # [rows]
+        self.free_rows: list[int] = []
+        self.next_row = EMPTY_ROW + 1
+        # bumped whenever a row is handed out or back: row lists cached by callers go stale
+        self.epoch = 0
+        self.longest = 0  # an upper bound of every row's length (never lowered)
+
+    # ------------------------------------------------------------------ rows
+    def rows_of(self, sw: SequenceWindow) -> list[int]:
+        """The rows of `sw` (one per beam), handed out on first use."""
+        rows = sw.rows
+        if rows is None:
+            rows = sw.rows = [self._new_row() for _ in range(len(sw.blocks))]
+            self.epoch += 1
+        return rows
+
+    def table_rows(self, sw: SequenceWindow) -> list[int]:
+        """Rows to gather for `sw` (the empty row per beam while it holds nothing here)."""
+        rows = sw.rows
+        return [EMPTY_ROW] * len(sw.blocks) if rows is None else rows
+
+    def _new_row(self) -> int:
+        if self.free_rows:
+            return self.free_rows.pop()
+        r = self.next_row
+        if r == self.table.shape[0]:
+            self._resize(2 * r, self.table.shape[1])
+        self.next_row = r + 1
+        return r
+
+    def _resize(self, rows: int, width: int) -> None:
+        old = self.table
+        table = np.full((rows, width), self.null_slot, dtype=np.int32)  # [rows, width]
+        table[: old.shape[0], : old.shape[1]] = old
+        self.table = table
+        if rows != self.lengths.shape[0]:
+            lengths = np.zeros(rows, dtype=np.int32)  # [rows]
+            lengths[: self.lengths.shape[0]] = self.lengths
+            self.lengths = lengths
+
+    def _fit(self, length: int) -> None:
+        """Make room for a row of `length` slots."""
+        if length > self.longest:
+            self.longest = length
+            width = self.table.shape[1]
+            if length > width:
+                while width < length:
+                    width *= 2
+                self._resize(self.table.shape[0], width)
+
+    def release(self, sw: SequenceWindow) -> None:
+        """Hand `sw`'s rows back, reset to the null slot (the sequence left)."""
+        rows = sw.rows
+        self.epoch += 1
+        if rows is None:
+            return
+        sw.rows = None
+        table, lengths = self.table, self.lengths
+        for r in rows:
+            table[r, : lengths[r]] = self.null_slot
+            lengths[r] = 0
+            self.free_rows.append(r)
+
+    # ------------------------------------------------------------------ writers
+    def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
+        r = self.rows_of(sw)[beam]
+        n = int(self.lengths[r])
+        self._fit(n + len(slots))
+        self.table[r, n : n + len(slots)] = slots
+        self.lengths[r] = n + len(slots)
+
+    def append(self, sw: SequenceWindow, beam: int, slot: int) -> None:
+        r = self.rows_of(sw)[beam]
+        n = int(self.lengths[r])
+        self._fit(n + 1)
+        self.table[r, n] = slot
+        self.lengths[r] = n + 1
+
+    def append_rows(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """Append `slots[i]` to row `rows[i]` (distinct rows, handed out already)."""
+        lengths = self.lengths
+        at = lengths[rows]  # [n]
+        if len(at):
+            self._fit(int(at.max()) + 1)
+        self.table[rows, at] = slots
+        lengths[rows] = at + 1
+
+    def set(self, sw: SequenceWindow, beam: int, pos: int, slot: int) -> None:
+        """Overwrite an existing entry (a detached block's null slot, a rewind's copy)."""
+        r = self.rows_of(sw)[beam]
+        if not 0 <= pos < self.lengths[r]:
+            raise IndexError(f"slot position {pos} outside a row of {int(self.lengths[r])}")
+        self.table[r, pos] = slot
+
+    def truncate(self, sw: SequenceWindow, beam: int, length: int) -> None:
+        """Keep the first `length` entries of a beam's row; the rest return to the null slot."""
+        r = self.rows_of(sw)[beam]
+        n = int(self.lengths[r])
+        if length < n:
+            self.table[r, length:n] = self.null_slot
+            self.lengths[r] = length
+
+    # ------------------------------------------------------------------ readers
+    def row(self, sw: SequenceWindow, beam: int) -> np.ndarray:
+        """A beam's slots (a copy)."""
+        if sw.rows is None:
+            return np.zeros(0, dtype=np.int32)
+        r = sw.rows[beam]
+        return self.table[r, : self.lengths[r]].copy()
+
+    def slots(self, sw: SequenceWindow) -> list[list[int]]:
+        """Every beam's slots, as lists."""
+        return [self.row(sw, b).tolist() for b in range(len(sw.blocks))]
+
+    def gather(self, rows: np.ndarray, max_blocks: int | None) -> np.ndarray:
+        """int32 `[len(rows), width]`: each row's slots, then the null slot; `width` is
+        `max_blocks` or the longest row's length."""
+        if max_blocks is None or max_blocks < self.longest:
+            longest = int(self.lengths[rows].max()) if len(rows) else 0
+            if max_blocks is None:
+                max_blocks = longest
+            elif max_blocks < longest:
+                raise InvalidArgumentError(f"max_blocks={max_blocks} is smaller than the longest block list ({longest})")
+        table = self.table
+        width = table.shape[1]
+        if max_blocks == width:
+            return table.take(rows, axis=0)  # [n, width] (a copy; `take` beats fancy indexing here)
+        if max_blocks < width:
+            return table[rows, :max_blocks]  # [n, max_blocks] (a copy)
+        out = np.full((len(rows), max_blocks), self.null_slot, dtype=np.int32)  # [n, max_blocks]
+        out[:, :width] = table.take(rows, axis=0)
+        return out
+
+    def verify(self, owned: Iterable[tuple[object, list[int]]]) -> None:
+        """Raise `IntegrityError` unless each row belongs to at most one owner, entries past a
+        row's length hold the null slot, and rows nobody owns are empty."""
+        table, lengths, null = self.table, self.lengths, self.null_slot
+        if table.shape[0] != lengths.shape[0] or self.next_row > table.shape[0]:
+            raise IntegrityError("slot table: row count and lengths disagree")
+        owner: dict[int, object] = {}
+        for who, rows in owned:
+            for r in rows:
+                if not EMPTY_ROW < r < self.next_row or r in owner:
+                    raise IntegrityError(f"slot table: row {r} of {who!r} is out of range or also held by {owner.get(r)!r}")
+                owner[r] = who
+        if set(self.free_rows) & set(owner) or len(set(self.free_rows)) != len(self.free_rows):
+            raise IntegrityError("slot table: a free row is held, or listed twice")
+        if len(owner) + len(self.free_rows) != self.next_row - 1:
+            handed = self.next_row - 1
+            raise IntegrityError(f"slot table: {handed} rows handed out, {len(owner)} held + {len(self.free_rows)} free")
+        if int(lengths.max(initial=0)) > self.longest or int(lengths.min(initial=0)) < 0:
+            raise IntegrityError("slot table: a row length is out of bounds")
+        held = np.zeros(table.shape[0], dtype=bool)  # [rows]
+        held[list(owner)] = True
+        if lengths[~held].any():
+            raise IntegrityError("slot table: a row nobody holds is not empty")
+        past = np.arange(table.shape[1])[None, :] >= lengths[:, None]  # [rows, width]
+        if (table[past] != null).any():
+            raise IntegrityError("slot table: an entry past a row's end is not the null slot")

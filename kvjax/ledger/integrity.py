@@ -30,14 +30,16 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
         w = wm.window
         refs: Counter = Counter()
         slot_col, level_col = wm.columns.slot, wm.columns.level
+        slot_table = wm.slot_table
+        slot_table.verify((rid, seq.windows[wm.index].rows or []) for rid, seq in seqs.items())
         for rid, seq in seqs.items():
             sw = seq.windows[wm.index]
             n_expected = -(-seq.num_tokens // tpb)
             lengths = {len(beam) for beam in sw.blocks}
-            if lengths != {n_expected} or len(sw.slots) != len(sw.blocks):
+            if lengths != {n_expected} or (sw.rows is not None and len(sw.rows) != len(sw.blocks)):
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
             for b, beam in enumerate(sw.blocks):
-                slots = sw.slots[b]
+                slots = slot_table.row(sw, b).tolist()
                 if len(slots) != len(beam):
                     _fail(f"window {w}: request {rid!r} beam {b} has {len(beam)} blocks but {len(slots)} slots")
                 for pos, blk in enumerate(beam):
@@ -261,8 +263,8 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
             seq.num_tokens,
             seq.context_position,
             tuple(
-                (tuple(tuple(b) for b in sw.blocks), tuple(tuple(s) for s in sw.slots), sw.num_front_removed)
-                for sw in seq.windows
+                (tuple(tuple(b) for b in sw.blocks), tuple(map(tuple, wm.slot_table.slots(sw))), sw.num_front_removed)
+                for wm, sw in zip(bm.windows, seq.windows, strict=True)
             ),
         )
         for rid, seq in seqs.items()

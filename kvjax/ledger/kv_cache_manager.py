@@ -12,15 +12,25 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from kvjax.config import CacheConfig
-from kvjax.errors import ArgumentTypeError, InvalidArgumentError, InvalidRequestError, UnknownBlockError, UnknownRequestError
-from kvjax.ledger import admission, rewind, scheduler_queries
+from kvjax.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    InvalidRequestError,
+    KVCacheError,
+    UnknownBlockError,
+    UnknownRequestError,
+)
+from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries
 from kvjax.ledger.block_manager import BlockManager
-from kvjax.ledger.block_tables import padded_table, slot_rows
+from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.concurrency import reader, writer
+from kvjax.ledger.decode_batch import DecodeBatch, same_ids
 from kvjax.ledger.events import KVCacheEvent
 from kvjax.ledger.inspection import BlockInfo, LedgerInspector, block_info
 from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
@@ -79,6 +89,11 @@ class KVCacheManager:
         self._max_seq_len = config.max_seq_len
         self._has_swa = any(wm.is_swa for wm in self._bm.windows)
         self._iter_base = counter_totals(self._bm.windows)
+        # bumped whenever a live sequence's tokens or `slow_at`, or the set of live sequences,
+        # changes (what `_batch` caches: see kvjax/ledger/decode_batch.py)
+        self._seq_epoch = 0
+        self._batch: DecodeBatch | None = None  # the last `add_tokens` batch (see `DecodeBatch`)
+        self._table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
 
     # ------------------------------------------------------------------ small helpers
     @property
@@ -187,10 +202,10 @@ class KVCacheManager:
             seq = self._seqs[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
-        n = seq.num_tokens + 1
+        n = len(seq.tokens) + 1  # `num_tokens + 1` (a cross cache's `slow_at` is 0: it never takes this path)
         if n < seq.slow_at and type(token) is int and 0 <= token <= INT32_MAX:
             seq.tokens.append(token)  # nothing to allocate or detach before `slow_at`
-            seq.num_tokens = n
+            self._seq_epoch += 1
             return
         lock = self._lock  # the fast path above takes no lock (kvjax/ledger/concurrency.py)
         lock.acquire()
@@ -200,7 +215,25 @@ class KVCacheManager:
         finally:
             lock.release()
 
-    def _add_token_slow(self, seq: TrackedSequence, token, n: int) -> None:
+    def add_tokens(self, request_ids: Sequence[Hashable], tokens: Sequence[int | Sequence[int]] | np.ndarray) -> None:
+        """`add_token(request_ids[i], tokens[i])` for each i, in order, as one atomic call:
+        every check (free blocks included) runs first, so a failure raises what the first
+        failing `add_token` would and changes nothing. Ids must be distinct. `tokens`: a 1-D
+        integer array, or a list (an entry may be one int per beam). Built for the decode step
+        of a large batch (kvjax/ledger/decode_batch.py)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            if decode_batch.add_tokens(self, request_ids, tokens):
+                self._version += 1
+            batch = self._batch  # the batch just run, which `add_tokens` kept current
+            if batch is not None:
+                batch.epoch = self._seq_epoch
+        finally:
+            lock.release()
+
+    def _checked_token(self, seq: TrackedSequence, token, n: int) -> int:
+        """Every check `add_token` makes of its `n`-th token but capacity; beam 0's token."""
         if type(token) is not int:
             token = check_token_arg(token)
         if seq.is_cross:
@@ -211,18 +244,22 @@ class KVCacheManager:
             raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
         if n > self._max_seq_len:
             raise InvalidRequestError(f"request {seq.request_id!r} would exceed max_seq_len={self._max_seq_len}")
+        return token
+
+    def _add_token_slow(self, seq: TrackedSequence, token, n: int) -> None:
+        token = self._checked_token(seq, token, n)
         if (n - 1) % self._tpb == 0:
             self._bm.grow(seq, (n - 1) // self._tpb)
         seq.tokens.append(token)
         if seq.extra_ids is not None:
             seq.extra_ids.append(0)
-        seq.num_tokens = n
         if self._has_swa:
             self._bm.detach_out_of_window(seq)
         self._update_slow_at(seq)
 
     def _update_slow_at(self, seq: TrackedSequence) -> None:
         """Next token count at which `add_token` must allocate or detach a block."""
+        self._seq_epoch += 1
         if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
             seq.slow_at = 0
             return
@@ -372,6 +409,10 @@ class KVCacheManager:
         if pin:
             self._pin(seq)
         self._bm.release(seq)
+        self._seq_epoch += 1
+        self._batch = None  # it may hold this sequence: let it go
+        for wm in self._bm.windows:
+            wm.slot_table.release(seq.windows[wm.index])
         del self._seqs[request_id]
         self._kv_valid.pop(request_id, None)
 
@@ -389,9 +430,31 @@ class KVCacheManager:
         """int32 `[rows, max_blocks]` primary slots, one row per (request, beam); padding and
         placeholders point to the null slot (slot `primary_blocks`), which no block owns.
         Thread-safe."""
-        request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
-        wm = self._window_manager(window)
-        return padded_table(slot_rows(self._seqs_of(request_ids), wm.index), wm.null_slot, max_blocks)
+        ids = check_id_list("request_ids", request_ids)
+        try:
+            max_blocks = check_max_blocks(self.config, max_blocks)
+            wm = self._window_manager(window)
+        except KVCacheError:
+            check_table_ids(ids)  # a bad id list is reported first
+            raise
+        return wm.slot_table.gather(self._rows_of(ids, wm), max_blocks)
+
+    def _rows_of(self, ids: Sequence[Hashable], wm: WindowBlockManager) -> np.ndarray:
+        """Slot-table rows of `ids` (one per beam) in window `wm`: the last list's rows while
+        no row was handed out or back since (a decode loop asks for the same batch each step)."""
+        table: SlotTable = wm.slot_table
+        cached = self._table_rows.get(wm.index)
+        if cached is not None and cached[1] == table.epoch and same_ids(cached[0], ids):
+            return cached[2]
+        ids = check_table_ids(ids)
+        seqs = self._seqs_of(ids)
+        held = list(map(attrgetter("rows"), map(itemgetter(wm.index), map(attrgetter("windows"), seqs))))
+        if None in held:  # a request holding no block here yet shows the empty row
+            held = [table.table_rows(s.windows[wm.index]) for s in seqs]
+        rows = np.fromiter(chain.from_iterable(held), dtype=np.intp)  # [rows] one per (request, beam)
+        rows.flags.writeable = False
+        self._table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
+        return rows
 
     @reader
     def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:
@@ -399,12 +462,13 @@ class KVCacheManager:
         from kvjax.offsets import kvcache_index_offsets
 
         request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
-        seqs = self._seqs_of(request_ids)
+        self._seqs_of(request_ids)  # unknown ids raise here
         windows = self._bm.windows
-        rows = {wm.window: slot_rows(seqs, wm.index) for wm in windows}
+        rows = {wm.window: self._rows_of(request_ids, wm) for wm in windows}
         if max_blocks is None:
-            max_blocks = max((len(r) for rs in rows.values() for r in rs), default=0)
-        tables = {wm.window: padded_table(rows[wm.window], wm.null_slot, max_blocks) for wm in windows}
+            lengths = (wm.slot_table.lengths[rows[wm.window]] for wm in windows)
+            max_blocks = max((int(x.max()) for x in lengths if len(x)), default=0)
+        tables = {wm.window: wm.slot_table.gather(rows[wm.window], max_blocks) for wm in windows}
         return kvcache_index_offsets(self.config, tables)
 
     # ------------------------------------------------------------------ counts and stats
@@ -579,6 +643,7 @@ class KVCacheManager:
         taken = self._bm.recorder.taken
         failed = check_op_indices(op_indices, len(taken[0]))
         result = apply_failure(self, seq, list(zip(*taken, strict=True)), failed)
+        self._seq_epoch += 1  # sequences were cut back
         self._transfers.status = FAILED
         return result
 
@@ -591,13 +656,11 @@ class KVCacheManager:
     def snapshot(self) -> tuple:
         """A hashable picture of the whole ledger state (tests compare it around failed calls).
         Thread-safe: `add_token`'s unlocked fast path is switched off (every sequence's next
-        token takes the locked path) and an append already under way is waited out."""
+        token takes the locked path); that path is one list append (`num_tokens` is the token
+        list's length), so no sequence is ever seen half-way through it."""
         seqs = self._seqs
+        self._seq_epoch += 1  # `_batch`'s counts of tokens left before `slow_at` go stale below
         for seq in seqs.values():
             seq.slow_at = 0  # `_update_slow_at` restores it on the sequence's next token
-        for _ in range(10_000):  # at most one append can be in flight (one writer)
-            if all(len(s.tokens) == s.num_tokens for s in seqs.values() if not s.is_cross):
-                break
-            time.sleep(0)
         state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
         return ledger_snapshot(self._bm, seqs) + state

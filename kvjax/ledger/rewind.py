@@ -58,25 +58,24 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
     tree = bm.tree
     for wm in bm.windows:
         sw = seq.windows[wm.index]
-        beam, slots = sw.blocks[0], sw.slots[0]
+        beam = sw.blocks[0]
         while len(beam) > last + 1:
             wm.release_block(beam.pop(), to_front=True)
-            slots.pop()
+        wm.slot_table.truncate(sw, 0, last + 1)
         b = beam[last]
         if wm in cow:
             fresh = wm.copy_prefix(b, filled, None, None)
             wm.refs.acquire(fresh)
             wm.release_block(b)
             beam[last] = fresh
-            slots[last] = wm.columns.slot[fresh]
+            wm.slot_table.set(sw, 0, last, wm.columns.slot[fresh])
         else:
             pos = tree.position_of(wm.index, b)
             if pos is not None and tree.position_tokens(*pos) > filled:
                 wm.drop_cached(b, evicted=False)
         if sw.cursor is not None and sw.cursor[2] > last:
             sw.cursor = None
-    del seq.tokens[new_n:]
+    del seq.tokens[new_n:]  # `seq.num_tokens` follows
     if seq.extra_ids is not None:
         del seq.extra_ids[new_n:]
-    seq.num_tokens = new_n
     seq.context_position = min(seq.context_position, new_n)

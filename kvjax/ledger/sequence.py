@@ -1,9 +1,10 @@
 """`TrackedSequence`: the ledger's record of one live request (TensorRT-LLM's `GenerationRequest`).
 
 Holds the tokens (beam 0: what keys are built from), and per window the block ids of every beam
-plus a mirror of their primary slots, both as int arrays. A referenced block never changes
-slot (only free blocks are offloaded, onboards happen before a block joins a sequence), so
-the slot rows are kept incrementally and block tables are copied out of them directly.
+as int arrays plus the rows of the window's `SlotTable` that mirror their primary slots. A
+referenced block never changes slot (only free blocks are offloaded, onboards happen before a
+block joins a sequence), so the slot rows are kept incrementally and block tables are gathered
+from them directly.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from kvjax.request import Request
 class SequenceWindow:
     """One sequence's blocks in one window manager."""
 
-    __slots__ = ("blocks", "slots", "num_front_removed", "cursor")
+    __slots__ = ("blocks", "rows", "num_front_removed", "cursor")
 
     def __init__(self, beam_width: int) -> None:
         self.blocks: list[array.array] = [array.array("i") for _ in range(beam_width)]
-        self.slots: list[array.array] = [array.array("i") for _ in range(beam_width)]
+        # rows of the window's SlotTable, one per beam (None until the first block); only the
+        # SlotTable hands them out and takes them back
+        self.rows: list[int] | None = None
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
         # (node, position id, full blocks) of the last full block known stored, or None
         self.cursor: tuple[int, int, int] | None = None
@@ -52,7 +55,6 @@ class TrackedSequence:
         "request_id",
         "request",
         "prompt_len",
-        "num_tokens",
         "tokens",
         "extra_ids",
         "beam_width",
@@ -70,6 +72,7 @@ class TrackedSequence:
         "windows",
         "admit_counts",
         "slow_at",
+        "batchable",
     )
 
     def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
@@ -83,7 +86,6 @@ class TrackedSequence:
             self.prompt_len = request.encoder_len
         else:
             self.prompt_len = len(self.tokens)
-        self.num_tokens = self.prompt_len
         self.beam_width = request.beam_width
         self.lora_task_id = request.lora_task_id
         self.salt_id = cache_salt_id(request.cache_salt)
@@ -101,6 +103,15 @@ class TrackedSequence:
         # `add_token` takes its fast path (append only) while the new token count stays below
         # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
         self.slow_at = 0
+        # `add_tokens` may grow it in a batch with others (one beam, no extra ids,
+        # no retention, not a cross cache)
+        self.batchable = self.beam_width == 1 and self.extra_ids is None and not is_cross and self.retention is None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens so far: the token list's length, so appending a token is one list append
+        (a cross cache never grows: its encoder length)."""
+        return self.prompt_len if self.is_cross else len(self.tokens)
 
     # ------------------------------------------------------------------ keys
     def token_path(self, first_block: int, end_token: int, tokens_per_block: int) -> TokenPath:

@@ -38,9 +38,10 @@ class TransferRecorder:
 
     def take(self, seq: int = 0) -> TransferPlan:
         cols = self._cols
-        if not len(cols[0]):  # the common case between transfers: no copies, no new arrays
-            self.taken = cols
-            self._cols = tuple(array.array("i") for _ in PLAN_FIELDS)
+        if not cols[0]:  # the common case between transfers: no copies
+            if self.taken[0]:  # the last plan had ops: forget them (no new arrays otherwise)
+                self.taken = cols
+                self._cols = tuple(array.array("i") for _ in PLAN_FIELDS)
             return TransferPlan.empty_numbered(seq)
         kind, pool, src, dst, num_tokens = (np.frombuffer(c, dtype=np.int32).copy() for c in cols)
         plan = TransferPlan(kind, pool, src, dst, num_tokens, seq=seq)

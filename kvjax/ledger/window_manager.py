@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
+from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.events import new_stored_block
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
@@ -61,6 +62,7 @@ class WindowBlockManager:
         # Offloading only makes sense if blocks come back (TensorRT-LLM ties it to onboarding).
         self.offload_enabled = config.onboard_blocks and self.num_secondary > 0 and config.enable_block_reuse
         self.columns = BlockColumns(self.num_primary, self.num_secondary)
+        self.slot_table = SlotTable(self.null_slot)  # the slots block tables show
         self.queues = FreeQueues(self.columns.level, self.num_primary, config.secondary_offload_min_priority, clock)
         self.refs = RefCounts(self.num_blocks, self.queues)
         self.block_node = tree.block_node[index]  # read-only here: the tree changes it
@@ -193,15 +195,15 @@ class WindowBlockManager:
         slots = [slot[b] if b >= 0 else null for b in blocks]
         if beam is not None:
             sw.blocks[beam].extend(blocks)
-            sw.slots[beam].extend(slots)
+            self.slot_table.extend(sw, beam, slots)
             return
         for b in range(len(sw.blocks)):
             sw.blocks[b].extend(blocks)
-            sw.slots[b].extend(slots)
+            self.slot_table.extend(sw, b, slots)
 
     def append_block(self, sw: SequenceWindow, beam: int, b: int) -> None:
         sw.blocks[beam].append(b)
-        sw.slots[beam].append(self.columns.slot[b])
+        self.slot_table.append(sw, beam, self.columns.slot[b])
 
     def release_block(self, b: int, to_front: bool = False) -> None:
         self.refs.release(b, to_front)
@@ -234,7 +236,7 @@ class WindowBlockManager:
                 seen.append(blk)
                 self.refs.release(blk)
             beam[pos] = PLACEHOLDER_BLOCK_ID
-            sw.slots[b][pos] = self.null_slot
+            self.slot_table.set(sw, b, pos, self.null_slot)
         sw.num_front_removed = pos + 1
 
     # ------------------------------------------------------------------ storing for reuse

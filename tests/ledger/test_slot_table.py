@@ -1,0 +1,218 @@
+"""The slot table behind `block_table` / `block_offsets`, and the batched `add_tokens`.
+
+A seeded random driver admits, grows (one token at a time and in batches), rewinds, removes
+(rows are recycled) and checks, after every operation, every live request's table row against
+a model built from the public block ids and each block's slot: padding and placeholders are
+the null slot and no row ever shows a slot the request does not hold. A twin ledger takes the
+same operations with `add_token` one by one: `add_tokens` must leave the same ledger, and a
+failing batch must raise what the first failing `add_token` raises while changing nothing.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvjax import DuplicateRequestError, InvalidArgumentError, KVCacheError, KVCacheManager, Request, UnknownRequestError
+from kvjax.errors import OutOfBlocksError
+from kvjax.ledger.validation import max_table_width
+from ledger_helpers import make_config
+
+CONFIGS = {
+    "one_window": dict(tokens_per_block=4, max_seq_len=48, primary_blocks=24, secondary_blocks=4, event_buffer_max_size=4096),
+    "beams": dict(tokens_per_block=2, max_seq_len=24, primary_blocks=20, max_beam_width=2, event_buffer_max_size=4096),
+    "swa": dict(
+        tokens_per_block=2, max_seq_len=32, primary_blocks=18, secondary_blocks=2, num_layers=2, attention_windows=(32, 5),
+        max_beam_width=2,
+    ),
+}
+
+
+def model_table(m: KVCacheManager, ids, window, max_blocks=None) -> np.ndarray:
+    """The table as it must be: each beam's block ids mapped to their slots (placeholders and
+    padding: the null slot), built from public reads only."""
+    null = m.config.primary_blocks_for(window)
+    rows = []
+    for rid in ids:
+        for beam in m.block_ids(rid, window):
+            rows.append([null if b < 0 else m.block(b, window).slot for b in beam])
+    width = max((len(r) for r in rows), default=0) if max_blocks is None else max_blocks
+    out = np.full((len(rows), width), null, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def check_tables(m: KVCacheManager, rng: random.Random) -> None:
+    ids = m.request_ids
+    rng.shuffle(ids)
+    ids = ids[: rng.randrange(len(ids) + 1)]
+    for w in m.windows:
+        want = model_table(m, ids, w)
+        got = m.block_table(ids, w)
+        assert got.dtype == np.int32 and np.array_equal(got, want), (w, ids)
+        wide = min(want.shape[1] + rng.randrange(1, 6), max_table_width(m.config))
+        assert np.array_equal(m.block_table(ids, w, max_blocks=wide), model_table(m, ids, w, wide))
+        if want.shape[1]:
+            with pytest.raises(InvalidArgumentError):
+                m.block_table(ids, w, max_blocks=want.shape[1] - 1)
+    width = min(max((model_table(m, ids, w).shape[1] for w in m.windows), default=0) + 2, max_table_width(m.config))
+    from kvjax.offsets import kvcache_index_offsets
+
+    want_offsets = kvcache_index_offsets(m.config, {w: model_table(m, ids, w, width) for w in m.windows})
+    assert np.array_equal(m.block_offsets(ids, max_blocks=width), want_offsets)
+
+
+def replay(config, history) -> KVCacheManager:
+    m = KVCacheManager(config)
+    for op in history:
+        op(m)
+    return m
+
+
+def sequential(ids, tokens):
+    def run(m: KVCacheManager) -> None:
+        for rid, t in zip(ids, tokens, strict=True):
+            m.add_token(rid, t)
+
+    return run
+
+
+def batched(ids, tokens):
+    return lambda m: m.add_tokens(ids, tokens)
+
+
+def outcome(op, m: KVCacheManager):
+    try:
+        op(m)
+    except KVCacheError as e:
+        return type(e)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", range(3))
+def test_random_driver_tables_and_batched_growth(name, seed):
+    rng = random.Random(f"{name}-{seed}")
+    config = make_config(**CONFIGS[name])
+    a, b = KVCacheManager(config), KVCacheManager(config)  # a: add_tokens, b: add_token one by one
+    history: list = []
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    next_id = 0
+    batches = failures = 0
+
+    def both(op):
+        ra, rb = outcome(op, a), outcome(op, b)
+        assert ra == rb
+        if ra is None:
+            history.append(op)
+
+    for step in range(160):
+        live = a.request_ids
+        r = rng.random()
+        if r < 0.2 or not live:
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 12)] + [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
+            beam = rng.choice([1, 2]) if config.max_beam_width > 1 else 1
+            req = Request(next_id, prompt, max_new_tokens=8, beam_width=beam, num_draft_tokens=rng.choice([0, 0, 2]))
+            next_id += 1
+            both(lambda m, req=req: m.add_sequence(req))
+        elif r < 0.3:
+            rid = rng.choice(live)
+            store = rng.random() < 0.7
+            both(lambda m, rid=rid, store=store: m.remove_sequence(rid, store_for_reuse=store))
+        elif r < 0.38:
+            rid = rng.choice(live)
+            n = rng.randrange(3)
+            both(lambda m, rid=rid, n=n: m.rewind(rid, n))
+        elif r < 0.45:
+            rid = rng.choice(live)
+            tok = rng.randrange(50)
+            both(lambda m, rid=rid, tok=tok: m.add_token(rid, tok))
+        else:  # a decode step: add_tokens on a, add_token row by row on b
+            ids = rng.sample(live, rng.randrange(1, len(live) + 1))
+            tokens: list = [rng.randrange(50) for _ in ids]
+            spoil = rng.random()
+            if spoil < 0.05:
+                ids.insert(rng.randrange(len(ids) + 1), "nobody")
+                tokens.insert(len(tokens), 1)
+            elif spoil < 0.1:
+                tokens[rng.randrange(len(tokens))] = rng.choice([-1, 2**31, True, 1.5])
+            elif spoil < 0.15:
+                tokens[rng.randrange(len(tokens))] = [rng.randrange(50), rng.randrange(50)]  # per beam
+            as_array = rng.random() < 0.5 and all(type(t) is int and 0 <= t < 2**31 for t in tokens)
+            arg = np.array(tokens, dtype=rng.choice([np.int32, np.int64])) if as_array else tokens
+            before = a.snapshot()
+            got = outcome(batched(ids, arg), a)
+            if got is None:
+                want = outcome(sequential(ids, tokens), b)
+                assert want is None, f"add_token raised {want} where add_tokens succeeded"
+                history.append(sequential(ids, tokens))
+                batches += 1
+            else:
+                failures += 1
+                assert a.snapshot() == before, "a failing add_tokens changed the ledger"
+                assert outcome(sequential(ids, tokens), b) is got
+                b = replay(config, history)  # b went part way: rebuild it
+        if a.request_ids:
+            check_tables(a, rng)
+        if step % 8 == 0:
+            a.verify_integrity()
+            assert a.snapshot() == b.snapshot()
+    a.verify_integrity()
+    assert a.snapshot() == b.snapshot()
+    assert batches > 10
+
+
+def test_a_recycled_row_shows_nothing_of_its_last_owner():
+    m = KVCacheManager(make_config(primary_blocks=16))
+    m.add_sequence(Request("long", list(range(30))))  # 8 blocks
+    wide = m.block_table(["long"], max_blocks=10)
+    assert (wide[0, :8] != 16).all()
+    m.remove_sequence("long")
+    m.add_sequence(Request("short", [1, 2, 3]))  # takes the row "long" gave back
+    row = m.block_table(["short"], max_blocks=10)[0]
+    assert row[0] == m.block(m.block_ids("short")[0][0]).slot and (row[1:] == 16).all()
+    m.verify_integrity()
+
+
+def test_add_tokens_errors_change_nothing():
+    m = KVCacheManager(make_config(primary_blocks=6))
+    m.add_sequence(Request("a", [1, 2, 3, 4]))
+    m.add_sequence(Request("b", [11, 12, 13, 14, 15, 16, 17, 18]))
+    m.add_sequence(Request("c", [9, 9, 9, 9]))
+    before = m.snapshot()
+    for ids, tokens, error in [
+        (["a", "a"], [1, 2], DuplicateRequestError),
+        (["a", "zz"], [1, 2], UnknownRequestError),
+        (["a"], [1, 2], InvalidArgumentError),
+        (["a", "b", "c"], np.array([[1, 2, 3]]), InvalidArgumentError),
+        (["a", "b", "c"], [1, 2, 3], OutOfBlocksError),  # the third request finds no block left
+    ]:
+        with pytest.raises(error):
+            m.add_tokens(ids, tokens)
+        assert m.snapshot() == before
+    m.add_tokens(["a", "b"], np.array([5, 6]))  # both start a block: the last two free ones
+    assert m.num_free_blocks() == 0 and len(m.block_ids("a")[0]) == 2 and len(m.block_ids("b")[0]) == 3
+    m.verify_integrity()
+
+
+def test_a_sliding_window_detach_frees_the_block_a_later_row_takes():
+    """Capacity is counted row by row as add_token would: a block released by one row's
+    sliding-window detach is there for a later row to take, not for an earlier one."""
+    cfg = make_config(tokens_per_block=2, max_seq_len=32, primary_blocks=6, attention_windows=(3,))
+    for order, error in ((["a", "b"], None), (["b", "a"], OutOfBlocksError)):
+        m = KVCacheManager(cfg)
+        m.add_sequence(Request("a", [1, 2, 3, 4, 5]))  # 3 blocks; its next token slides block 0 out
+        m.add_sequence(Request("b", [11, 12, 13, 14, 15, 16]))  # 3 blocks; its next token needs a 4th
+        assert m.num_free_blocks() == 0
+        before = m.snapshot()
+        if error is None:
+            m.add_tokens(order, [7, 17])
+            assert m.block_ids("a")[0][0] < 0 and len(m.block_ids("b")[0]) == 4
+            check_tables(m, random.Random(0))
+            m.verify_integrity()
+        else:
+            with pytest.raises(error):
+                m.add_tokens(order, [17, 7])
+            assert m.snapshot() == before
