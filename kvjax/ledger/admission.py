@@ -294,7 +294,8 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                                 queues.set_duration(mb, dur)
                     # most matched blocks already have the range's priority: one C-level compare
                     if prio is not None and (
-                        None in blocks or bytes(map(priority.__getitem__, blocks)) != bytes((prio,)) * len(blocks)
+                        None in blocks
+                        or bytes(map(priority.__getitem__, cast("list[int]", blocks))) != bytes((prio,)) * len(blocks)
                     ):
                         for mb in blocks:
                             if mb is not None and prio != priority[mb]:
