@@ -187,10 +187,56 @@ class KVCacheEventManager:
         if self._removed:
             self._flush_removed(window)
         blocks: list[StoredBlock] = []
-        add_stored_blocks(blocks, hashes, tokens, lora_id, attached, levels, priorities, mm_keys)
+        append = blocks.append
+        obj: Any
+        for (_, b), h, t in zip(attached, hashes, tokens, strict=True):  # add_stored_blocks, inlined
+            obj = _StoredBlockFields()
+            obj.block_hash = h
+            obj.tokens = t
+            obj.lora_id = lora_id
+            obj.cache_level = levels[b]
+            obj.priority = priorities[b]
+            obj.mm_keys = mm_keys
+            obj.__class__ = StoredBlock
+            append(obj)
         data: Any = _StoredDataFields()
         data.parent_hash = parent_hash
         data.blocks = tuple(blocks)
+        data.__class__ = StoredData
+        event: Any = _EventFields()
+        event.event_id = next(self._ids)
+        event.window_size = window
+        event.data = data
+        event.__class__ = KVCacheEvent
+        if len(self._pending) == self.max_size:
+            self.dropped += 1
+        self._pending.append(event)
+
+    def stored_one(
+        self,
+        window: int,
+        parent_hash: BlockHash | None,
+        block_hash: BlockHash,
+        tokens: tuple,
+        lora_id: int | None,
+        cache_level: int,
+        priority: int,
+        mm_keys: tuple[MmKey, ...],
+    ) -> None:
+        """`stored` of a single block (a decode block), without the intermediate calls."""
+        if self._removed:
+            self._flush_removed(window)
+        obj: Any = _StoredBlockFields()
+        obj.block_hash = block_hash
+        obj.tokens = tokens
+        obj.lora_id = lora_id
+        obj.cache_level = cache_level
+        obj.priority = priority
+        obj.mm_keys = mm_keys
+        obj.__class__ = StoredBlock
+        data: Any = _StoredDataFields()
+        data.parent_hash = parent_hash
+        data.blocks = (obj,)
         data.__class__ = StoredData
         event: Any = _EventFields()
         event.event_id = next(self._ids)

@@ -309,21 +309,39 @@ class WindowBlockManager:
         """Stored events, one per run of consecutive newly stored depths under one parent; a
         moved block's Removed comes before the run that stores it again (as it happened).
         A run is hashed and built node by node (one pass per node)."""
+        tree, events = self.tree, self.events
+        assert events is not None  # called only with events on
+        if len(attached) == 1 and not moves:  # a decode block
+            b = attached[0][1]
+            n = self.block_node[b]
+            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b])
+            events.stored_one(
+                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1],
+                self.columns.level[b], self.queues.priority[b], tree.mm.get(n, ()),
+            )  # fmt: skip
+            return
+        bnode, boff = self.block_node, tree.block_offset[self.index]
+        (d0, b0), (d1, b1) = attached[0], attached[-1]
+        n, o = bnode[b0], boff[b0]
+        if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
+            # the usual store (a new context, a decode block): one run of consecutive positions of
+            # one node (a path passes a node once, so its first and last block tell)
+            parent, hashes, tokens = tree.event_run(n, o, len(attached))
+            events.stored_run(
+                self.window, parent, hashes, tokens, tree.signatures[tree.sig[n]][1], attached,
+                self.columns.level, self.queues.priority, tree.mm.get(n, ()),
+            )  # fmt: skip
+        else:
+            self._emit_stored_runs(attached, moves)
+
+    def _emit_stored_runs(self, attached: list[tuple[int, int]], moves: list) -> None:
+        """`_emit_stored` of several runs, or of runs over several nodes, or with moves."""
         tree, window = self.tree, self.window
         bnode, boff = self.block_node, tree.block_offset[self.index]
         events = self.events
         assert events is not None  # called only with events on
         level, prio = self.columns.level, self.queues.priority
         sig, signatures, mm = tree.sig, tree.signatures, tree.mm
-        event_run = tree.event_run
-        (d0, b0), (d1, b1) = attached[0], attached[-1]
-        n, o = bnode[b0], boff[b0]
-        if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
-            # the usual store (a new context, a decode block): one run of consecutive positions of
-            # one node (a path passes a node once, so its first and last block tell)
-            parent, hashes, tokens = event_run(n, o, len(attached))
-            events.stored_run(window, parent, hashes, tokens, signatures[sig[n]][1], attached, level, prio, mm.get(n, ()))
-            return
         pending_moves = list(moves)
         i, count = 0, len(attached)
         while i < count:
@@ -341,7 +359,7 @@ class WindowBlockManager:
                 k = i + 1
                 while k < j and bnode[attached[k][1]] == n:
                     k += 1
-                parent, hashes, tokens = event_run(n, boff[b], k - i)
+                parent, hashes, tokens = tree.event_run(n, boff[b], k - i)
                 if first:
                     parent_hash, first = parent, False
                 add_stored_blocks(blocks, hashes, tokens, signatures[sig[n]][1], attached[i:k], level, prio, mm.get(n, ()))
