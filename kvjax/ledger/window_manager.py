@@ -147,14 +147,18 @@ class WindowBlockManager:
             out = queues.claim_victims(PRIMARY, count)
             bnode, events, c = self.block_node, self.events, self.counters
             c.alloc_total += count
-            detach, widx = self.tree.detach, self.index
+            tree, widx = self.tree, self.index
+            detach, hashes, boff = tree.detach, tree.hashes, tree.block_offset[widx]
             removed: list | None = None if events is None else []
             for b in out:
-                if bnode[b] < 0:
+                n = bnode[b]
+                if n < 0:
                     c.alloc_new += 1
                 else:
-                    if removed is not None:
-                        removed.append(self.block_hash(b))
+                    if removed is not None:  # its hash, cached when it was stored (else block_hash)
+                        hs = hashes[n]
+                        h = None if hs is None else hs[boff[b]]
+                        removed.append(self.block_hash(b) if h is None else h)
                     detach(widx, b)
                     c.evicted += 1
             if removed:
