@@ -328,7 +328,7 @@ class WindowBlockManager:
         (d0, b0), (d1, b1) = attached[0], attached[-1]
         n, o = bnode[b0], boff[b0]
         if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
-            # the usual store (a new context, a decode block): one run of consecutive positions of
+            # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
             parent, hashes, tokens = tree.event_run(n, o, len(attached))
             events.stored_run(

@@ -14,6 +14,7 @@ offload and onboard) with events on. Two checks:
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -21,7 +22,7 @@ import pytest
 
 from kvjax import KVCacheManager, Request
 from kvjax.errors import KVCacheError
-from kvjax.ledger import RemovedData, StoredData, UpdatedData
+from kvjax.ledger import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredData, UpdatedData
 from kvjax.ledger.block_key import BlockKey, trtllm64_block_hash
 from kvjax.request import MultimodalItem, RetentionConfig, TokenRangeRetention
 from ledger_helpers import make_config
@@ -166,3 +167,25 @@ def test_stored_hashes_recompute_from_the_event_fields(event_hash, windows):
         elif isinstance(d, UpdatedData):
             assert d.block_hash in hashes
     assert stored > 100
+
+
+def test_published_records_are_the_frozen_dataclasses():
+    """The ledger builds event records without their `__init__` (mutable twins turned into
+    the frozen classes): what it publishes must be those classes, frozen, equal to and hashing
+    like records built by the constructors."""
+    events = drive("sha256", None, True, 6)
+    assert events
+    for e in events:
+        assert type(e) is KVCacheEvent
+        assert type(e.data) in (CreatedData, StoredData, RemovedData, UpdatedData)
+        rebuilt = dataclasses.replace(e, data=dataclasses.replace(e.data))
+        assert rebuilt == e and hash(rebuilt) == hash(e) and repr(rebuilt) == repr(e)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            e.event_id = -1
+        if isinstance(e.data, StoredData):
+            assert type(e.data.blocks) is tuple
+            for b in e.data.blocks:
+                assert type(b) is StoredBlock and type(b.tokens) is tuple
+                assert StoredBlock(*(getattr(b, f.name) for f in dataclasses.fields(StoredBlock))) == b
+                with pytest.raises(dataclasses.FrozenInstanceError):
+                    b.block_hash = b""
