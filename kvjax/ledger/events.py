@@ -17,18 +17,19 @@ import dataclasses
 import itertools
 import threading
 import time
+from typing import Any
 
 from kvjax.ledger.block_key import MmKey
 
 BlockHash = bytes | int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class CreatedData:
     num_blocks_per_cache_level: tuple[int, int]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoredBlock:
     block_hash: BlockHash
     tokens: tuple
@@ -38,58 +39,112 @@ class StoredBlock:
     mm_keys: tuple[MmKey, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoredData:
     parent_hash: BlockHash | None
     blocks: tuple[StoredBlock, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class RemovedData:
     block_hashes: tuple[BlockHash, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class UpdatedData:
     block_hash: BlockHash
     cache_level: tuple[int, int] | None = None
     priority: tuple[int, int] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class KVCacheEvent:
     event_id: int
     window_size: int
     data: CreatedData | StoredData | RemovedData | UpdatedData
 
 
-# Positional constructors that skip the generated `__init__` of the frozen dataclasses (one
-# `object.__setattr__` per field): the ledger builds one event per stored run and one
-# `StoredBlock` per stored block from values it already holds checked. Each fills every field
-# of its class (tests compare them with the dataclass constructors).
-_new, _set = object.__new__, object.__setattr__
+# Fast constructors. The frozen dataclasses' `__init__` sets each field with one
+# `object.__setattr__` call; the ledger builds one `StoredBlock` per stored block (and one
+# event per stored run) from values it already holds checked, so it fills a mutable twin with
+# the same slots (plain slot stores) and then makes it the frozen class (`__class__`
+# assignment between classes of one slot layout). Each constructor fills every field of its
+# class (tests compare the results with the dataclass constructors).
+def _mutable_twin(cls: type) -> type:
+    slots = tuple(f.name for f in dataclasses.fields(cls))
+    assert slots == cls.__dict__["__slots__"]  # the layout `__class__` assignment needs
+    return type(f"_Mutable{cls.__name__}", (), {"__slots__": slots})
+
+
+_StoredBlockFields = _mutable_twin(StoredBlock)
+_StoredDataFields = _mutable_twin(StoredData)
+_RemovedDataFields = _mutable_twin(RemovedData)
+_EventFields = _mutable_twin(KVCacheEvent)
 
 
 def new_stored_block(
     block_hash: BlockHash, tokens: tuple, lora_id: int | None, cache_level: int, priority: int, mm_keys: tuple[MmKey, ...]
 ) -> StoredBlock:
-    obj = _new(StoredBlock)
-    _set(obj, "__dict__", {
-        "block_hash": block_hash, "tokens": tokens, "lora_id": lora_id,
-        "cache_level": cache_level, "priority": priority, "mm_keys": mm_keys,
-    })  # fmt: skip
+    obj: Any = _StoredBlockFields()
+    obj.block_hash = block_hash
+    obj.tokens = tokens
+    obj.lora_id = lora_id
+    obj.cache_level = cache_level
+    obj.priority = priority
+    obj.mm_keys = mm_keys
+    obj.__class__ = StoredBlock
     return obj
 
 
+def add_stored_blocks(
+    out: list[StoredBlock],
+    hashes: list,
+    tokens: list[tuple],
+    lora_id: int | None,
+    attached: list[tuple[int, int]],
+    levels,
+    priorities,
+    mm_keys: tuple[MmKey, ...],
+) -> None:
+    """Append one `StoredBlock` per block of a run of one node (what `new_stored_block` builds,
+    in one loop): `hashes[i]` and `tokens[i]` belong to the block of `attached[i]` (a
+    (depth, block id) pair), whose level and priority are read from the `levels` and
+    `priorities` columns."""
+    append = out.append
+    obj: Any
+    for (_, b), h, t in zip(attached, hashes, tokens, strict=True):
+        obj = _StoredBlockFields()
+        obj.block_hash = h
+        obj.tokens = t
+        obj.lora_id = lora_id
+        obj.cache_level = levels[b]
+        obj.priority = priorities[b]
+        obj.mm_keys = mm_keys
+        obj.__class__ = StoredBlock
+        append(obj)
+
+
 def _new_stored_data(parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> StoredData:
-    obj = _new(StoredData)
-    _set(obj, "__dict__", {"parent_hash": parent_hash, "blocks": blocks})
+    obj: Any = _StoredDataFields()
+    obj.parent_hash = parent_hash
+    obj.blocks = blocks
+    obj.__class__ = StoredData
+    return obj
+
+
+def _new_removed_data(block_hashes: tuple[BlockHash, ...]) -> RemovedData:
+    obj: Any = _RemovedDataFields()
+    obj.block_hashes = block_hashes
+    obj.__class__ = RemovedData
     return obj
 
 
 def _new_event(event_id: int, window_size: int, data: CreatedData | StoredData | RemovedData | UpdatedData) -> KVCacheEvent:
-    obj = _new(KVCacheEvent)
-    _set(obj, "__dict__", {"event_id": event_id, "window_size": window_size, "data": data})
+    obj: Any = _EventFields()
+    obj.event_id = event_id
+    obj.window_size = window_size
+    obj.data = data
+    obj.__class__ = KVCacheEvent
     return obj
 
 
@@ -112,11 +167,48 @@ class KVCacheEventManager:
         self._enqueue(window, CreatedData((num_primary, num_secondary)))
 
     def stored(self, window: int, parent_hash: BlockHash | None, blocks: list[StoredBlock]) -> None:
-        self._flush_removed(window)
+        if self._removed:
+            self._flush_removed(window)
         self._enqueue(window, _new_stored_data(parent_hash, tuple(blocks)))
+
+    def stored_run(
+        self,
+        window: int,
+        parent_hash: BlockHash | None,
+        hashes: list,
+        tokens: list[tuple],
+        lora_id: int | None,
+        attached: list[tuple[int, int]],
+        levels,
+        priorities,
+        mm_keys: tuple[MmKey, ...],
+    ) -> None:
+        """`stored` of one run of one node (see `add_stored_blocks`)."""
+        blocks: list[StoredBlock] = []
+        add_stored_blocks(blocks, hashes, tokens, lora_id, attached, levels, priorities, mm_keys)
+        self.stored(window, parent_hash, blocks)
+
+    def stored_one(
+        self,
+        window: int,
+        parent_hash: BlockHash | None,
+        block_hash: BlockHash,
+        tokens: tuple,
+        lora_id: int | None,
+        cache_level: int,
+        priority: int,
+        mm_keys: tuple[MmKey, ...],
+    ) -> None:
+        """`stored` of a single block (a decode block)."""
+        self.stored(window, parent_hash, [new_stored_block(block_hash, tokens, lora_id, cache_level, priority, mm_keys)])
 
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)
+
+    def removed_many(self, window: int, block_hashes: list[BlockHash]) -> None:
+        """`removed` of each hash, in order."""
+        if block_hashes:
+            self._removed.setdefault(window, []).extend(block_hashes)
 
     def updated(self, window: int, block_hash: BlockHash, cache_level=None, priority=None) -> None:
         self._enqueue(window, UpdatedData(block_hash, cache_level, priority))
@@ -124,7 +216,7 @@ class KVCacheEventManager:
     def _flush_removed(self, window: int) -> None:
         hashes = self._removed.pop(window, None)
         if hashes:
-            self._enqueue(window, RemovedData(tuple(hashes)))
+            self._enqueue(window, _new_removed_data(tuple(hashes)))
 
     def flush(self) -> None:
         """End of an iteration: publish pending removes and every pending event."""

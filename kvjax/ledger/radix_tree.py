@@ -63,6 +63,9 @@ class RadixTree:
         self._fast_sha256 = self.hasher.algorithm == "sha256" and NATIVE_LITTLE
         self._full_head = b"T" + _U32.pack(tokens_per_block)  # a full plain block's canonical prefix
         self._unpack_full = struct.Struct(f"{tokens_per_block}i").unpack  # native int32 units
+        self._iter_unpack_full = struct.Struct(f"{tokens_per_block}i").iter_unpack
+        self._plain_block_bytes = PLAIN_UNIT * tokens_per_block
+        self._iter_full_blocks = struct.Struct(f"{PLAIN_UNIT * tokens_per_block}s").iter_unpack  # (bytes,) per block
         # node columns (node 0 is the root: no positions)
         self.parent = array.array("i", [-1])
         self.depth = array.array("i", [0])
@@ -783,6 +786,67 @@ class RadixTree:
                 h = self.hasher.hash(self.key_at(n, o), parent)
             hs[o] = h
         return h
+
+    def event_run(self, n: int, o: int, k: int) -> tuple[bytes | int | None, list, list[tuple]]:
+        """What a Stored event says of positions `o..o+k-1` of node `n`, in one pass: the hash
+        of the position before `o` (None at the root), each position's chained hash (cached
+        ones reused, new ones cached: `hash_after`) and its tokens (`stored_tokens`)."""
+        hs = self.hashes[n]
+        if hs is None:
+            hs = self.hashes[n] = [None] * self.length[n]
+        parent: Any
+        if o:
+            parent = hs[o - 1]
+            if parent is None:
+                parent = self.position_hash(n, o - 1)
+        else:
+            p = self.parent[n]
+            parent = None if p == ROOT else self.position_hash(p, self.length[p] - 1)
+        out = hs[o : o + k]
+        if self.sig[n] != 0:
+            tokens = [self.stored_tokens(n, i) for i in range(o, o + k)]
+        else:  # token ids straight from the node's bytes; only a run's last block can be partial
+            bb = self._plain_block_bytes
+            c = self.content[n]
+            lo = o * bb
+            hi = lo + k * bb
+            full_hi = hi if hi <= len(c) else hi - bb
+            run = c[lo:full_hi]
+            tokens = list(self._iter_unpack_full(run))
+            if full_hi < hi:
+                tokens.append(tuple(array.array("i", c[full_hi:hi])))
+            if self._fast_sha256 and out.count(None) == k and n not in self.mm:  # all new: one SHA-256 loop
+                h: Any = self.hasher.root if parent is None else parent  # SHA-256 chains bytes
+                head, join = self._full_head, b"".join
+                out = []
+                append = out.append
+                for (blk,) in self._iter_full_blocks(run):  # hash_after's SHA-256 fast path
+                    h = _sha256(join((h, head, blk, _PLAIN_TAIL))).digest()
+                    append(h)
+                if full_hi < hi:
+                    blk = c[full_hi:hi]
+                    append(_sha256(join((h, b"T" + _U32.pack(len(blk) >> 2), blk, _PLAIN_TAIL))).digest())
+                hs[o : o + k] = out
+                return parent, out, tokens
+        if None in out:
+            h = self.hasher.root if parent is None else parent
+            for i in range(k):
+                h = out[i] = self.hash_after(n, o + i, h)
+        return parent, out, tokens
+
+    def event_one(self, n: int, o: int) -> tuple[bytes | int | None, bytes | int, tuple]:
+        """`event_run` of the single position `(n, o)` (a decode block): (parent hash, hash,
+        tokens). The usual case, a new full plain block after a hashed one, takes one SHA-256."""
+        hs = self.hashes[n]
+        if o and hs is not None and self._fast_sha256 and self.sig[n] == 0 and hs[o] is None and n not in self.mm:
+            parent: Any = hs[o - 1]  # SHA-256 chains bytes
+            bb = self._plain_block_bytes
+            blk = self.content[n][o * bb : (o + 1) * bb]
+            if parent is not None and len(blk) == bb:
+                hs[o] = h = _sha256(b"".join((parent, self._full_head, blk, _PLAIN_TAIL))).digest()
+                return parent, h, self._unpack_full(blk)
+        parent, hashes, tokens = self.event_run(n, o, 1)
+        return parent, hashes[0], tokens[0]
 
     def stored_tokens(self, n: int, o: int) -> tuple:
         """Tokens of position `(n, o)` as a Stored event carries them: token ids, or (token,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
-from kvjax.ledger.events import new_stored_block
+from kvjax.ledger.events import add_stored_blocks
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
 from kvjax.ledger.refs import RefCounts
@@ -87,8 +87,14 @@ class WindowBlockManager:
 
     def block_hash(self, b: int):
         """Event hash of a cached block's position."""
-        n = self.block_node[b]
-        return self.tree.position_hash(n, self.tree.block_offset[self.index][b])
+        tree = self.tree
+        n, o = self.block_node[b], tree.block_offset[self.index][b]
+        hs = tree.hashes[n]  # hashed when stored with events on: the lookup is the usual case
+        if hs is not None:
+            h = hs[o]
+            if h is not None:
+                return h
+        return tree.position_hash(n, o)
 
     def drop_cached(self, b: int, evicted: bool = True) -> None:
         """Take `b`'s content out of the tree (true priority eviction: only this block; its
@@ -143,14 +149,23 @@ class WindowBlockManager:
             out = queues.claim_victims(PRIMARY, count)
             bnode, events, c = self.block_node, self.events, self.counters
             c.alloc_total += count
+            tree, widx = self.tree, self.index
+            detach, hashes, boff = tree.detach, tree.hashes, tree.block_offset[widx]
+            removed: list | None = None if events is None else []
             for b in out:
-                if bnode[b] < 0:
+                n = bnode[b]
+                if n < 0:
                     c.alloc_new += 1
                 else:
-                    if events is not None:
-                        events.removed(self.window, self.block_hash(b))
-                    self.tree.detach(self.index, b)
+                    if removed is not None:  # its hash, cached when it was stored (else block_hash)
+                        hs = hashes[n]
+                        h = None if hs is None else hs[boff[b]]
+                        removed.append(self.block_hash(b) if h is None else h)
+                    detach(widx, b)
                     c.evicted += 1
+            if removed:
+                assert events is not None
+                events.removed_many(self.window, removed)
             if retention is not None:
                 queues.set_retention_each(out, retention)
         self.refs.acquire_all(out)
@@ -300,34 +315,64 @@ class WindowBlockManager:
 
     def _emit_stored(self, attached: list[tuple[int, int]], moves: list) -> None:
         """Stored events, one per run of consecutive newly stored depths under one parent; a
-        moved block's Removed comes before the run that stores it again (as it happened)."""
-        tree, widx, window = self.tree, self.index, self.window
-        bnode, boff = self.block_node, tree.block_offset[widx]
+        moved block's Removed comes before the run that stores it again (as it happened).
+        A run is hashed and built node by node (one pass per node)."""
+        tree, events = self.tree, self.events
+        assert events is not None  # called only with events on
+        if len(attached) == 1 and not moves:  # a decode block
+            b = attached[0][1]
+            n = self.block_node[b]
+            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b])
+            events.stored_one(
+                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1],
+                self.columns.level[b], self.queues.priority[b], tree.mm.get(n, ()),
+            )  # fmt: skip
+            return
+        bnode, boff = self.block_node, tree.block_offset[self.index]
+        (d0, b0), (d1, b1) = attached[0], attached[-1]
+        n, o = bnode[b0], boff[b0]
+        if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
+            # the usual store (a new context): one run of consecutive positions of
+            # one node (a path passes a node once, so its first and last block tell)
+            parent, hashes, tokens = tree.event_run(n, o, len(attached))
+            events.stored_run(
+                self.window, parent, hashes, tokens, tree.signatures[tree.sig[n]][1], attached,
+                self.columns.level, self.queues.priority, tree.mm.get(n, ()),
+            )  # fmt: skip
+        else:
+            self._emit_stored_runs(attached, moves)
+
+    def _emit_stored_runs(self, attached: list[tuple[int, int]], moves: list) -> None:
+        """`_emit_stored` of several runs, or of runs over several nodes, or with moves."""
+        tree, window = self.tree, self.window
+        bnode, boff = self.block_node, tree.block_offset[self.index]
         events = self.events
         assert events is not None  # called only with events on
         level, prio = self.columns.level, self.queues.priority
         sig, signatures, mm = tree.sig, tree.signatures, tree.mm
-        hash_after, stored_tokens = tree.hash_after, tree.stored_tokens
         pending_moves = list(moves)
-        i = 0
-        while i < len(attached):
+        i, count = 0, len(attached)
+        while i < count:
             j = i + 1
-            while j < len(attached) and attached[j][0] == attached[j - 1][0] + 1:
+            while j < count and attached[j][0] == attached[j - 1][0] + 1:
                 j += 1
-            run = attached[i:j]
-            while pending_moves and pending_moves[0][0] <= run[-1][0]:
+            last_depth = attached[j - 1][0]
+            while pending_moves and pending_moves[0][0] <= last_depth:
                 events.removed(window, pending_moves.pop(0)[1])
-            n0, o0 = bnode[run[0][1]], boff[run[0][1]]
-            pn, po = tree.previous(n0, o0)
-            parent_hash = None if pn == ROOT else tree.position_hash(pn, po)
-            h = tree.hasher.root if parent_hash is None else parent_hash
-            blocks = []
-            for _, b in run:  # consecutive positions of one path: each hash chains on the last
-                n, o = bnode[b], boff[b]
-                h = hash_after(n, o, h)
-                blocks.append(new_stored_block(h, stored_tokens(n, o), signatures[sig[n]][1], level[b], prio[b], mm.get(n, ())))
+            blocks: list = []
+            first = True
+            while i < j:  # consecutive positions of one path, node by node
+                b = attached[i][1]
+                n = bnode[b]
+                k = i + 1
+                while k < j and bnode[attached[k][1]] == n:
+                    k += 1
+                parent, hashes, tokens = tree.event_run(n, boff[b], k - i)
+                if first:
+                    parent_hash, first = parent, False
+                add_stored_blocks(blocks, hashes, tokens, signatures[sig[n]][1], attached[i:k], level, prio, mm.get(n, ()))
+                i = k
             events.stored(window, parent_hash, blocks)
-            i = j
         for _, h in pending_moves:
             events.removed(window, h)
 
