@@ -7,7 +7,8 @@ and blocks that sliding-window detaches would free are counted back), and change
 
 Speed: the manager keeps the last batch (`DecodeBatch`: its sequences, their token lists and
 how many more tokens each can append before it must allocate or detach a block), valid while
-no sequence's tokens or `slow_at` changed elsewhere (`_seq_epoch`). A step whose requests start no block
+no sequence's tokens or `slow_at` changed elsewhere (`_seq_epoch`; `add_token`'s unlocked fast path
+drops the cached batch instead, one store per token). A step whose requests start no block
 is then a vectorised check of the tokens plus one C-level `list.append` per request. Requests
 that start a block (one in `tokens_per_block`) share one claim of victims per window
 (`take_fresh`) and one slot-table write; the others that need more (beams, cross caches, extra

@@ -205,7 +205,7 @@ class KVCacheManager:
         n = len(seq.tokens) + 1  # `num_tokens + 1` (a cross cache's `slow_at` is 0: it never takes this path)
         if n < seq.slow_at and type(token) is int and 0 <= token <= INT32_MAX:
             seq.tokens.append(token)  # nothing to allocate or detach before `slow_at`
-            self._seq_epoch += 1
+            self._batch = None  # the cached `add_tokens` batch counted this sequence's tokens
             return
         lock = self._lock  # the fast path above takes no lock (kvjax/ledger/concurrency.py)
         lock.acquire()
