@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import bisect
 import hashlib
+import math
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -49,6 +50,10 @@ RUN_LIMIT = 256  # positions a leaf run may grow to in place (new nodes may star
 _U32 = struct.Struct("<I")
 _PLAIN_TAIL = b"elsM" + _U32.pack(0)  # see block_key.canonical_key_bytes
 _sha256 = hashlib.sha256
+_bisect_left = bisect.bisect_left
+_bisect_right = bisect.bisect_right
+_from_bytes = int.from_bytes  # big-endian: an XOR's bit length locates the first differing byte
+_isqrt = math.isqrt
 # What a freed node id holds in the `content` and `values` columns (the root, which has no
 # positions, too in `values`), and a released signature id in `signatures`: nothing reads a
 # vacant entry, so these columns are typed by what live entries hold.
@@ -487,28 +492,64 @@ class RadixTree:
         if not firsts:
             return NO_BLOCK, 0
         keys = firsts.keys  # sorted, with the removed ones still in (children.get skips them)
-        i = bisect.bisect_left(keys, query)
-        best_t = 0
-        for j in (i - 1, i):
-            if 0 <= j < len(keys):
-                best_t = max(best_t, common_units(query, keys[j], unit))
+        size = len(keys)
+        # The keys sharing the most units with the query sort right next to it: the longer
+        # of its two neighbours' common prefixes is the best any key has (a removed key may
+        # overstate it: then no candidate is found at that length and a shorter one is tried).
+        i = _bisect_left(keys, query)
+        nq = len(query)
+        fq = _from_bytes(query)
+        shared_lo = shared_hi = 0  # bytes the query shares with keys[i - 1] and keys[i]
+        if i:
+            k = keys[i - 1]
+            shared_lo = nq - ((fq ^ _from_bytes(k)).bit_length() + 7) // 8 if len(k) == nq else _shared_bytes(query, k)
+        if i < size:
+            k = keys[i]
+            shared_hi = nq - ((fq ^ _from_bytes(k)).bit_length() + 7) // 8 if len(k) == nq else _shared_bytes(query, k)
+        best_t = max(shared_lo, shared_hi) // unit
+        if not best_t:
+            return NO_BLOCK, 0
         pid = self.pid
-        top = b"\xff" * (unit * self.tokens_per_block)
-        done_lo = done_hi = i
+        # Ties among more than about sqrt(children) keys are settled by the children's age
+        # order instead (see below): beyond `reach` keys on a side a range's end is not needed.
+        reach = _isqrt(len(kids))
+        wide = False
+        lo = hi = i  # keys[lo:hi]: those sharing more than `t` units (none was a candidate)
         for t in range(best_t, 0, -1):
-            # the keys sharing t units with the query are one range of the sorted keys
-            prefix = query[: t * unit]
-            lo = bisect.bisect_left(keys, prefix, 0, done_lo)
-            hi = bisect.bisect_right(keys, prefix + top, done_hi)
-            size = hi - lo
-            if size * size > len(kids):
+            nb = t * unit
+            prefix = query[:nb]
+            if not wide:
+                # the keys sharing t units with the query are one range of the sorted keys
+                # around [lo, hi): one neighbour test per side settles the common small case,
+                # one more `reach` keys away tells a wide range from a bounded search
+                new_lo = lo
+                if lo and (shared_lo >= nb if lo == i else keys[lo - 1].startswith(prefix)):
+                    far = lo - 1 - reach
+                    if far >= 0 and keys[far].startswith(prefix):
+                        wide = True
+                    else:
+                        new_lo = _bisect_left(keys, prefix, max(far + 1, 0), lo - 1)
+                new_hi = hi
+                if not wide and hi < size and (shared_hi >= nb if hi == i else keys[hi].startswith(prefix)):
+                    far = hi + reach
+                    if far < size and keys[far].startswith(prefix):
+                        wide = True
+                    else:
+                        new_hi = _bisect_right(keys, prefix + b"\xff" * (unit * self.tokens_per_block), hi + 1, min(far, size))
+                if not wide and new_hi - new_lo > reach:
+                    wide = True
+            if wide:
                 # many ties (siblings after a shared first token): children are kept oldest
-                # first, and about len(kids) / size of them are seen before one has the prefix
+                # first, and about len(kids) / (keys with the prefix) of them are seen before
+                # one has the prefix; every shorter prefix is at least as common
                 b = self._oldest_with_prefix(kids, sid, prefix, vals, ref, skip_referenced)
-            else:
+                if b != NO_BLOCK:
+                    return b, t
+                continue
+            if new_lo < lo or new_hi > hi:
                 b = NO_BLOCK
-                best_pid = None
-                for j in [*range(lo, done_lo), *range(done_hi, hi)]:
+                best_pid = -1
+                for j in (*range(new_lo, lo), *range(hi, new_hi)):
                     first = keys[j]
                     c = kids.get(first if sid == 0 else (sid, first, ()))
                     if c is None:  # removed since the index was compacted
@@ -516,11 +557,11 @@ class RadixTree:
                     cb = vals[c][0]
                     if cb == NO_BLOCK or (skip_referenced and ref[cb] > 0):
                         continue
-                    if best_pid is None or pid[c] < best_pid:
+                    if best_pid < 0 or pid[c] < best_pid:
                         b, best_pid = cb, pid[c]
-            if b != NO_BLOCK:
-                return b, t
-            done_lo, done_hi = lo, hi
+                if b != NO_BLOCK:
+                    return b, t
+                lo, hi = new_lo, new_hi
         return NO_BLOCK, 0
 
     def _oldest_with_prefix(
@@ -853,6 +894,13 @@ def _equal_blocks(P: bytes, p: int, C: bytes, c: int, k: int, bb: int) -> int:
     elif P.startswith(C[c : c + size], p):
         return k
     return common_units(P[p : p + size], C[c : c + size], bb)
+
+
+def _shared_bytes(a: bytes, b: bytes) -> int:
+    """How many leading bytes `a` and `b` share."""
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    return n - ((_from_bytes(a) ^ _from_bytes(b)).bit_length() + 7) // 8
 
 
 def _next_mm(mm: dict, d: int) -> int:

@@ -302,3 +302,51 @@ def test_partial_index_survives_removals_and_returns():
         if step % 50 == 0:
             check()
     check()
+
+
+def test_best_partial_over_mixed_length_siblings_agrees_with_a_scan():
+    """Siblings whose first block is full or partial (shorter keys), zero tokens (a short key
+    is a byte prefix of a longer one), many ties on the shared first token and removals: the
+    neighbour test, the bounded searches and the age-order path against the definition."""
+    rng = random.Random(11)
+    t = tree(blocks=3000)
+    live: dict[int, list[int]] = {}
+    partial(t, None, [7])  # builds the root's index now, so every change below goes through it
+    alphabet = [0, 1, 2, 300, 70000]
+
+    def check(queries):
+        ref = array.array("i", [rng.randrange(3) == 0 for _ in range(3000)])
+        order = sorted(live.items(), key=lambda bt: t.pid[t.position_of(W, bt[0])[0]])
+        for q in queries:
+            for skip in (False, True):
+                best, best_n = NO_BLOCK, 0
+                for b, toks in order:
+                    if skip and ref[b]:
+                        continue
+                    n = next((i for i in range(min(len(q), len(toks))) if q[i] != toks[i]), min(len(q), len(toks)))
+                    if n > best_n:
+                        best, best_n = b, n
+                assert partial(t, None, q, skip=skip, ref=ref) == (best, best_n), (q, skip)
+
+    free = list(range(3000))
+    rng.shuffle(free)
+    for step in range(2500):
+        if live and rng.random() < 0.3:
+            b = rng.choice(list(live))
+            t.detach(W, b)
+            del live[b]
+            free.append(b)
+            continue
+        first = 7 if rng.random() < 0.9 else rng.choice(alphabet)
+        toks = [first] + [rng.choice(alphabet) for _ in range(rng.choice((0, 1, 2, 3, 3, 3)))]
+        if any(v == toks for v in live.values()):
+            continue
+        b = free.pop()
+        moves = store(t, toks, [b], partial=len(toks) < TPB)
+        assert moves == [] and t.position_of(W, b) is not None
+        live[b] = toks
+        if step % 250 == 0:
+            check([[7] + [rng.choice(alphabet) for _ in range(rng.randrange(4))] for _ in range(30)] + [[0], [7, 0], [300]])
+    check([[7] + [rng.choice(alphabet) for _ in range(rng.randrange(4))] for _ in range(60)])
+    firsts = t.pindex[ROOT].get(0)
+    assert firsts.live() == sorted(encode_tokens(toks) for toks in live.values())
