@@ -17,8 +17,9 @@ again, so an id is never handed out twice. Its tokens are one `bytes` object (`c
 see `kvjax.ledger.token_path`), its per-window block ids one `array('i')` per window
 (`values`, -1 where the window holds none). Blocks point back through `block_node` /
 `block_offset`, one int column per window. Children are found by the exact key of their first
-block (a dict), and partial matches through a per-node sorted list of first blocks, so a
-partial lookup is two binary searches over the siblings, never a scan.
+block (a dict), and partial matches through a per-node sorted list of first blocks: the
+longest common prefix is read off the two keys next to where the query sorts (one binary
+search), and the keys sharing it are a range found from there, never a scan of the siblings.
 
 This module is the only one that attaches blocks to positions or detaches them. Positions
 left with no block and nothing after them are pruned up to the root.
@@ -154,7 +155,11 @@ class RadixTree:
         return n
 
     def _free(self, n: int) -> None:
-        self._release_signature(self.sig[n])
+        sid = self.sig[n]
+        if self.sig_refs[sid] > 1:
+            self.sig_refs[sid] -= 1
+        else:
+            self._release_signature(sid)
         self.parent[n] = -1
         self.length[n] = 0
         self.pid[n] = self.pid_end[n] = -1
@@ -190,18 +195,22 @@ class RadixTree:
             firsts.add(first)
 
     def _remove_child(self, p: int, n: int) -> None:
-        first, key = self._first_key(n)
+        # `_first_key` inlined: this runs for every pruned node (each eviction of a leaf run)
+        c = self.content[n]
+        sid = self.sig[n]
+        bb = (EXTRA_UNIT if self.signatures[sid][0] else PLAIN_UNIT) * self.tokens_per_block
+        first = c if len(c) <= bb else c[:bb]
+        mmk = self.mm.get(n)
         kids = self.children[p]
         assert kids is not None  # `n` is one of them
-        del kids[key]
+        del kids[first if sid == 0 and mmk is None else (sid, first, () if mmk is None else mmk)]
         if not kids:
             self.children[p] = None
         index = self.pindex[p]
-        if index is not None and n not in self.mm:
-            sid = self.sig[n]
+        if index is not None and mmk is None:
             firsts = index[sid]
             firsts.remove(first)
-            if not firsts:
+            if len(firsts.keys) == len(firsts.dead):
                 del index[sid]
 
     def new_edge(self, p: int, depth: int, signature: tuple, content: bytes, mm: tuple, rows: dict[int, array.array]) -> int:
@@ -588,15 +597,20 @@ class RadixTree:
     def _build_index(self, n: int) -> dict[int, SortedFirsts]:
         """Sorted first blocks of `n`'s children, per signature (built on the first partial
         lookup at `n`, kept in step from then on)."""
-        lists: dict[int, list[bytes]] = {}
         kids = self.children[n]
         assert kids is not None  # only a node with children is searched for partial matches
-        for key, c in kids.items():
-            if c in self.mm:
-                continue
-            first = key if type(key) is bytes else key[1]
-            lists.setdefault(self.sig[c], []).append(first)
-        index = {sid: SortedFirsts(sorted(keys)) for sid, keys in lists.items()}
+        # a bytes key is a plain child's first block (see `child_key`); the others are
+        # (signature id, first block, multimodal keys), and those with multimodal keys never
+        # partially match
+        plain = [key for key in kids if type(key) is bytes]
+        lists: dict[int, list[bytes]] = {0: plain} if plain else {}
+        if len(plain) < len(kids):
+            for key in kids:
+                if type(key) is not bytes and not key[2]:
+                    lists.setdefault(key[0], []).append(key[1])
+        for keys in lists.values():
+            keys.sort()
+        index = {sid: SortedFirsts(keys) for sid, keys in lists.items()}
         self.pindex[n] = index
         return index
 
@@ -853,7 +867,7 @@ class SortedFirsts:
 
     A removal only marks the key dead (deleting from the middle of a sorted list moves half of
     it: with 100k siblings, most of an admission's time); lookups skip dead keys, and the list
-    drops them once they are half of it, so removals cost O(1) amortised and lookups stay two
+    drops them once they are half of it, so removals cost O(1) amortised and lookups stay
     binary searches. Each key is live at most once (children are keyed by their first block)."""
 
     __slots__ = ("keys", "dead")
