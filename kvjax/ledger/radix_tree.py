@@ -191,8 +191,8 @@ class RadixTree:
         if index is not None and n not in self.mm:
             firsts = index.get(self.sig[n])
             if firsts is None:
-                firsts = index[self.sig[n]] = SortedFirsts([])
-            firsts.add(first)
+                firsts = index[self.sig[n]] = SortedFirsts([], [], array.array("q"))
+            firsts.add(first, self.pid[n])
 
     def _remove_child(self, p: int, n: int) -> None:
         # `_first_key` inlined: this runs for every pruned node (each eviction of a leaf run)
@@ -210,8 +210,14 @@ class RadixTree:
         if index is not None and mmk is None:
             firsts = index[sid]
             firsts.remove(first)
+            h = firsts.head
+            if h < len(firsts.births) and firsts.births[h] == self.pid[n]:  # the oldest goes (eviction order)
+                firsts.head = h + 1
+                firsts.stale -= 1
             if len(firsts.keys) == len(firsts.dead):
                 del index[sid]
+            elif 2 * firsts.stale > len(firsts.ages) - firsts.head or 2 * firsts.head > len(firsts.ages):
+                self._compact_ages(p, sid, firsts)
 
     def new_edge(self, p: int, depth: int, signature: tuple, content: bytes, mm: tuple, rows: dict[int, array.array]) -> int:
         """A node of `len(row)` new positions under `p`, holding `rows[w]` for window w."""
@@ -551,7 +557,7 @@ class RadixTree:
                 # many ties (siblings after a shared first token): children are kept oldest
                 # first, and about len(kids) / (keys with the prefix) of them are seen before
                 # one has the prefix; every shorter prefix is at least as common
-                b = self._oldest_with_prefix(kids, sid, prefix, vals, ref, skip_referenced)
+                b = self._oldest_with_prefix(kids, sid, firsts, prefix, vals, ref, skip_referenced)
                 if b != NO_BLOCK:
                     return b, t
                 continue
@@ -574,43 +580,67 @@ class RadixTree:
         return NO_BLOCK, 0
 
     def _oldest_with_prefix(
-        self, kids: dict, sid: int, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
+        self, kids: dict, sid: int, firsts: SortedFirsts, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
     ) -> int:
-        """The block of the oldest child (dict order: creation order) whose first block starts
-        with `prefix` and that holds a block (unreferenced when `skip_referenced`)."""
-        mm = self.mm
-        for key, c in kids.items():
-            if sid == 0:
-                if type(key) is not bytes:
-                    continue
-                first = key
-            elif type(key) is bytes or key[0] != sid or c in mm:
+        """The block of the oldest child of signature `sid` whose first block starts with
+        `prefix` and that holds a block (unreferenced when `skip_referenced`), walking the
+        index's age list; the stale entries it meets before the first live one are dropped for
+        good (the oldest children are the ones eviction removes first)."""
+        ages, births, pid = firsts.ages, firsts.births, self.pid
+        front = True
+        for j in range(firsts.head, len(ages)):
+            first = ages[j]
+            c = kids.get(first if sid == 0 else (sid, first, ()))
+            if c is None or pid[c] != births[j]:  # removed (maybe filed again since: a newer child)
+                if front:
+                    firsts.head = j + 1
+                    firsts.stale -= 1
                 continue
-            else:
-                first = key[1]
+            front = False
             if first.startswith(prefix):
                 b = vals[c][0]
                 if b != NO_BLOCK and not (skip_referenced and ref[b] > 0):
                     return b
         return NO_BLOCK
 
+    def _compact_ages(self, p: int, sid: int, firsts: SortedFirsts) -> None:
+        """Drop the stale entries of an index's age list, and those before its head (once
+        either outnumbers the rest, so O(1) amortised per removal)."""
+        kids = self.children[p]
+        assert kids is not None  # the index still has live keys
+        pid = self.pid
+        ages, births = firsts.ages, firsts.births
+        keep = [
+            j
+            for j in range(firsts.head, len(ages))
+            if (c := kids.get(ages[j] if sid == 0 else (sid, ages[j], ()))) is not None and pid[c] == births[j]
+        ]
+        firsts.ages = [ages[j] for j in keep]
+        firsts.births = array.array("q", [births[j] for j in keep])
+        firsts.head = firsts.stale = 0
+
     def _build_index(self, n: int) -> dict[int, SortedFirsts]:
-        """Sorted first blocks of `n`'s children, per signature (built on the first partial
-        lookup at `n`, kept in step from then on)."""
+        """Sorted first blocks of `n`'s children, per signature, and the same in age order
+        (built on the first partial lookup at `n`, kept in step from then on)."""
         kids = self.children[n]
         assert kids is not None  # only a node with children is searched for partial matches
+        pid = self.pid
         # a bytes key is a plain child's first block (see `child_key`); the others are
         # (signature id, first block, multimodal keys), and those with multimodal keys never
-        # partially match
+        # partially match. Dict order is age order: children are filed as they are made.
         plain = [key for key in kids if type(key) is bytes]
-        lists: dict[int, list[bytes]] = {0: plain} if plain else {}
+        groups: dict[int, tuple[list[bytes], array.array]] = {}
+        if plain:
+            groups[0] = (plain, array.array("q", [pid[c] for key, c in kids.items() if type(key) is bytes]))
         if len(plain) < len(kids):
-            for key in kids:
+            for key, c in kids.items():
                 if type(key) is not bytes and not key[2]:
-                    lists.setdefault(key[0], []).append(key[1])
-        for keys in lists.values():
-            keys.sort()
-        index = {sid: SortedFirsts(keys) for sid, keys in lists.items()}
+                    group = groups.get(key[0])
+                    if group is None:
+                        group = groups[key[0]] = ([], array.array("q"))
+                    group[0].append(key[1])
+                    group[1].append(pid[c])
+        index = {sid: SortedFirsts(sorted(ages), ages, births) for sid, (ages, births) in groups.items()}
         self.pindex[n] = index
         return index
 
@@ -868,24 +898,37 @@ class SortedFirsts:
     A removal only marks the key dead (deleting from the middle of a sorted list moves half of
     it: with 100k siblings, most of an admission's time); lookups skip dead keys, and the list
     drops them once they are half of it, so removals cost O(1) amortised and lookups stay
-    binary searches. Each key is live at most once (children are keyed by their first block)."""
+    binary searches. Each key is live at most once (children are keyed by their first block).
 
-    __slots__ = ("keys", "dead")
+    The same keys in the order their children were made (`ages`, with each one's position id
+    then in `births`) settle ties among many keys oldest first. An entry goes stale when its
+    child is removed (its key may come back as a newer child: the position id tells them
+    apart); the tree drops stale entries at the front as lookups meet them and compacts the
+    list once they are half of it."""
 
-    def __init__(self, keys: list[bytes]) -> None:
+    __slots__ = ("keys", "dead", "ages", "births", "head", "stale")
+
+    def __init__(self, keys: list[bytes], ages: list[bytes], births: array.array) -> None:
         self.keys = keys
         self.dead: set[bytes] = set()
+        self.ages = ages
+        self.births = births
+        self.head = 0  # ages[:head] are all stale
+        self.stale = 0  # stale entries in ages[head:]
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: bytes, pid: int) -> None:
         dead = self.dead
         if key in dead:  # still in the list: live again
             dead.discard(key)
         else:
             bisect.insort(self.keys, key)
+        self.ages.append(key)
+        self.births.append(pid)
 
     def remove(self, key: bytes) -> None:
         dead = self.dead
         dead.add(key)
+        self.stale += 1
         if 2 * len(dead) > len(self.keys):
             self.keys = [k for k in self.keys if k not in dead]
             dead.clear()
