@@ -630,7 +630,9 @@ class RadixTree:
         # partially match. Dict order is age order: children are filed as they are made.
         plain = [key for key in kids if type(key) is bytes]
         groups: dict[int, tuple[list[bytes], array.array]] = {}
-        if plain:
+        if len(plain) == len(kids):  # the usual case: every child is plain
+            groups[0] = (plain, array.array("q", [pid[c] for c in kids.values()]))
+        elif plain:
             groups[0] = (plain, array.array("q", [pid[c] for key, c in kids.items() if type(key) is bytes]))
         if len(plain) < len(kids):
             for key, c in kids.items():
