@@ -202,6 +202,8 @@ def _verify_tree(bm: BlockManager) -> None:
                 stack.append(c)
             if index is not None and {s: sorted(v) for s, v in buckets.items()} != {s: f.live() for s, f in index.items()}:
                 _fail(f"partial-match index of tree node {n} is stale")
+            if index is not None:
+                _check_ages(tree, n, kids, buckets, index)
         elif tree.pindex[n]:
             _fail(f"leaf tree node {n} keeps a partial-match index")
     id_ranges.sort()
@@ -233,6 +235,26 @@ def _verify_tree(bm: BlockManager) -> None:
             continue
         if tree.sig_refs[sid] != live_sigs.get(sid, 0) + (sid == 0):
             _fail(f"signature {sig} counts {tree.sig_refs[sid]} nodes, {live_sigs.get(sid, 0)} carry it")
+
+
+
+def _check_ages(tree, n: int, kids: dict, buckets: dict, index: dict) -> None:
+    """Each partial-match bucket's age list holds its live keys in the order their children
+    were made (dict order), with the right position ids, and counts its stale entries."""
+    for sid, firsts in index.items():
+        if len(firsts.births) != len(firsts.ages) or not 0 <= firsts.head <= len(firsts.ages):
+            _fail(f"partial-match age list of tree node {n} is malformed")
+        live, stale = [], 0
+        for j, (first, birth) in enumerate(zip(firsts.ages, firsts.births, strict=True)):
+            c = kids.get(first if sid == 0 else (sid, first, ()))
+            if c is not None and tree.pid[c] == birth:
+                if j < firsts.head:
+                    _fail(f"partial-match age list of tree node {n} skips a live child")
+                live.append(first)
+            elif j >= firsts.head:
+                stale += 1
+        if live != buckets.get(sid, []) or stale != firsts.stale:
+            _fail(f"partial-match age list of tree node {n} is out of step with its children")
 
 
 def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:

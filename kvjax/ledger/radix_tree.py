@@ -17,8 +17,9 @@ again, so an id is never handed out twice. Its tokens are one `bytes` object (`c
 see `kvjax.ledger.token_path`), its per-window block ids one `array('i')` per window
 (`values`, -1 where the window holds none). Blocks point back through `block_node` /
 `block_offset`, one int column per window. Children are found by the exact key of their first
-block (a dict), and partial matches through a per-node sorted list of first blocks, so a
-partial lookup is two binary searches over the siblings, never a scan.
+block (a dict), and partial matches through a per-node sorted list of first blocks: the
+longest common prefix is read off the two keys next to where the query sorts (one binary
+search), and the keys sharing it are a range found from there, never a scan of the siblings.
 
 This module is the only one that attaches blocks to positions or detaches them. Positions
 left with no block and nothing after them are pruned up to the root.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import array
 import bisect
 import hashlib
+import math
 import struct
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -49,6 +51,10 @@ RUN_LIMIT = 256  # positions a leaf run may grow to in place (new nodes may star
 _U32 = struct.Struct("<I")
 _PLAIN_TAIL = b"elsM" + _U32.pack(0)  # see block_key.canonical_key_bytes
 _sha256 = hashlib.sha256
+_bisect_left = bisect.bisect_left
+_bisect_right = bisect.bisect_right
+_from_bytes = int.from_bytes  # big-endian: an XOR's bit length locates the first differing byte
+_isqrt = math.isqrt
 # What a freed node id holds in the `content` and `values` columns (the root, which has no
 # positions, too in `values`), and a released signature id in `signatures`: nothing reads a
 # vacant entry, so these columns are typed by what live entries hold.
@@ -152,7 +158,11 @@ class RadixTree:
         return n
 
     def _free(self, n: int) -> None:
-        self._release_signature(self.sig[n])
+        sid = self.sig[n]
+        if self.sig_refs[sid] > 1:
+            self.sig_refs[sid] -= 1
+        else:
+            self._release_signature(sid)
         self.parent[n] = -1
         self.length[n] = 0
         self.pid[n] = self.pid_end[n] = -1
@@ -184,23 +194,33 @@ class RadixTree:
         if index is not None and n not in self.mm:
             firsts = index.get(self.sig[n])
             if firsts is None:
-                firsts = index[self.sig[n]] = SortedFirsts([])
-            firsts.add(first)
+                firsts = index[self.sig[n]] = SortedFirsts([], [], array.array("q"))
+            firsts.add(first, self.pid[n])
 
     def _remove_child(self, p: int, n: int) -> None:
-        first, key = self._first_key(n)
+        # `_first_key` inlined: this runs for every pruned node (each eviction of a leaf run)
+        c = self.content[n]
+        sid = self.sig[n]
+        bb = (EXTRA_UNIT if self.signatures[sid][0] else PLAIN_UNIT) * self.tokens_per_block
+        first = c if len(c) <= bb else c[:bb]
+        mmk = self.mm.get(n)
         kids = self.children[p]
         assert kids is not None  # `n` is one of them
-        del kids[key]
+        del kids[first if sid == 0 and mmk is None else (sid, first, () if mmk is None else mmk)]
         if not kids:
             self.children[p] = None
         index = self.pindex[p]
-        if index is not None and n not in self.mm:
-            sid = self.sig[n]
+        if index is not None and mmk is None:
             firsts = index[sid]
             firsts.remove(first)
-            if not firsts:
+            h = firsts.head
+            if h < len(firsts.births) and firsts.births[h] == self.pid[n]:  # the oldest goes (eviction order)
+                firsts.head = h + 1
+                firsts.stale -= 1
+            if len(firsts.keys) == len(firsts.dead):
                 del index[sid]
+            elif 2 * firsts.stale > len(firsts.ages) - firsts.head or 2 * firsts.head > len(firsts.ages):
+                self._compact_ages(p, sid, firsts)
 
     def new_edge(self, p: int, depth: int, signature: tuple, content: bytes, mm: tuple, rows: dict[int, array.array]) -> int:
         """A node of `len(row)` new positions under `p`, holding `rows[w]` for window w."""
@@ -490,28 +510,64 @@ class RadixTree:
         if not firsts:
             return NO_BLOCK, 0
         keys = firsts.keys  # sorted, with the removed ones still in (children.get skips them)
-        i = bisect.bisect_left(keys, query)
-        best_t = 0
-        for j in (i - 1, i):
-            if 0 <= j < len(keys):
-                best_t = max(best_t, common_units(query, keys[j], unit))
+        size = len(keys)
+        # The keys sharing the most units with the query sort right next to it: the longer
+        # of its two neighbours' common prefixes is the best any key has (a removed key may
+        # overstate it: then no candidate is found at that length and a shorter one is tried).
+        i = _bisect_left(keys, query)
+        nq = len(query)
+        fq = _from_bytes(query)
+        shared_lo = shared_hi = 0  # bytes the query shares with keys[i - 1] and keys[i]
+        if i:
+            k = keys[i - 1]
+            shared_lo = nq - ((fq ^ _from_bytes(k)).bit_length() + 7) // 8 if len(k) == nq else _shared_bytes(query, k)
+        if i < size:
+            k = keys[i]
+            shared_hi = nq - ((fq ^ _from_bytes(k)).bit_length() + 7) // 8 if len(k) == nq else _shared_bytes(query, k)
+        best_t = max(shared_lo, shared_hi) // unit
+        if not best_t:
+            return NO_BLOCK, 0
         pid = self.pid
-        top = b"\xff" * (unit * self.tokens_per_block)
-        done_lo = done_hi = i
+        # Ties among more than about sqrt(children) keys are settled by the children's age
+        # order instead (see below): beyond `reach` keys on a side a range's end is not needed.
+        reach = _isqrt(len(kids))
+        wide = False
+        lo = hi = i  # keys[lo:hi]: those sharing more than `t` units (none was a candidate)
         for t in range(best_t, 0, -1):
-            # the keys sharing t units with the query are one range of the sorted keys
-            prefix = query[: t * unit]
-            lo = bisect.bisect_left(keys, prefix, 0, done_lo)
-            hi = bisect.bisect_right(keys, prefix + top, done_hi)
-            size = hi - lo
-            if size * size > len(kids):
+            nb = t * unit
+            prefix = query[:nb]
+            if not wide:
+                # the keys sharing t units with the query are one range of the sorted keys
+                # around [lo, hi): one neighbour test per side settles the common small case,
+                # one more `reach` keys away tells a wide range from a bounded search
+                new_lo = lo
+                if lo and (shared_lo >= nb if lo == i else keys[lo - 1].startswith(prefix)):
+                    far = lo - 1 - reach
+                    if far >= 0 and keys[far].startswith(prefix):
+                        wide = True
+                    else:
+                        new_lo = _bisect_left(keys, prefix, max(far + 1, 0), lo - 1)
+                new_hi = hi
+                if not wide and hi < size and (shared_hi >= nb if hi == i else keys[hi].startswith(prefix)):
+                    far = hi + reach
+                    if far < size and keys[far].startswith(prefix):
+                        wide = True
+                    else:
+                        new_hi = _bisect_right(keys, prefix + b"\xff" * (unit * self.tokens_per_block), hi + 1, min(far, size))
+                if not wide and new_hi - new_lo > reach:
+                    wide = True
+            if wide:
                 # many ties (siblings after a shared first token): children are kept oldest
-                # first, and about len(kids) / size of them are seen before one has the prefix
-                b = self._oldest_with_prefix(kids, sid, prefix, vals, ref, skip_referenced)
-            else:
+                # first, and about len(kids) / (keys with the prefix) of them are seen before
+                # one has the prefix; every shorter prefix is at least as common
+                b = self._oldest_with_prefix(kids, sid, firsts, prefix, vals, ref, skip_referenced)
+                if b != NO_BLOCK:
+                    return b, t
+                continue
+            if new_lo < lo or new_hi > hi:
                 b = NO_BLOCK
-                best_pid = None
-                for j in [*range(lo, done_lo), *range(done_hi, hi)]:
+                best_pid = -1
+                for j in (*range(new_lo, lo), *range(hi, new_hi)):
                     first = keys[j]
                     c = kids.get(first if sid == 0 else (sid, first, ()))
                     if c is None:  # removed since the index was compacted
@@ -519,46 +575,77 @@ class RadixTree:
                     cb = vals[c][0]
                     if cb == NO_BLOCK or (skip_referenced and ref[cb] > 0):
                         continue
-                    if best_pid is None or pid[c] < best_pid:
+                    if best_pid < 0 or pid[c] < best_pid:
                         b, best_pid = cb, pid[c]
-            if b != NO_BLOCK:
-                return b, t
-            done_lo, done_hi = lo, hi
+                if b != NO_BLOCK:
+                    return b, t
+                lo, hi = new_lo, new_hi
         return NO_BLOCK, 0
 
     def _oldest_with_prefix(
-        self, kids: dict, sid: int, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
+        self, kids: dict, sid: int, firsts: SortedFirsts, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
     ) -> int:
-        """The block of the oldest child (dict order: creation order) whose first block starts
-        with `prefix` and that holds a block (unreferenced when `skip_referenced`)."""
-        mm = self.mm
-        for key, c in kids.items():
-            if sid == 0:
-                if type(key) is not bytes:
-                    continue
-                first = key
-            elif type(key) is bytes or key[0] != sid or c in mm:
+        """The block of the oldest child of signature `sid` whose first block starts with
+        `prefix` and that holds a block (unreferenced when `skip_referenced`), walking the
+        index's age list; the stale entries it meets before the first live one are dropped for
+        good (the oldest children are the ones eviction removes first)."""
+        ages, births, pid = firsts.ages, firsts.births, self.pid
+        front = True
+        for j in range(firsts.head, len(ages)):
+            first = ages[j]
+            c = kids.get(first if sid == 0 else (sid, first, ()))
+            if c is None or pid[c] != births[j]:  # removed (maybe filed again since: a newer child)
+                if front:
+                    firsts.head = j + 1
+                    firsts.stale -= 1
                 continue
-            else:
-                first = key[1]
+            front = False
             if first.startswith(prefix):
                 b = vals[c][0]
                 if b != NO_BLOCK and not (skip_referenced and ref[b] > 0):
                     return b
         return NO_BLOCK
 
+    def _compact_ages(self, p: int, sid: int, firsts: SortedFirsts) -> None:
+        """Drop the stale entries of an index's age list, and those before its head (once
+        either outnumbers the rest, so O(1) amortised per removal)."""
+        kids = self.children[p]
+        assert kids is not None  # the index still has live keys
+        pid = self.pid
+        ages, births = firsts.ages, firsts.births
+        keep = [
+            j
+            for j in range(firsts.head, len(ages))
+            if (c := kids.get(ages[j] if sid == 0 else (sid, ages[j], ()))) is not None and pid[c] == births[j]
+        ]
+        firsts.ages = [ages[j] for j in keep]
+        firsts.births = array.array("q", [births[j] for j in keep])
+        firsts.head = firsts.stale = 0
+
     def _build_index(self, n: int) -> dict[int, SortedFirsts]:
-        """Sorted first blocks of `n`'s children, per signature (built on the first partial
-        lookup at `n`, kept in step from then on)."""
-        lists: dict[int, list[bytes]] = {}
+        """Sorted first blocks of `n`'s children, per signature, and the same in age order
+        (built on the first partial lookup at `n`, kept in step from then on)."""
         kids = self.children[n]
         assert kids is not None  # only a node with children is searched for partial matches
-        for key, c in kids.items():
-            if c in self.mm:
-                continue
-            first = key if type(key) is bytes else key[1]
-            lists.setdefault(self.sig[c], []).append(first)
-        index = {sid: SortedFirsts(sorted(keys)) for sid, keys in lists.items()}
+        pid = self.pid
+        # a bytes key is a plain child's first block (see `child_key`); the others are
+        # (signature id, first block, multimodal keys), and those with multimodal keys never
+        # partially match. Dict order is age order: children are filed as they are made.
+        plain = [key for key in kids if type(key) is bytes]
+        groups: dict[int, tuple[list[bytes], array.array]] = {}
+        if len(plain) == len(kids):  # the usual case: every child is plain
+            groups[0] = (plain, array.array("q", [pid[c] for c in kids.values()]))
+        elif plain:
+            groups[0] = (plain, array.array("q", [pid[c] for key, c in kids.items() if type(key) is bytes]))
+        if len(plain) < len(kids):
+            for key, c in kids.items():
+                if type(key) is not bytes and not key[2]:
+                    group = groups.get(key[0])
+                    if group is None:
+                        group = groups[key[0]] = ([], array.array("q"))
+                    group[0].append(key[1])
+                    group[1].append(pid[c])
+        index = {sid: SortedFirsts(sorted(ages), ages, births) for sid, (ages, births) in groups.items()}
         self.pindex[n] = index
         return index
 
@@ -876,25 +963,38 @@ class SortedFirsts:
 
     A removal only marks the key dead (deleting from the middle of a sorted list moves half of
     it: with 100k siblings, most of an admission's time); lookups skip dead keys, and the list
-    drops them once they are half of it, so removals cost O(1) amortised and lookups stay two
-    binary searches. Each key is live at most once (children are keyed by their first block)."""
+    drops them once they are half of it, so removals cost O(1) amortised and lookups stay
+    binary searches. Each key is live at most once (children are keyed by their first block).
 
-    __slots__ = ("keys", "dead")
+    The same keys in the order their children were made (`ages`, with each one's position id
+    then in `births`) settle ties among many keys oldest first. An entry goes stale when its
+    child is removed (its key may come back as a newer child: the position id tells them
+    apart); the tree drops stale entries at the front as lookups meet them and compacts the
+    list once they are half of it."""
 
-    def __init__(self, keys: list[bytes]) -> None:
+    __slots__ = ("keys", "dead", "ages", "births", "head", "stale")
+
+    def __init__(self, keys: list[bytes], ages: list[bytes], births: array.array) -> None:
         self.keys = keys
         self.dead: set[bytes] = set()
+        self.ages = ages
+        self.births = births
+        self.head = 0  # ages[:head] are all stale
+        self.stale = 0  # stale entries in ages[head:]
 
-    def add(self, key: bytes) -> None:
+    def add(self, key: bytes, pid: int) -> None:
         dead = self.dead
         if key in dead:  # still in the list: live again
             dead.discard(key)
         else:
             bisect.insort(self.keys, key)
+        self.ages.append(key)
+        self.births.append(pid)
 
     def remove(self, key: bytes) -> None:
         dead = self.dead
         dead.add(key)
+        self.stale += 1
         if 2 * len(dead) > len(self.keys):
             self.keys = [k for k in self.keys if k not in dead]
             dead.clear()
@@ -917,6 +1017,13 @@ def _equal_blocks(P: bytes, p: int, C: bytes, c: int, k: int, bb: int) -> int:
     elif P.startswith(C[c : c + size], p):
         return k
     return common_units(P[p : p + size], C[c : c + size], bb)
+
+
+def _shared_bytes(a: bytes, b: bytes) -> int:
+    """How many leading bytes `a` and `b` share."""
+    n = min(len(a), len(b))
+    a, b = a[:n], b[:n]
+    return n - ((_from_bytes(a) ^ _from_bytes(b)).bit_length() + 7) // 8
 
 
 def _next_mm(mm: dict, d: int) -> int:

@@ -302,3 +302,99 @@ def test_partial_index_survives_removals_and_returns():
         if step % 50 == 0:
             check()
     check()
+
+
+def test_best_partial_over_mixed_length_siblings_agrees_with_a_scan():
+    """Siblings whose first block is full or partial (shorter keys), zero tokens (a short key
+    is a byte prefix of a longer one), many ties on the shared first token and removals: the
+    neighbour test, the bounded searches and the age-order path against the definition."""
+    rng = random.Random(11)
+    t = tree(blocks=3000)
+    live: dict[int, list[int]] = {}
+    partial(t, None, [7])  # builds the root's index now, so every change below goes through it
+    alphabet = [0, 1, 2, 300, 70000]
+
+    def check(queries):
+        ref = array.array("i", [rng.randrange(3) == 0 for _ in range(3000)])
+        order = sorted(live.items(), key=lambda bt: t.pid[t.position_of(W, bt[0])[0]])
+        for q in queries:
+            for skip in (False, True):
+                best, best_n = NO_BLOCK, 0
+                for b, toks in order:
+                    if skip and ref[b]:
+                        continue
+                    n = next((i for i in range(min(len(q), len(toks))) if q[i] != toks[i]), min(len(q), len(toks)))
+                    if n > best_n:
+                        best, best_n = b, n
+                assert partial(t, None, q, skip=skip, ref=ref) == (best, best_n), (q, skip)
+        firsts = t.pindex[ROOT].get(0)
+        assert firsts is None or len(firsts.ages) - firsts.head <= 2 * len(live) + 1  # stale ones compacted
+
+    free = list(range(3000))
+    rng.shuffle(free)
+    for step in range(2500):
+        if live and rng.random() < 0.3:
+            b = rng.choice(list(live))
+            t.detach(W, b)
+            del live[b]
+            free.append(b)
+            continue
+        first = 7 if rng.random() < 0.9 else rng.choice(alphabet)
+        toks = [first] + [rng.choice(alphabet) for _ in range(rng.choice((0, 1, 2, 3, 3, 3)))]
+        if any(v == toks for v in live.values()):
+            continue
+        b = free.pop()
+        moves = store(t, toks, [b], partial=len(toks) < TPB)
+        assert moves == [] and t.position_of(W, b) is not None
+        live[b] = toks
+        if step % 250 == 0:
+            check([[7] + [rng.choice(alphabet) for _ in range(rng.randrange(4))] for _ in range(30)] + [[0], [7, 0], [300]])
+    check([[7] + [rng.choice(alphabet) for _ in range(rng.randrange(4))] for _ in range(60)])
+    firsts = t.pindex[ROOT].get(0)
+    assert firsts.live() == sorted(encode_tokens(toks) for toks in live.values())
+
+
+def test_partial_ties_stay_cheap_and_exact_under_lru_churn():
+    """Eviction removes the oldest children first while new ones arrive: ties among many
+    siblings (a shared first token) are settled from the index's age list, whose stale front
+    is dropped as lookups meet it and which is compacted once half stale, so it stays within
+    twice the live children; picks agree with a scan throughout (keys also come back)."""
+    rng = random.Random(17)
+    t = tree(blocks=400)
+    order: list[int] = []  # blocks, oldest first
+    toks_of: dict[int, list[int]] = {}
+    for b in range(300):
+        toks = [7] + [rng.randrange(6) for _ in range(3)]
+        if toks in toks_of.values():
+            continue
+        store(t, toks, [b])
+        order.append(b)
+        toks_of[b] = toks
+    partial(t, None, [7])  # builds the root's index
+    free = [b for b in range(400) if b not in toks_of]
+    for step in range(1500):
+        b = order.pop(0)  # the oldest goes
+        t.detach(W, b)
+        del toks_of[b]
+        free.append(b)
+        while True:  # a new child arrives (its key may be one removed before)
+            toks = [7] + [rng.randrange(6) for _ in range(3)]
+            if toks not in toks_of.values():
+                break
+        b = free.pop(0)
+        store(t, toks, [b])
+        order.append(b)
+        toks_of[b] = toks
+        if step % 3 == 0:
+            q = [7] + [rng.randrange(6) for _ in range(rng.randrange(3))]
+            best, best_n = NO_BLOCK, 0
+            for ob in order:
+                n = next((i for i in range(len(q)) if q[i] != toks_of[ob][i]), len(q))
+                if n > best_n:
+                    best, best_n = ob, n
+            assert partial(t, None, q) == (best, best_n), q
+        firsts = t.pindex[ROOT][0]
+        assert len(firsts.ages) <= 4 * len(order) + 2  # bounded by the live children, not by time
+        live = [a for j, a in enumerate(firsts.ages) if j >= firsts.head and t.children[ROOT].get(a) is not None
+                and t.pid[t.children[ROOT][a]] == firsts.births[j]]
+        assert live == [encode_tokens(toks_of[ob]) for ob in order]
