@@ -30,12 +30,13 @@ class SlotTable:
     the pool), never time.
     """
 
-    __slots__ = ("null_slot", "table", "lengths", "free_rows", "next_row", "epoch", "longest")
+    __slots__ = ("null_slot", "table", "lengths", "cells", "length_of", "free_rows", "next_row", "epoch", "longest")
 
     def __init__(self, null_slot: int, rows: int = 64, width: int = 16) -> None:
         self.null_slot = null_slot
         self.table = np.full((rows, width), null_slot, dtype=np.int32)  # [rows, width]
         self.lengths = np.zeros(rows, dtype=np.int32)  # [rows]
+        self._views()
         self.free_rows: list[int] = []
         self.next_row = EMPTY_ROW + 1
         # bumped whenever a row is handed out or back: row lists cached by callers go stale
@@ -74,6 +75,13 @@ class SlotTable:
             lengths = np.zeros(rows, dtype=np.int32)  # [rows]
             lengths[: self.lengths.shape[0]] = self.lengths
             self.lengths = lengths
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews of `table` and `lengths` for one-entry reads and writes (a numpy scalar
+        access costs several times more); renewed whenever the arrays are replaced."""
+        self.cells = memoryview(self.table)
+        self.length_of = memoryview(self.lengths)
 
     def _fit(self, length: int) -> None:
         """Make room for a row of `length` slots."""
@@ -101,17 +109,19 @@ class SlotTable:
     # ------------------------------------------------------------------ writers
     def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
         r = self.rows_of(sw)[beam]
-        n = int(self.lengths[r])
+        n = self.length_of[r]
         self._fit(n + len(slots))
         self.table[r, n : n + len(slots)] = slots
-        self.lengths[r] = n + len(slots)
+        self.length_of[r] = n + len(slots)
 
     def append(self, sw: SequenceWindow, beam: int, slot: int) -> None:
-        r = self.rows_of(sw)[beam]
-        n = int(self.lengths[r])
-        self._fit(n + 1)
-        self.table[r, n] = slot
-        self.lengths[r] = n + 1
+        rows = sw.rows
+        r = (self.rows_of(sw) if rows is None else rows)[beam]
+        n = self.length_of[r]
+        if n >= self.longest:
+            self._fit(n + 1)
+        self.cells[r, n] = slot
+        self.length_of[r] = n + 1
 
     def append_rows(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Append `slots[i]` to row `rows[i]` (distinct rows, handed out already)."""
