@@ -100,11 +100,13 @@ class SlotTable:
         if rows is None:
             return
         sw.rows = None
-        table, lengths = self.table, self.lengths
+        table, length_of, null = self.table, self.length_of, self.null_slot
         for r in rows:
-            table[r, : lengths[r]] = self.null_slot
-            lengths[r] = 0
-            self.free_rows.append(r)
+            n = length_of[r]
+            if n:
+                table[r, :n] = null
+                length_of[r] = 0
+        self.free_rows.extend(rows)
 
     # ------------------------------------------------------------------ writers
     def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
