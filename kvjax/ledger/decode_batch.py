@@ -6,9 +6,9 @@ runs before the first change, in row order, so a failure raises what the first f
 and blocks that sliding-window detaches would free are counted back), and changes nothing.
 
 Speed: the manager keeps the last batch (`DecodeBatch`: its sequences, their token lists and
-how many more tokens each can append before it must allocate or detach a block), valid while
-no sequence's tokens or `slow_at` changed elsewhere (`_seq_epoch`; `add_token`'s unlocked fast path
-drops the cached batch instead, one store per token). A step whose requests start no block
+how many more tokens each can append before it must allocate or detach a block), dropped by
+every other change to a sequence's tokens or `slow_at` or to the set of live sequences (one
+store; `add_tokens` keeps the batch it runs current itself). A step whose requests start no block
 is then a vectorised check of the tokens plus one C-level `list.append` per request. Requests
 that start a block (one in `tokens_per_block`) share one claim of victims per window
 (`take_fresh`) and one slot-table write; the others that need more (beams, cross caches, extra
@@ -39,7 +39,7 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple", "epoch")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple")
 
     def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
         n = len(seqs)
@@ -49,7 +49,6 @@ class DecodeBatch:
         self.num_tokens = np.fromiter(map(len, self.token_lists), dtype=np.int64, count=n)  # [n]
         self.left = np.fromiter(map(attrgetter("slow_at"), seqs), dtype=np.int64, count=n) - 1 - self.num_tokens  # [n]
         self.simple = np.fromiter(map(attrgetter("batchable"), seqs), dtype=bool, count=n)  # [n] see grow_batched
-        self.epoch = -1  # the manager's `_seq_epoch` this batch is true of (-1: not yet)
 
 
 def same_ids(cached: Sequence[Hashable], ids: Sequence[Hashable]) -> bool:
@@ -86,7 +85,7 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
     """The batch of `ids` (the cached one while still valid); None when an id is unknown or
     repeated (the ordered check then reports it)."""
     b = m._batch
-    if b is not None and b.epoch == m._seq_epoch and same_ids(b.ids, ids):
+    if b is not None and same_ids(b.ids, ids):
         return b
     try:
         seqs = list(map(m._seqs.__getitem__, ids))
@@ -149,6 +148,7 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
         seq = batch.seqs[r]
         num_tokens[r] = n = len(seq.tokens)
         left[r] = seq.slow_at - 1 - n
+    m._batch = batch  # the slow paths dropped it; it is current again
     return changed
 
 
@@ -181,7 +181,6 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.nd
     # `_update_slow_at` of one full-attention window: the block after the new one starts at n + tpb
     slow_at = np.minimum(n + tpb, m._max_seq_len + 1)  # [k]
     list(map(setattr, seqs, repeat("slow_at"), slow_at.tolist()))
-    m._seq_epoch += 1
     batch.num_tokens += 1
     batch.left -= 1
     batch.left[event] = slow_at - 1 - n

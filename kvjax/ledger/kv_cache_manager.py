@@ -89,10 +89,9 @@ class KVCacheManager:
         self._max_seq_len = config.max_seq_len
         self._has_swa = any(wm.is_swa for wm in self._bm.windows)
         self._iter_base = counter_totals(self._bm.windows)
-        # bumped whenever a live sequence's tokens or `slow_at`, or the set of live sequences,
-        # changes (what `_batch` caches: see kvjax/ledger/decode_batch.py)
-        self._seq_epoch = 0
-        self._batch: DecodeBatch | None = None  # the last `add_tokens` batch (see `DecodeBatch`)
+        # the last `add_tokens` batch (see `DecodeBatch`), dropped whenever a live sequence's
+        # tokens or `slow_at`, or the set of live sequences, changes elsewhere
+        self._batch: DecodeBatch | None = None
         self._table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
 
     # ------------------------------------------------------------------ small helpers
@@ -224,11 +223,8 @@ class KVCacheManager:
         lock = self._lock
         lock.acquire()
         try:
-            if decode_batch.add_tokens(self, request_ids, tokens):
+            if decode_batch.add_tokens(self, request_ids, tokens):  # leaves its batch cached, current
                 self._version += 1
-            batch = self._batch  # the batch just run, which `add_tokens` kept current
-            if batch is not None:
-                batch.epoch = self._seq_epoch
         finally:
             lock.release()
 
@@ -259,7 +255,7 @@ class KVCacheManager:
 
     def _update_slow_at(self, seq: TrackedSequence) -> None:
         """Next token count at which `add_token` must allocate or detach a block."""
-        self._seq_epoch += 1
+        self._batch = None  # its counts of tokens left before `slow_at` go stale
         if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
             seq.slow_at = 0
             return
@@ -409,7 +405,6 @@ class KVCacheManager:
         if pin:
             self._pin(seq)
         self._bm.release(seq)
-        self._seq_epoch += 1
         self._batch = None  # it may hold this sequence: let it go
         for wm in self._bm.windows:
             wm.slot_table.release(seq.windows[wm.index])
@@ -643,7 +638,7 @@ class KVCacheManager:
         taken = self._bm.recorder.taken
         failed = check_op_indices(op_indices, len(taken[0]))
         result = apply_failure(self, seq, list(zip(*taken, strict=True)), failed)
-        self._seq_epoch += 1  # sequences were cut back
+        self._batch = None  # sequences were cut back
         self._transfers.status = FAILED
         return result
 
@@ -659,7 +654,7 @@ class KVCacheManager:
         token takes the locked path); that path is one list append (`num_tokens` is the token
         list's length), so no sequence is ever seen half-way through it."""
         seqs = self._seqs
-        self._seq_epoch += 1  # `_batch`'s counts of tokens left before `slow_at` go stale below
+        self._batch = None  # its counts of tokens left before `slow_at` go stale below
         for seq in seqs.values():
             seq.slow_at = 0  # `_update_slow_at` restores it on the sequence's next token
         state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
