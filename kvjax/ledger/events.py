@@ -171,37 +171,6 @@ class KVCacheEventManager:
             self._flush_removed(window)
         self._enqueue(window, _new_stored_data(parent_hash, tuple(blocks)))
 
-    def stored_run(
-        self,
-        window: int,
-        parent_hash: BlockHash | None,
-        hashes: list,
-        tokens: list[tuple],
-        lora_id: int | None,
-        attached: list[tuple[int, int]],
-        levels,
-        priorities,
-        mm_keys: tuple[MmKey, ...],
-    ) -> None:
-        """`stored` of one run of one node (see `add_stored_blocks`)."""
-        blocks: list[StoredBlock] = []
-        add_stored_blocks(blocks, hashes, tokens, lora_id, attached, levels, priorities, mm_keys)
-        self.stored(window, parent_hash, blocks)
-
-    def stored_one(
-        self,
-        window: int,
-        parent_hash: BlockHash | None,
-        block_hash: BlockHash,
-        tokens: tuple,
-        lora_id: int | None,
-        cache_level: int,
-        priority: int,
-        mm_keys: tuple[MmKey, ...],
-    ) -> None:
-        """`stored` of a single block (a decode block)."""
-        self.stored(window, parent_hash, [new_stored_block(block_hash, tokens, lora_id, cache_level, priority, mm_keys)])
-
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)
 

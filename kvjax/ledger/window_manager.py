@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
-from kvjax.ledger.events import add_stored_blocks
+from kvjax.ledger.events import add_stored_blocks, new_stored_block
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
 from kvjax.ledger.refs import RefCounts
@@ -323,10 +323,11 @@ class WindowBlockManager:
             b = attached[0][1]
             n = self.block_node[b]
             parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b])
-            events.stored_one(
-                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1],
-                self.columns.level[b], self.queues.priority[b], tree.mm.get(n, ()),
+            block = new_stored_block(
+                h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b], self.queues.priority[b],
+                tree.mm.get(n, ()),
             )  # fmt: skip
+            events.stored(self.window, parent, [block])
             return
         bnode, boff = self.block_node, tree.block_offset[self.index]
         (d0, b0), (d1, b1) = attached[0], attached[-1]
@@ -335,10 +336,12 @@ class WindowBlockManager:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
             parent, hashes, tokens = tree.event_run(n, o, len(attached))
-            events.stored_run(
-                self.window, parent, hashes, tokens, tree.signatures[tree.sig[n]][1], attached,
+            blocks: list = []
+            add_stored_blocks(
+                blocks, hashes, tokens, tree.signatures[tree.sig[n]][1], attached,
                 self.columns.level, self.queues.priority, tree.mm.get(n, ()),
             )  # fmt: skip
+            events.stored(self.window, parent, blocks)
         else:
             self._emit_stored_runs(attached, moves)
 
