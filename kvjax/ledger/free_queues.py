@@ -313,22 +313,17 @@ class FreeQueues:
             return
         n = self.num_blocks
         prev, nxt, queue, level, prio = self.prev, self.next, self.queue, self.level, self.priority
-        nonempty, num_free = self.nonempty, self.num_free
-        # consecutive blocks bound for one queue are chained, then the chain is appended
+        # consecutive blocks bound for one queue are chained after its tail, then the chain is
+        # closed on the queue's sentinel
         cur_q = -1
-        tail = head_s = count = 0
+        tail = count = 0
         for b in blocks:
             q = level[b] * NUM_PRIORITIES + prio[b]
             if q != cur_q:
                 if count:
-                    nxt[tail] = head_s
-                    prev[head_s] = tail
-                    lvl, p = divmod(cur_q, NUM_PRIORITIES)
-                    nonempty[lvl] |= 1 << p
-                    num_free[lvl] += count
+                    self._close_chain(cur_q, tail, count)
                 cur_q = q
-                head_s = n + q
-                tail = prev[head_s]
+                tail = prev[n + q]
                 count = 0
             nxt[tail] = b
             prev[b] = tail
@@ -336,11 +331,16 @@ class FreeQueues:
             tail = b
             count += 1
         if count:
-            nxt[tail] = head_s
-            prev[head_s] = tail
-            lvl, p = divmod(cur_q, NUM_PRIORITIES)
-            nonempty[lvl] |= 1 << p
-            num_free[lvl] += count
+            self._close_chain(cur_q, tail, count)
+
+    def _close_chain(self, q: int, tail: int, count: int) -> None:
+        """End queue `q` at `tail`, after `count` blocks were linked in behind its old tail."""
+        s = self.num_blocks + q
+        self.next[tail] = s
+        self.prev[s] = tail
+        level, priority = divmod(q, NUM_PRIORITIES)
+        self.nonempty[level] |= 1 << priority
+        self.num_free[level] += count
 
     def _compact(self) -> None:
         """Drop the entries claims and re-releases disarmed (at most one per block stays)."""
