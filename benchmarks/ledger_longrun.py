@@ -1,7 +1,8 @@
 """Long adversarial run of the ledger against a model of what every memory slot holds.
 
 A seeded driver mixes every ledger operation the way engines use them: single and batch
-admission with full and partial reuse, chunked prefill, decode steps, draft tokens verified
+admission with full and partial reuse, chunked prefill, decode steps (one `add_token` per row,
+or one atomic `add_tokens` for the step, often the previous step's rows again), draft tokens verified
 in one forward and rejected with `rewind`, beams, retention priorities and durations on a
 fake clock, offload and onboard through small secondary tiers, sliding and variable windows,
 pins and unpins, removals with and without storing, scheduling dry runs and queries, failed
@@ -21,7 +22,8 @@ never passes for it. Checked:
     query's window start to the last query) is a real block (no null slot) holding own tags;
   * every few hundred operations: `verify_integrity()`, every cached block holds the tags its
     tree path spells, pinned blocks kept their content, every live position holds own tags;
-  * bad calls raise a `KVCacheError` and leave `snapshot()` unchanged; so do out-of-blocks.
+  * bad calls raise a `KVCacheError` and leave `snapshot()` unchanged; so do out-of-blocks
+    (a batched decode step that runs out changes nothing, then goes row by row).
 
     python benchmarks/ledger_longrun.py --ops 1000000           # the issue's proof
     python benchmarks/ledger_longrun.py --ops 20000 --memory    # + tracemalloc flatness
@@ -42,6 +44,8 @@ import sys
 import time
 import tracemalloc
 from collections import Counter
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -153,6 +157,7 @@ class Episode:
         self.pins: list = []  # block-id lists (or dicts) to unpin
         self.pinned_content: dict = {}  # (window, block id) -> content when pinned
         self.next_id = 0
+        self.last_batch: list[Live] = []  # the rows of the last decode step
         vocab = 6
         self.bases = [[self.rng.randrange(vocab) for _ in range(self.L)] for _ in range(3)]
         self.bases.append(self.bases[0][: 3 * self.tpb] + [self.rng.randrange(vocab) for _ in range(self.L)])
@@ -226,7 +231,16 @@ class Episode:
 
     # ------------------------------------------------------------------ forwards and checks
     def tables(self, info: Live) -> dict:
-        return {w: self.call("block_table", [info.rid], self.win(w)) for w in self.config.windows}
+        """The request's block table per window; one too short for its tokens is a violation
+        (a token was taken in without the block it starts)."""
+        out = {w: self.call("block_table", [info.rid], self.win(w)) for w in self.config.windows}
+        need = -(-info.n // self.tpb)
+        for w, table in out.items():
+            if table.shape != (len(info.beams), max(table.shape[1], need)):
+                raise Violation(
+                    f"request {info.rid}: window {w} block table {table.shape} for {len(info.beams)} beams of {info.n} tokens"
+                )
+        return out
 
     def write(self, info: Live, positions) -> None:
         tpb = self.tpb
@@ -429,28 +443,66 @@ class Episode:
     def decoding(self) -> list[Live]:
         return [i for i in self.live.values() if i.computed >= i.prompt_len and i.n < self.L]
 
-    def add_token(self, info: Live) -> bool:
+    def next_tokens(self, info: Live) -> tuple[list[int], object]:
+        """One sampled token per beam, and the `add_token` argument that says so (one int for
+        a single beam or beams that agree, else one int per beam)."""
         toks = [self.rng.randrange(3) for _ in info.beams]
         if len(info.beams) == 1:
-            arg = toks[0]
-        elif self.rng.random() < 0.3:
-            toks = [toks[0]] * len(info.beams)
-            arg = toks[0]
-        else:
-            arg = toks
-        try:
-            self.call("add_token", info.rid, arg)
-        except OutOfBlocksError:
-            return False
+            return toks, toks[0]
+        if self.rng.random() < 0.3:
+            return [toks[0]] * len(info.beams), toks[0]
+        return toks, toks
+
+    @staticmethod
+    def appended(info: Live, toks: list[int]) -> None:
         for b, t in enumerate(toks):
             info.append(b, t, None if info.extra is None else 0)
         if info.extra is not None:
             info.extra.append(0)
+
+    def add_token(self, info: Live) -> bool:
+        toks, arg = self.next_tokens(info)
+        try:
+            self.call("add_token", info.rid, arg)
+        except OutOfBlocksError:
+            return False
+        self.appended(info, toks)
         return True
 
+    def add_tokens(self, batch: list[Live]) -> list[Live]:
+        """The step's tokens in one `add_tokens` call, as the engine's decode step makes it
+        (a list, or an int array when every row is one int): all rows or none. Out of blocks,
+        it must have changed nothing; then the rows go one by one (the engine's fallback)."""
+        drawn = [self.next_tokens(info) for info in batch]
+        args = [arg for _, arg in drawn]
+        tokens: object = args
+        if all(type(a) is int for a in args) and self.rng.random() < 0.5:
+            tokens = np.array(args, dtype=self.rng.choice([np.int32, np.int64]))
+        before = self.m.snapshot()
+        try:
+            self.call("add_tokens", [info.rid for info in batch], tokens)
+        except OutOfBlocksError:
+            if self.m.snapshot() != before:
+                raise Violation("add_tokens ran out of blocks but changed the ledger") from None
+            self.run.batched_refused += 1
+            return [info for info in batch if self.add_token(info)]
+        self.run.batched_steps += 1
+        for info, (toks, _) in zip(batch, drawn, strict=True):
+            self.appended(info, toks)
+        return batch
+
     def decode_step(self) -> None:
-        batch = self.rng.sample(self.decoding(), min(4, len(self.decoding())))
-        grown = [info for info in batch if self.add_token(info)]
+        cands = self.decoding()
+        last = [info for info in self.last_batch if info.rid in self.live and info.computed >= info.prompt_len]
+        if last and len(last) == len(self.last_batch) and all(i.n < self.L for i in last) and self.rng.random() < 0.5:
+            batch = last  # the previous step's rows again (`add_tokens` keeps that batch)
+        else:
+            batch = self.rng.sample(cands, min(4, len(cands)))
+        if batch and self.rng.random() < 0.6:
+            grown = self.add_tokens(batch)
+        else:
+            grown = [info for info in batch if self.add_token(info)]
+        self.last_batch = batch
         self.step()
         for info in grown:
             if info.rid in self.live:
@@ -597,6 +649,12 @@ class Episode:
             rid = info.rid
             choices += [
                 lambda: m.add_token(rid, rng.choice([-1, 1.5, True, 2**31, "x", None])),
+                lambda: m.add_tokens([rid], [rng.choice([-1, 1.5, True, 2**31, "x", None])]),
+                lambda: m.add_tokens([rid, rid], [1, 1]),
+                lambda: m.add_tokens([rid, 10**9], [1, 1]),
+                lambda: m.add_tokens([rid], [1, 1]),
+                lambda: m.add_tokens([rid], np.array([[1]])),
+                lambda: m.add_tokens([rid], np.array([1.0])),
                 lambda: m.rewind(rid, info.n - info.prompt_len + 1),
                 lambda: m.set_context_position(rid, info.n + 1),
                 lambda: m.add_sequence(Request(rid, [1, 2])),
@@ -678,6 +736,7 @@ class LongRun:
         self.violations: Counter = Counter()
         self.examples: list[str] = []
         self.failures = self.recomputed = self.bad_calls = self.episodes = 0
+        self.batched_steps = self.batched_refused = 0  # add_tokens calls that went through / ran out
 
     def run(self, total_ops: int, episode_ops: int = 3000, check_every: int = 400, on_episode=None) -> None:
         rng = random.Random(self.seed)
@@ -744,7 +803,8 @@ def main(argv=None) -> dict:
     run.run(a.ops, a.episode_ops, on_episode=progress)
     wall = time.perf_counter() - t0
     print(f"operations: {run.ops:,} in {run.episodes} episodes; failed plans reported: {run.failures:,} "
-          f"(tokens recomputed: {run.recomputed:,}); bad calls refused: {run.bad_calls:,}")
+          f"(tokens recomputed: {run.recomputed:,}); bad calls refused: {run.bad_calls:,}; batched decode "
+          f"steps: {run.batched_steps:,} (+{run.batched_refused:,} out of blocks, unchanged)")
     print(f"violations: {sum(run.violations.values())}")
     for kind, n in sorted(run.violations.items()):
         print(f"  {n:>6}  {kind}")

@@ -16,6 +16,7 @@ def test_long_run_slice_has_no_violations():
     assert dict(run.violations) == {}, run.examples
     assert run.episodes >= len(ledger_longrun.families(4))  # every configuration family ran
     assert run.failures > 10 and run.bad_calls > 100 and run.recomputed > 0
+    assert run.batched_steps > 100 and run.batched_refused > 0  # add_tokens, and its atomic refusal
 
 
 def test_memory_stays_flat_on_a_steady_workload():
