@@ -561,6 +561,8 @@ class Episode:
             del info.extra[-j:]
         info.computed = min(info.computed, info.n)
         self.step()  # a rewind may copy a shared block
+        if info.rid not in self.live:
+            return  # that copy failed and the request was sent back for readmission
         # the kept tokens' KV is intact: the next query (at n) reads its window of them
         if info.computed >= info.n:
             self.check_reads(info, info.n, info.n - 1, "after rewind")
