@@ -9,7 +9,8 @@ pins and unpins, removals with and without storing, scheduling dry runs and quer
 transfers (whole plans or some ops, reported late enough that later ops read what they lost)
 and bad calls that must raise a typed error and change nothing. Configurations rotate per
 episode (full attention, one sliding window, a full plus a sliding window, two pools per
-window, tokens per block 2 or 4, beams) on pools of 8 to 24 blocks.
+window, tokens per block 2 or 4, beams) on pools of 8 to 24 blocks, and one busy cache (up to 96
+live requests on 640 blocks).
 
 The model (tests/ledger/ledger_helpers.py `SlotModel`) holds one tag per token position of
 every primary and secondary slot; every transfer plan is replayed op by op (failed ops leave
@@ -104,6 +105,10 @@ class Family:
     name: str
     config: dict
     beams: bool = False
+    max_live: int = 5  # live requests at most (admission stops there)
+    admit_sizes: tuple[int, ...] = (1, 1, 1, 2, 3)  # requests per admission, drawn
+    remove_share: float = 1.0  # of the draws that would remove a request
+    decode_rows: int = 4  # rows of a decode step at most
 
     @property
     def swa(self) -> bool:
@@ -133,6 +138,17 @@ def families(tpb: int) -> list[Family]:
                 "primary_blocks": {L: 16, 3 * tpb - 1: 12},
                 "secondary_blocks": 2,
             },
+        ),
+        # a busy cache: up to 96 live requests of up to 40 blocks, decode steps of up to 32
+        # rows, so the slot table's rows and width double several times and the tree grows
+        # wide (many siblings per node, partial matching among them)
+        Family(
+            "many",
+            {**base, "max_seq_len": 40 * tpb, "primary_blocks": 640, "secondary_blocks": 32},
+            max_live=96,
+            admit_sizes=(1, 2, 4, 8),
+            remove_share=0.25,
+            decode_rows=32,
         ),
     ]
 
@@ -497,7 +513,7 @@ class Episode:
         if last and len(last) == len(self.last_batch) and all(i.n < self.L for i in last) and self.rng.random() < 0.5:
             batch = last  # the previous step's rows again (`add_tokens` keeps that batch)
         else:
-            batch = self.rng.sample(cands, min(4, len(cands)))
+            batch = self.rng.sample(cands, min(self.family.decode_rows, len(cands)))
         if batch and self.rng.random() < 0.6:
             grown = self.add_tokens(batch)
         else:
@@ -689,8 +705,8 @@ class Episode:
                         self.call("set_context_position", info.rid, info.prompt_len)
                         self.call("store_context_blocks", info.rid)
                 self.pending_prefill = []
-            if r < 0.16 and len(self.live) < 5:
-                self.admit(rng.choice([1, 1, 1, 2, 3]))
+            if r < 0.16 and len(self.live) < self.family.max_live:
+                self.admit(rng.choice(self.family.admit_sizes))
             elif r < 0.22:
                 self.prefill_chunk()
             elif r < 0.50:
@@ -704,7 +720,7 @@ class Episode:
                     info = rng.choice(cands)
                     self.rewind(info, rng.randrange(1, info.n - info.prompt_len + 1))
             elif r < 0.76:
-                if self.live:
+                if self.live and rng.random() < self.family.remove_share:
                     self.remove()
             elif r < 0.80:
                 self.pin_or_unpin()
