@@ -39,6 +39,14 @@ def writer_ops(m: KVCacheManager, clock: FakeClock, n_ops: int, seed: int, done:
                     live += [r.request_id for r in reqs]
                 except OutOfBlocksError:
                     pass
+            elif op < 0.6:  # a batched decode step (under the lock throughout)
+                rows = rng.sample(live, min(len(live), rng.randrange(1, 9)))
+                try:
+                    m.add_tokens(rows, [rng.randrange(50) for _ in rows])
+                    for rid in rows:
+                        unverified[rid] = unverified.get(rid, 0) + 1
+                except OutOfBlocksError:
+                    pass
             elif op < 0.75:
                 rid = rng.choice(live)
                 try:
