@@ -39,7 +39,7 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "simple")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens")
 
     def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
         n = len(seqs)
@@ -48,7 +48,6 @@ class DecodeBatch:
         self.token_lists: list[list[int]] = list(map(attrgetter("tokens"), seqs))
         self.num_tokens = np.fromiter(map(len, self.token_lists), dtype=np.int64, count=n)  # [n]
         self.left = np.fromiter(map(attrgetter("slow_at"), seqs), dtype=np.int64, count=n) - 1 - self.num_tokens  # [n]
-        self.simple = np.fromiter(map(attrgetter("batchable"), seqs), dtype=bool, count=n)  # [n] see grow_batched
 
 
 def same_ids(cached: Sequence[Hashable], ids: Sequence[Hashable]) -> bool:
@@ -157,16 +156,16 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.nd
     block, one beam each, within `max_seq_len` and the free blocks. Appends every row's token
     and grows those rows in one pass; False (nothing done) when a row needs more than that."""
     tpb = m._tpb
-    if not batch.simple[event].all():
-        return False
-    n = batch.num_tokens[event] + 1  # [k] each row's token count once its token is in
     if len(m._bm.windows) != 1:
         return False
+    seqs = itemgetter_list(batch.seqs, event.tolist())
+    if not all(map(attrgetter("batchable"), seqs)):
+        return False
+    n = batch.num_tokens[event] + 1  # [k] each row's token count once its token is in
     wm = m._bm.windows[0]
     k = len(event)
     if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
         return False
-    seqs = itemgetter_list(batch.seqs, event.tolist())
     first = itemgetter(0)
     windows = list(map(first, map(attrgetter("windows"), seqs)))
     held = list(map(attrgetter("rows"), windows))
