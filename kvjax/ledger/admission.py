@@ -295,7 +295,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                     # most matched blocks already have the range's priority: one C-level compare
                     if prio is not None and (
                         None in blocks
-                        or bytes(map(priority.__getitem__, cast("list[int]", blocks))) != bytes((prio,)) * len(blocks)
+                        or bytes([priority[b] for b in cast("list[int]", blocks)]) != bytes((prio,)) * len(blocks)
                     ):
                         for mb in blocks:
                             if mb is not None and prio != priority[mb]:

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from itertools import chain
-from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.concurrency import reader, writer
-from kvjax.ledger.decode_batch import DecodeBatch, same_ids
+from kvjax.ledger.decode_batch import DecodeBatch, int_array, same_ids
 from kvjax.ledger.events import KVCacheEvent
 from kvjax.ledger.inspection import BlockInfo, LedgerInspector, block_info
 from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
@@ -441,12 +440,17 @@ class KVCacheManager:
         cached = self._table_rows.get(wm.index)
         if cached is not None and cached[1] == table.epoch and same_ids(cached[0], ids):
             return cached[2]
-        ids = check_table_ids(ids)
-        seqs = self._seqs_of(ids)
-        held = list(map(attrgetter("rows"), map(itemgetter(wm.index), map(attrgetter("windows"), seqs))))
+        batch = self._batch
+        if batch is not None and same_ids(batch.ids, ids):  # the decode step's own id list:
+            seqs = batch.seqs  # known, live and distinct (a removal drops the batch)
+        else:
+            ids = check_table_ids(ids)
+            seqs = self._seqs_of(ids)
+        w = wm.index
+        held: list = [s.windows[w].rows for s in seqs]  # one row per beam, or None
         if None in held:  # a request holding no block here yet shows the empty row
-            held = [table.table_rows(s.windows[wm.index]) for s in seqs]
-        rows = np.fromiter(chain.from_iterable(held), dtype=np.intp)  # [rows] one per (request, beam)
+            held = [table.table_rows(s.windows[w]) for s in seqs]
+        rows = int_array(chain.from_iterable(held), np.intp)  # [rows] one per (request, beam)
         rows.flags.writeable = False
         self._table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
         return rows
