@@ -9,8 +9,8 @@ pins and unpins, removals with and without storing, scheduling dry runs and quer
 transfers (whole plans or some ops, reported late enough that later ops read what they lost)
 and bad calls that must raise a typed error and change nothing. Configurations rotate per
 episode (full attention, one sliding window, a full plus a sliding window, two pools per
-window, tokens per block 2 or 4, beams) on pools of 8 to 24 blocks, and one busy cache (up to 96
-live requests on 640 blocks).
+window, no secondary tier, tokens per block 2 or 4, beams) on pools of 8 to 24 blocks, and one busy
+cache (up to 96 live requests on 640 blocks).
 
 The model (tests/ledger/ledger_helpers.py `SlotModel`) holds one tag per token position of
 every primary and secondary slot; every transfer plan is replayed op by op (failed ops leave
@@ -61,7 +61,9 @@ from kvjax import (  # noqa: E402
     RetentionConfig,
     TokenRangeRetention,
 )
+from kvjax.kv_events import MEDIUM_CPU, MEDIUM_GPU, LedgerEventAdapter, decode_batch, encode_batch  # noqa: E402
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, cache_salt_id  # noqa: E402
+from kvjax.router import PrefixIndex  # noqa: E402
 from ledger_helpers import SlotModel  # noqa: E402  (the slot model shared with the tests)
 
 class Violation(Exception):
@@ -121,6 +123,8 @@ def families(tpb: int) -> list[Family]:
     base = dict(tokens_per_block=tpb, num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=L, event_buffer_max_size=4096)
     return [
         Family("full", {**base, "primary_blocks": 14, "secondary_blocks": 4}),
+        # no secondary tier (the default): victims are evicted, claimed in batches
+        Family("no-secondary", {**base, "primary_blocks": 12, "secondary_blocks": 0}),
         Family("full-beams", {**base, "primary_blocks": 16, "secondary_blocks": 2, "max_beam_width": 2}, beams=True),
         Family("tight-offload", {**base, "primary_blocks": 9, "secondary_blocks": 6}),
         Family("two-pools", {**base, "num_layers": 2, "num_kv_heads": (1, 2), "primary_blocks": 12, "secondary_blocks": 3}),
@@ -165,6 +169,10 @@ class Episode:
         self.clock_t = 1000.0
         self.m = KVCacheManager(self.config, clock=lambda: self.clock_t)
         self.model = SlotModel(self.config)
+        # the KV-event stream as a router sees it: ledger events -> wire batches (msgpack and
+        # back) -> a prefix index, which must hold exactly the full blocks the tree caches
+        self.adapter = LedgerEventAdapter(self.config)
+        self.index = PrefixIndex()
         self.tpb = self.config.tokens_per_block
         self.L = self.config.max_seq_len
         self.multi = len(self.config.windows) > 1
@@ -306,9 +314,42 @@ class Episode:
                 raise Violation(f"pools {pools[0]} and {p} of window {w} disagree at slot {slot}")
         return content
 
+    def drain_events(self) -> None:
+        """Publish the iteration's events and feed them through the wire to the index."""
+        self.call("flush_iteration_events")
+        batch = self.adapter.convert(self.call("get_latest_events"))
+        if batch is not None:
+            self.index.apply("r", decode_batch(encode_batch(batch)))
+
+    def check_event_mirror(self) -> None:
+        """The index rebuilt from the event stream holds exactly the full blocks the tree
+        caches, per window and tier, with their hashes (the events' own bookkeeping may not
+        stand in for the tree: the tree is walked)."""
+        self.drain_events()
+        if self.adapter.ledger_gaps:  # the bounded event buffer dropped some: nothing to compare
+            self.run.mirror_skipped += 1
+            return
+        self.run.mirror_checks += 1
+        m, tpb = self.m, self.tpb
+        inspector = m.inspector
+        for g, w in enumerate(self.config.windows):
+            for level, medium in enumerate((MEDIUM_GPU, MEDIUM_CPU)):
+                want = set()
+                for bid in inspector.cached_block_ids(self.win(w)):
+                    blk = m.block(bid, self.win(w))
+                    if blk.level == level and blk.key.num_tokens == tpb:
+                        want.add(inspector.block_hash(bid, self.win(w)))
+                got = self.index.blocks("r", medium, group=g)
+                if got != want:
+                    raise Violation(
+                        f"events: window {w} {medium}: the event stream announces {len(got - want)} blocks the tree "
+                        f"does not cache and misses {len(want - got)} it does"
+                    )
+
     def deep_check(self) -> None:
         m = self.m
         self.call("verify_integrity")
+        self.check_event_mirror()
         tpb = self.tpb
         for info in self.live.values():
             for w in self.config.windows:
@@ -727,8 +768,7 @@ class Episode:
             elif r < 0.85:
                 self.clock_t += rng.choice([0.5, 1.0, 3.0])
                 self.call("refresh_blocks")
-                self.call("flush_iteration_events")
-                self.call("get_latest_events")
+                self.drain_events()
                 self.call("iteration_stats")
             elif r < 0.90:
                 self.dry_run()
@@ -755,6 +795,7 @@ class LongRun:
         self.examples: list[str] = []
         self.failures = self.recomputed = self.bad_calls = self.episodes = 0
         self.batched_steps = self.batched_refused = 0  # add_tokens calls that went through / ran out
+        self.mirror_checks = self.mirror_skipped = 0  # event-stream mirror compared / not (events dropped)
 
     def run(self, total_ops: int, episode_ops: int = 3000, check_every: int = 400, on_episode=None) -> None:
         rng = random.Random(self.seed)
@@ -822,7 +863,8 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t0
     print(f"operations: {run.ops:,} in {run.episodes} episodes; failed plans reported: {run.failures:,} "
           f"(tokens recomputed: {run.recomputed:,}); bad calls refused: {run.bad_calls:,}; batched decode "
-          f"steps: {run.batched_steps:,} (+{run.batched_refused:,} out of blocks, unchanged)")
+          f"steps: {run.batched_steps:,} (+{run.batched_refused:,} out of blocks, unchanged); event-stream mirror "
+          f"checks: {run.mirror_checks:,} ({run.mirror_skipped:,} skipped: events dropped)")
     print(f"violations: {sum(run.violations.values())}")
     for kind, n in sorted(run.violations.items()):
         print(f"  {n:>6}  {kind}")
