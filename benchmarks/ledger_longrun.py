@@ -56,6 +56,7 @@ from kvjax import (  # noqa: E402
     CacheConfig,
     KVCacheError,
     KVCacheManager,
+    MultimodalItem,
     OutOfBlocksError,
     Request,
     RetentionConfig,
@@ -74,9 +75,14 @@ def seq_seed(lora, salt_id) -> int:
     return hash(("kv", lora, salt_id))
 
 
-def next_tag(prev: int, token: int, extra) -> int:
-    """Tag of a position: the previous position's tag, this token and its extra id."""
-    return hash((prev, token, extra))
+def next_tag(prev: int, token: int, extra, mm: tuple | None = None) -> int:
+    """Tag of a position: the previous position's tag, this token, its extra id and, inside a
+    multimodal item, (the item's hash, the position's offset in the item)."""
+    return hash((prev, token, extra)) if mm is None else hash((prev, token, extra, mm))
+
+
+IMAGE_TOKEN = 9  # the placeholder id at a multimodal item's positions (text tokens are 0..5)
+IMAGES = (b"image-a", b"image-b")  # two item hashes: equal tokens with another image must not share KV
 
 
 @dataclasses.dataclass
@@ -91,6 +97,8 @@ class Live:
     computed: int  # positions whose KV has been written (the same for every beam)
     pinned: bool = False
     drafts: int = 0  # the request's num_draft_tokens
+    mm: tuple | None = None  # (hash, start, length) of its multimodal item
+
 
     @property
     def n(self) -> int:
@@ -98,8 +106,12 @@ class Live:
 
     def append(self, b: int, token: int, extra) -> None:
         prev = self.tags[b][-1] if self.tags[b] else seq_seed(self.lora, cache_salt_id(self.salt))
+        j = len(self.beams[b])
+        mm = None
+        if self.mm is not None and self.mm[1] <= j < self.mm[1] + self.mm[2]:
+            mm = (self.mm[0], j - self.mm[1])
         self.beams[b].append(token)
-        self.tags[b].append(next_tag(prev, token, extra))
+        self.tags[b].append(next_tag(prev, token, extra, mm))
 
 
 @dataclasses.dataclass
@@ -371,8 +383,14 @@ class Episode:
                 tag = seq_seed(keys[0].lora_task_id, keys[0].cache_salt_id)
                 want = []
                 for i, key in enumerate(keys):
+                    item = key.mm_keys[0] if key.mm_keys else None  # a request has one item at most
+                    k = 0
                     for j, t in enumerate(key.tokens):
-                        tag = next_tag(tag, t, None if key.extra_ids is None else key.extra_ids[j])
+                        mm = None
+                        if item is not None and t == IMAGE_TOKEN:  # the item's positions, in order
+                            mm = (item.hash, item.start_offset + k)
+                            k += 1
+                        tag = next_tag(tag, t, None if key.extra_ids is None else key.extra_ids[j], mm)
                         if i == len(keys) - 1:
                             want.append(tag)
                 if self.held(w, blk.level, blk.slot, len(want)) != want:
@@ -405,6 +423,12 @@ class Episode:
         cut = rng.choice([1, tpb - 1, tpb, tpb + 1, 2 * tpb - 1, 2 * tpb + 1, 3 * tpb, 4 * tpb + 2, 6 * tpb + 1, 9 * tpb])
         max_new = rng.choice([0, tpb, 2 * tpb, 3 * tpb])
         prompt = (base[:cut] + [rng.randrange(3) for _ in range(rng.randrange(3))])[: self.L - max_new]
+        item = None  # a multimodal item: its positions hold the placeholder token
+        if len(prompt) > 1 and rng.random() < 0.15:
+            start = rng.randrange(len(prompt) - 1)
+            length = rng.randrange(1, min(2 * tpb + 2, len(prompt) - start) + 1)
+            prompt[start : start + length] = [IMAGE_TOKEN] * length
+            item = MultimodalItem(rng.choice(IMAGES), start, length)
         beam = 2 if self.family.beams and rng.random() < 0.4 else 1
         lora = rng.choice([None, None, None, 7])
         salt = rng.choice([None, None, None, "s"])
@@ -422,9 +446,10 @@ class Episode:
             )
         draft = rng.choice([0, 0, 2, 4])
         req = Request(self.next_id, prompt, max_new_tokens=max_new, beam_width=beam, lora_task_id=lora, cache_salt=salt,
-                      extra_ids=extra, retention=retention, num_draft_tokens=draft)
+                      extra_ids=extra, retention=retention, num_draft_tokens=draft, mm_items=() if item is None else (item,))
         info = Live(self.next_id, [[] for _ in range(beam)], [[] for _ in range(beam)], lora, salt,
-                    None if extra is None else [], len(prompt), 0, drafts=draft)
+                    None if extra is None else [], len(prompt), 0, drafts=draft,
+                    mm=None if item is None else (item.hash, item.start, item.length))
         for b in range(beam):
             for j, t in enumerate(prompt):
                 info.append(b, t, None if extra is None else extra[j])

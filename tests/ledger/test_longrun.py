@@ -32,10 +32,18 @@ def test_the_driver_catches_a_wrong_block():
     fam = ledger_longrun.families(4)[0]
     ep = ledger_longrun.Episode(run, fam, seed=3)
     ep.pending_prefill = []
-    ep.admit(1)
-    ep.admit(1)
-    a, b = list(ep.live.values())[:2]
     real = ep.m.block_table
+    pair = None
+    for _ in range(20):  # two requests whose first blocks differ, one with KV written
+        ep.admit(1)
+        live = list(ep.live.values())
+        pair = next(
+            ((a, b) for a in live for b in live if a.computed and real([a.rid])[0, 0] != real([b.rid])[0, 0]), None
+        )
+        if pair is not None:
+            break
+    assert pair is not None
+    a, b = pair
 
     def swapped(ids, window=None, **kw):  # b's first block served in a's table
         t = real(ids, window, **kw)
