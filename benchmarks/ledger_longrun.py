@@ -139,7 +139,13 @@ def families(tpb: int) -> list[Family]:
         Family("no-secondary", {**base, "primary_blocks": 12, "secondary_blocks": 0}),
         Family("full-beams", {**base, "primary_blocks": 16, "secondary_blocks": 2, "max_beam_width": 2}, beams=True),
         Family("tight-offload", {**base, "primary_blocks": 9, "secondary_blocks": 6}),
-        Family("two-pools", {**base, "num_layers": 2, "num_kv_heads": (1, 2), "primary_blocks": 12, "secondary_blocks": 3}),
+        Family(  # and TensorRT-LLM's 64-bit event hashes
+            "two-pools",
+            {
+                **base, "num_layers": 2, "num_kv_heads": (1, 2), "primary_blocks": 12, "secondary_blocks": 3,
+                "event_hash": "trtllm64",
+            },
+        ),
         Family("no-copy", {**base, "primary_blocks": 12, "secondary_blocks": 2, "copy_on_partial_reuse": False}),
         Family(
             "low-offload-priority", {**base, "primary_blocks": 12, "secondary_blocks": 4, "secondary_offload_min_priority": 50}
