@@ -9,8 +9,9 @@ pins and unpins, removals with and without storing, scheduling dry runs and quer
 transfers (whole plans or some ops, reported late enough that later ops read what they lost)
 and bad calls that must raise a typed error and change nothing. Configurations rotate per
 episode (full attention, one sliding window, a full plus a sliding window, two pools per
-window, no secondary tier, tokens per block 2 or 4, beams) on pools of 8 to 24 blocks, and one busy
-cache (up to 96 live requests on 640 blocks).
+window, no secondary tier, reuse off, no onboarding, tokens per block 2 or 4, beams) on pools of 8
+to 24 blocks, and one busy cache (up to 96 live requests on 640 blocks); now and then the prefix
+cache is reset.
 
 The model (tests/ledger/ledger_helpers.py `SlotModel`) holds one tag per token position of
 every primary and secondary slot; every transfer plan is replayed op by op (failed ops leave
@@ -147,6 +148,11 @@ def families(tpb: int) -> list[Family]:
             },
         ),
         Family("no-copy", {**base, "primary_blocks": 12, "secondary_blocks": 2, "copy_on_partial_reuse": False}),
+        Family("no-reuse", {**base, "primary_blocks": 10, "secondary_blocks": 2, "enable_block_reuse": False}),
+        Family(  # matched blocks in the secondary tier are not onboarded; no partial matches
+            "no-onboard",
+            {**base, "primary_blocks": 12, "secondary_blocks": 4, "onboard_blocks": False, "enable_partial_reuse": False},
+        ),
         Family(
             "low-offload-priority", {**base, "primary_blocks": 12, "secondary_blocks": 4, "secondary_offload_min_priority": 50}
         ),
@@ -799,6 +805,8 @@ class Episode:
             elif r < 0.85:
                 self.clock_t += rng.choice([0.5, 1.0, 3.0])
                 self.call("refresh_blocks")
+                if rng.random() < 0.03:  # an operator drops the prefix cache (live requests keep theirs)
+                    self.call("reset_prefix_cache")
                 self.drain_events()
                 self.call("iteration_stats")
             elif r < 0.90:
