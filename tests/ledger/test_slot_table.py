@@ -10,12 +10,14 @@ failing batch must raise what the first failing `add_token` raises while changin
 from __future__ import annotations
 
 import random
+import struct
 
 import numpy as np
 import pytest
 
 from kvjax import DuplicateRequestError, InvalidArgumentError, KVCacheError, KVCacheManager, Request, UnknownRequestError
 from kvjax.errors import OutOfBlocksError
+from kvjax.ledger.decode_batch import int_array
 from kvjax.ledger.validation import max_table_width
 from ledger_helpers import make_config
 
@@ -216,3 +218,15 @@ def test_a_sliding_window_detach_frees_the_block_a_later_row_takes():
             with pytest.raises(error):
                 m.add_tokens(order, [17, 7])
             assert m.snapshot() == before
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.intp, np.int32])
+def test_int_array_equals_numpy_and_refuses_what_does_not_fit(dtype):
+    vals = [0, 1, -5, 2**31 - 1, -(2**31)]
+    got = int_array(vals, dtype)
+    assert got.dtype == np.dtype(dtype) and got.flags.writeable
+    np.testing.assert_array_equal(got, np.array(vals, dtype=dtype))
+    assert int_array(iter(vals), dtype).tolist() == vals  # any iterable
+    assert int_array([], dtype).shape == (0,)
+    with pytest.raises(struct.error):  # never wrapped into range
+        int_array([np.iinfo(dtype).max + 1], dtype)
