@@ -440,12 +440,8 @@ class KVCacheManager:
         cached = self._table_rows.get(wm.index)
         if cached is not None and cached[1] == table.epoch and same_ids(cached[0], ids):
             return cached[2]
-        batch = self._batch
-        if batch is not None and same_ids(batch.ids, ids):  # the decode step's own id list:
-            seqs = batch.seqs  # known, live and distinct (a removal drops the batch)
-        else:
-            ids = check_table_ids(ids)
-            seqs = self._seqs_of(ids)
+        ids = check_table_ids(ids)
+        seqs = self._seqs_of(ids)
         w = wm.index
         held: list = [s.windows[w].rows for s in seqs]  # one row per beam, or None
         if None in held:  # a request holding no block here yet shows the empty row
