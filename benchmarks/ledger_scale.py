@@ -253,28 +253,30 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
     step_tokens = [rng.integers(0, VOCAB, size=batch, dtype=np.int32) for _ in range(steps + churn_steps)]
     clock = time.perf_counter
     gc.collect()
+    def timed_step(m: KVCacheManager, append: Callable[[], None]) -> tuple[float, float, float]:
+        """Seconds of one step's token appends, its padded block table and `take_transfers`."""
+        t0 = clock()
+        append()
+        t1 = clock()
+        m.block_table(ids, max_blocks=width)
+        t2 = clock()
+        m.take_transfers()
+        return t1 - t0, t2 - t1, clock() - t2
+
+    def one_by_one(toks: list[int]) -> None:
+        add_token = looped.add_token
+        for i, tok in zip(ids, toks, strict=True):
+            add_token(i, tok)
+
     add = table = take = loop_add = loop_table = loop_take = 0.0
     per_step = []
     for tokens in step_tokens[:steps]:
-        t0 = clock()
-        batched.add_tokens(ids, tokens)
-        t1 = clock()
-        batched.block_table(ids, max_blocks=width)
-        t2 = clock()
-        batched.take_transfers()
-        t3 = clock()
-        add, table, take = add + t1 - t0, table + t2 - t1, take + t3 - t2
-        per_step.append(t3 - t0)
-        add_token, toks = looped.add_token, tokens.tolist()
-        t0 = clock()
-        for i, tok in zip(ids, toks, strict=True):
-            add_token(i, tok)
-        t1 = clock()
-        looped.block_table(ids, max_blocks=width)
-        t2 = clock()
-        looped.take_transfers()
-        t3 = clock()
-        loop_add, loop_table, loop_take = loop_add + t1 - t0, loop_table + t2 - t1, loop_take + t3 - t2
+        a, b, c = timed_step(batched, lambda tokens=tokens: batched.add_tokens(ids, tokens))
+        add, table, take = add + a, table + b, take + c
+        per_step.append(a + b + c)
+        toks = tokens.tolist()
+        a, b, c = timed_step(looped, lambda toks=toks: one_by_one(toks))
+        loop_add, loop_table, loop_take = loop_add + a, loop_table + b, loop_take + c
     for m in (batched, looped):
         m.verify_integrity()
     if batched.snapshot() != looped.snapshot():
