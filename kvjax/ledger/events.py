@@ -166,10 +166,10 @@ class KVCacheEventManager:
     def created(self, window: int, num_primary: int, num_secondary: int) -> None:
         self._enqueue(window, CreatedData((num_primary, num_secondary)))
 
-    def stored(self, window: int, parent_hash: BlockHash | None, blocks: list[StoredBlock]) -> None:
+    def stored(self, window: int, parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> None:
         if self._removed:
             self._flush_removed(window)
-        self._enqueue(window, _new_stored_data(parent_hash, tuple(blocks)))
+        self._enqueue(window, _new_stored_data(parent_hash, blocks))
 
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)

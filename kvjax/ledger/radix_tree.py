@@ -874,10 +874,11 @@ class RadixTree:
             hs[o] = h
         return h
 
-    def event_run(self, n: int, o: int, k: int) -> tuple[bytes | int | None, list, list[tuple]]:
+    def event_run(self, n: int, o: int, k: int, with_tokens: bool = True) -> tuple[bytes | int | None, list, list[tuple] | None]:
         """What a Stored event says of positions `o..o+k-1` of node `n`, in one pass: the hash
         of the position before `o` (None at the root), each position's chained hash (cached
-        ones reused, new ones cached: `hash_after`) and its tokens (`stored_tokens`)."""
+        ones reused, new ones cached: `hash_after`) and its tokens (`stored_tokens`; None
+        without `with_tokens`: the caller has them as ints already)."""
         hs = self.hashes[n]
         if hs is None:
             hs = self.hashes[n] = [None] * self.length[n]
@@ -890,8 +891,10 @@ class RadixTree:
             p = self.parent[n]
             parent = None if p == ROOT else self.position_hash(p, self.length[p] - 1)
         out = hs[o : o + k]
+        tokens: list[tuple] | None = None
         if self.sig[n] != 0:
-            tokens = [self.stored_tokens(n, i) for i in range(o, o + k)]
+            if with_tokens:
+                tokens = [self.stored_tokens(n, i) for i in range(o, o + k)]
         else:  # token ids straight from the node's bytes; only a run's last block can be partial
             bb = self._plain_block_bytes
             c = self.content[n]
@@ -899,9 +902,10 @@ class RadixTree:
             hi = lo + k * bb
             full_hi = hi if hi <= len(c) else hi - bb
             run = c[lo:full_hi]
-            tokens = list(self._iter_unpack_full(run))
-            if full_hi < hi:
-                tokens.append(tuple(array.array("i", c[full_hi:hi])))
+            if with_tokens:
+                tokens = list(self._iter_unpack_full(run))
+                if full_hi < hi:
+                    tokens.append(tuple(array.array("i", c[full_hi:hi])))
             if self._fast_sha256 and out.count(None) == k and n not in self.mm:  # all new: one SHA-256 loop
                 h: Any = self.hasher.root if parent is None else parent  # SHA-256 chains bytes
                 head, join = self._full_head, b"".join
@@ -921,9 +925,10 @@ class RadixTree:
                 h = out[i] = self.hash_after(n, o + i, h)
         return parent, out, tokens
 
-    def event_one(self, n: int, o: int) -> tuple[bytes | int | None, bytes | int, tuple]:
+    def event_one(self, n: int, o: int, with_tokens: bool = True) -> tuple[bytes | int | None, bytes | int, tuple | None]:
         """`event_run` of the single position `(n, o)` (a decode block): (parent hash, hash,
-        tokens). The usual case, a new full plain block after a hashed one, takes one SHA-256."""
+        tokens or None). The usual case, a new full plain block after a hashed one, takes one
+        SHA-256."""
         hs = self.hashes[n]
         if o and hs is not None and self._fast_sha256 and self.sig[n] == 0 and hs[o] is None and n not in self.mm:
             parent: Any = hs[o - 1]  # SHA-256 chains bytes
@@ -931,9 +936,9 @@ class RadixTree:
             blk = self.content[n][o * bb : (o + 1) * bb]
             if parent is not None and len(blk) == bb:
                 hs[o] = h = _sha256(b"".join((parent, self._full_head, blk, _PLAIN_TAIL))).digest()
-                return parent, h, self._unpack_full(blk)
-        parent, hashes, tokens = self.event_run(n, o, 1)
-        return parent, hashes[0], tokens[0]
+                return parent, h, self._unpack_full(blk) if with_tokens else None
+        parent, hashes, tokens = self.event_run(n, o, 1, with_tokens)
+        return parent, hashes[0], None if tokens is None else tokens[0]
 
     def stored_tokens(self, n: int, o: int) -> tuple:
         """Tokens of position `(n, o)` as a Stored event carries them: token ids, or (token,

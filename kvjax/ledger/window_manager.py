@@ -310,24 +310,30 @@ class WindowBlockManager:
             else:
                 queues.set_retention_each([b for _, b in attached], [retention[d - first] for d, _ in attached])
         if events is not None:
-            self._emit_stored(attached, moves)
+            self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq.tokens, num_tokens)
         return len(attached)
 
-    def _emit_stored(self, attached: list[tuple[int, int]], moves: list) -> None:
+    def _emit_stored(self, attached: list[tuple[int, int]], moves: list, tokens: list[int] | None, num_tokens: int) -> None:
         """Stored events, one per run of consecutive newly stored depths under one parent; a
         moved block's Removed comes before the run that stores it again (as it happened).
-        A run is hashed and built node by node (one pass per node)."""
+        A run is hashed and built node by node (one pass per node). `tokens`: the sequence's
+        token ids when its blocks carry no extra ids: the usual events take each block's
+        tokens from them (a slice sharing the ints) instead of decoding the tree's bytes."""
         tree, events = self.tree, self.events
         assert events is not None  # called only with events on
+        tpb = self.tokens_per_block
         if len(attached) == 1 and not moves:  # a decode block
-            b = attached[0][1]
+            d, b = attached[0]
             n = self.block_node[b]
-            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b])
+            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], tokens is None)
+            if tokens is not None:
+                block_tokens = tuple(tokens[d * tpb : min(d * tpb + tpb, num_tokens)])
+            assert block_tokens is not None
             block = new_stored_block(
                 h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b], self.queues.priority[b],
                 tree.mm.get(n, ()),
             )  # fmt: skip
-            events.stored(self.window, parent, [block])
+            events.stored(self.window, parent, (block,))
             return
         bnode, boff = self.block_node, tree.block_offset[self.index]
         (d0, b0), (d1, b1) = attached[0], attached[-1]
@@ -335,13 +341,18 @@ class WindowBlockManager:
         if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
-            parent, hashes, tokens = tree.event_run(n, o, len(attached))
+            parent, hashes, run_tokens = tree.event_run(n, o, len(attached), tokens is None)
+            if tokens is not None:
+                run_tokens = [tuple(tokens[i : i + tpb]) for i in range(d0 * tpb, (d1 + 1) * tpb, tpb)]
+                if num_tokens < (d1 + 1) * tpb:  # a partial last block ends at the stored length
+                    run_tokens[-1] = run_tokens[-1][: num_tokens - d1 * tpb]
+            assert run_tokens is not None
             blocks: list = []
             add_stored_blocks(
-                blocks, hashes, tokens, tree.signatures[tree.sig[n]][1], attached,
+                blocks, hashes, run_tokens, tree.signatures[tree.sig[n]][1], attached,
                 self.columns.level, self.queues.priority, tree.mm.get(n, ()),
             )  # fmt: skip
-            events.stored(self.window, parent, blocks)
+            events.stored(self.window, parent, tuple(blocks))
         else:
             self._emit_stored_runs(attached, moves)
 
@@ -371,11 +382,12 @@ class WindowBlockManager:
                 while k < j and bnode[attached[k][1]] == n:
                     k += 1
                 parent, hashes, tokens = tree.event_run(n, boff[b], k - i)
+                assert tokens is not None
                 if first:
                     parent_hash, first = parent, False
                 add_stored_blocks(blocks, hashes, tokens, signatures[sig[n]][1], attached[i:k], level, prio, mm.get(n, ()))
                 i = k
-            events.stored(window, parent_hash, blocks)
+            events.stored(window, parent_hash, tuple(blocks))
         for _, h in pending_moves:
             events.removed(window, h)
 
