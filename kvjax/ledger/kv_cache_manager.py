@@ -650,12 +650,17 @@ class KVCacheManager:
     @reader
     def snapshot(self) -> tuple:
         """A hashable picture of the whole ledger state (tests compare it around failed calls).
-        Thread-safe: `add_token`'s unlocked fast path is switched off (every sequence's next
-        token takes the locked path); that path is one list append (`num_tokens` is the token
-        list's length), so no sequence is ever seen half-way through it."""
+        Thread-safe: `add_token`'s unlocked fast path is switched off while it reads (every
+        sequence's next token takes the locked path, which waits); that path is one list
+        append (`num_tokens` is the token list's length), so no sequence is ever seen half-way
+        through it. It is switched back on before returning, so a snapshot leaves no trace:
+        the calls a test makes between two snapshots take the paths they would without them."""
         seqs = self._seqs
         self._batch = None  # its counts of tokens left before `slow_at` go stale below
         for seq in seqs.values():
-            seq.slow_at = 0  # `_update_slow_at` restores it on the sequence's next token
+            seq.slow_at = 0
         state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
-        return ledger_snapshot(self._bm, seqs) + state
+        out = ledger_snapshot(self._bm, seqs) + state
+        for seq in seqs.values():
+            self._update_slow_at(seq)  # a function of the sequence's blocks, which did not move
+        return out
