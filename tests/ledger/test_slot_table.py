@@ -178,6 +178,26 @@ def test_a_recycled_row_shows_nothing_of_its_last_owner():
     m.verify_integrity()
 
 
+def test_tables_wider_than_the_slot_matrix_are_padded_with_the_null_slot():
+    """`max_blocks` beyond the slot matrix's width (16 columns until a row needs more): the
+    gather pads past the matrix; every entry past a row's blocks is the null slot, and the
+    table is the caller's copy."""
+    m = KVCacheManager(make_config(tokens_per_block=2, max_seq_len=256, primary_blocks=64))
+    m.add_sequence(Request("short", [1, 2, 3, 4, 5]))  # 3 blocks
+    widest = max_table_width(m.config)
+    assert widest == 128
+    for ids, want_width in ((["short"], 16), (["short", "long"], 32)):
+        if want_width == 32:
+            m.add_sequence(Request("long", list(range(100, 140))))  # 20 blocks: the matrix doubles to 32
+        for max_blocks in (want_width, want_width + 1, widest):
+            got = m.block_table(ids, max_blocks=max_blocks)
+            assert got.shape == (len(ids), max_blocks) and got.dtype == np.int32
+            assert np.array_equal(got, model_table(m, ids, None, max_blocks)), (ids, max_blocks)
+    got[:] = 0  # the caller's copy: writing it changes nothing in the ledger
+    assert np.array_equal(m.block_table(["short", "long"], max_blocks=widest), model_table(m, ["short", "long"], None, widest))
+    m.verify_integrity()
+
+
 def test_add_tokens_errors_change_nothing():
     m = KVCacheManager(make_config(primary_blocks=6))
     m.add_sequence(Request("a", [1, 2, 3, 4]))
