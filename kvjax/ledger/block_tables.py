@@ -192,8 +192,9 @@ class SlotTable:
                 if not EMPTY_ROW < r < self.next_row or r in owner:
                     raise IntegrityError(f"slot table: row {r} of {who!r} is out of range or also held by {owner.get(r)!r}")
                 owner[r] = who
-        if set(self.free_rows) & set(owner) or len(set(self.free_rows)) != len(self.free_rows):
-            raise IntegrityError("slot table: a free row is held, or listed twice")
+        free = set(self.free_rows)
+        if free & set(owner) or len(free) != len(self.free_rows) or not all(EMPTY_ROW < r < self.next_row for r in free):
+            raise IntegrityError("slot table: a free row is held, out of range, or listed twice")
         if len(owner) + len(self.free_rows) != self.next_row - 1:
             handed = self.next_row - 1
             raise IntegrityError(f"slot table: {handed} rows handed out, {len(owner)} held + {len(self.free_rows)} free")

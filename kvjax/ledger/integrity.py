@@ -165,11 +165,7 @@ def _verify_tree(bm: BlockManager) -> None:
                 _fail(f"tree node {n} holds a multimodal block inside a run of {length}")
             if tree.signatures[tree.sig[n]] is None or tree.sig_refs[tree.sig[n]] < 1:
                 _fail(f"tree node {n} carries a released signature")
-            if kids is None:
-                last = max((vals[n][length - 1] for vals in tree.values), default=NO_BLOCK)
-                if last == NO_BLOCK:
-                    _fail(f"empty tree position left unpruned at the end of leaf node {n}")
-            elif ntok < length * tpb:
+            if kids is not None and ntok < length * tpb:
                 _fail(f"tree node {n} ends on a partial block but has children")
             hs = tree.hashes[n]
             if hs is not None and len(hs) != length:
@@ -186,6 +182,10 @@ def _verify_tree(bm: BlockManager) -> None:
                 if b in held[widx]:
                     _fail(f"block {b} of window {bm.windows[widx].window} sits at two tree positions")
                 held[widx][b] = (n, o)
+        if n != ROOT and kids is None:  # after the rows are known to cover the node's positions
+            last = max((vals[n][length - 1] for vals in tree.values), default=NO_BLOCK)
+            if last == NO_BLOCK:
+                _fail(f"empty tree position left unpruned at the end of leaf node {n}")
         if kids:
             index = tree.pindex[n]
             buckets: dict[int, list] = {}
@@ -194,6 +194,11 @@ def _verify_tree(bm: BlockManager) -> None:
                     _fail(f"tree link broken under node {n}: child {c} names parent {tree.parent[c]}")
                 if tree.depth[c] != tree.depth[n] + length:
                     _fail(f"tree node {c}: depth {tree.depth[c]} after a parent ending at {tree.depth[n] + length}")
+                # `_first_key` reads these; the child's own checks come only when it is popped
+                if tree.content[c] is None:
+                    _fail(f"live tree node {c} has no positions")
+                if tree.signatures[tree.sig[c]] is None:
+                    _fail(f"tree node {c} carries a released signature")
                 first, own_key = tree._first_key(c)
                 if own_key != key:
                     _fail(f"tree node {c} is filed under a key that is not its first block")
