@@ -9,7 +9,7 @@ not own.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +30,9 @@ class SlotTable:
     the pool), never time.
     """
 
-    __slots__ = ("null_slot", "table", "lengths", "cells", "length_of", "free_rows", "next_row", "epoch", "longest")
+    __slots__ = (
+        "null_slot", "table", "lengths", "cells", "length_of", "free_rows", "next_row", "epoch", "longest", "row_of_id",
+    )  # fmt: skip
 
     def __init__(self, null_slot: int, rows: int = 64, width: int = 16) -> None:
         self.null_slot = null_slot
@@ -42,6 +44,9 @@ class SlotTable:
         # bumped whenever a row is handed out or back: row lists cached by callers go stale
         self.epoch = 0
         self.longest = 0  # an upper bound of every row's length (never lowered)
+        # the row of each one-beam sequence holding one, by request id (filed when handed out,
+        # dropped when handed back): a batch's rows without a walk through its sequences
+        self.row_of_id: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ rows
     def rows_of(self, sw: SequenceWindow) -> list[int]:
@@ -49,6 +54,8 @@ class SlotTable:
         rows = sw.rows
         if rows is None:
             rows = sw.rows = [self._new_row() for _ in range(len(sw.blocks))]
+            if len(rows) == 1:
+                self.row_of_id[sw.request_id] = rows[0]
             self.epoch += 1
         return rows
 
@@ -100,6 +107,8 @@ class SlotTable:
         if rows is None:
             return
         sw.rows = None
+        if len(rows) == 1:
+            del self.row_of_id[sw.request_id]
         table, length_of, null = self.table, self.length_of, self.null_slot
         for r in rows:
             n = length_of[r]
@@ -181,17 +190,26 @@ class SlotTable:
         return out
 
     def verify(self, owned: Iterable[tuple[object, list[int]]]) -> None:
-        """Raise `IntegrityError` unless each row belongs to at most one owner, entries past a
-        row's length hold the null slot, and rows nobody owns are empty."""
+        """Raise `IntegrityError` unless each row belongs to at most one owner (`owned`: request
+        id and rows), the row directory files exactly the one-row owners under their ids,
+        entries past a row's length hold the null slot, and rows nobody owns are empty."""
         table, lengths, null = self.table, self.lengths, self.null_slot
         if table.shape[0] != lengths.shape[0] or self.next_row > table.shape[0]:
             raise IntegrityError("slot table: row count and lengths disagree")
         owner: dict[int, object] = {}
+        directory: dict[object, int] = {}
         for who, rows in owned:
             for r in rows:
                 if not EMPTY_ROW < r < self.next_row or r in owner:
                     raise IntegrityError(f"slot table: row {r} of {who!r} is out of range or also held by {owner.get(r)!r}")
                 owner[r] = who
+            if len(rows) == 1:
+                directory[who] = rows[0]
+        if directory != self.row_of_id:
+            wrong = sorted((repr(k) for k in directory.keys() ^ self.row_of_id.keys()), key=str) or sorted(
+                repr(k) for k in directory if directory[k] != self.row_of_id[k]
+            )
+            raise IntegrityError(f"slot table: the row directory is stale for request(s) {', '.join(wrong[:4])}")
         free = set(self.free_rows)
         if free & set(owner) or len(free) != len(self.free_rows) or not all(EMPTY_ROW < r < self.next_row for r in free):
             raise IntegrityError("slot table: a free row is held, out of range, or listed twice")

@@ -435,18 +435,25 @@ class KVCacheManager:
 
     def _rows_of(self, ids: Sequence[Hashable], wm: WindowBlockManager) -> np.ndarray:
         """Slot-table rows of `ids` (one per beam) in window `wm`: the last list's rows while
-        no row was handed out or back since (a decode loop asks for the same batch each step)."""
+        no row was handed out or back since (a decode loop asks for the same batch each step);
+        else, while every id is a one-beam sequence holding a row here, one lookup per id in
+        the table's row directory (a batch that changes every step, as requests finish and
+        join, never walks each sequence's objects: those cache misses were most of the call)."""
         table: SlotTable = wm.slot_table
         cached = self._table_rows.get(wm.index)
         if cached is not None and cached[1] == table.epoch and same_ids(cached[0], ids):
             return cached[2]
         ids = check_table_ids(ids)
-        seqs = self._seqs_of(ids)
-        w = wm.index
-        held: list = [s.windows[w].rows for s in seqs]  # one row per beam, or None
-        if None in held:  # a request holding no block here yet shows the empty row
-            held = [table.table_rows(s.windows[w]) for s in seqs]
-        rows = int_array(chain.from_iterable(held), np.intp)  # [rows] one per (request, beam)
+        directory = table.row_of_id
+        try:
+            rows = int_array([directory[r] for r in ids], np.intp)  # [rows] one per request
+        except (KeyError, TypeError):  # unknown ids, beams, no row yet: ask each sequence
+            seqs = self._seqs_of(ids)
+            w = wm.index
+            held: list = [s.windows[w].rows for s in seqs]  # one row per beam, or None
+            if None in held:  # a request holding no block here yet shows the empty row
+                held = [table.table_rows(s.windows[w]) for s in seqs]
+            rows = int_array(chain.from_iterable(held), np.intp)  # [rows] one per (request, beam)
         rows.flags.writeable = False
         self._table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
         return rows

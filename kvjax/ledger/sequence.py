@@ -21,9 +21,10 @@ from kvjax.request import Request
 class SequenceWindow:
     """One sequence's blocks in one window manager."""
 
-    __slots__ = ("blocks", "rows", "num_front_removed", "cursor")
+    __slots__ = ("request_id", "blocks", "rows", "num_front_removed", "cursor")
 
-    def __init__(self, beam_width: int) -> None:
+    def __init__(self, request_id: Hashable, beam_width: int) -> None:
+        self.request_id = request_id  # the SlotTable files a one-beam sequence's row under it
         self.blocks: list[array.array] = [array.array("i") for _ in range(beam_width)]
         # rows of the window's SlotTable, one per beam (None until the first block); only the
         # SlotTable hands them out and takes them back
@@ -96,7 +97,7 @@ class TrackedSequence:
         self.num_draft_tokens = request.num_draft_tokens
         self.context_position = self.prompt_len
         self.prepopulated = 0
-        self.windows = [SequenceWindow(self.beam_width) for _ in range(num_windows)]
+        self.windows = [SequenceWindow(self.request_id, self.beam_width) for _ in range(num_windows)]
         # (reused, missed, alloc_total, alloc_new) blocks of its admission (`request_stats`)
         self.admit_counts: list[int] = [0, 0, 0, 0]
         self.context_retention: list[tuple[int | None, float | None]] | None = None

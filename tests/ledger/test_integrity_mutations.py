@@ -224,6 +224,7 @@ def hand_back_second_beam(m: KVCacheManager) -> None:
     st.table[r, :] = st.null_slot
     st.lengths[r] = 0
     st.free_rows.append(r)
+    st.row_of_id["c"] = sw.rows[0]  # one row now: the directory files it, as for a one-beam request
 
 
 def shorten_row(m: KVCacheManager) -> None:
@@ -275,6 +276,15 @@ CASES: list[Case] = [
     # a sequence holds the always-empty row 0
     ("slots-row-out-of-range", rich, lambda m: setattr(_sw(m, "e"), "rows", [0]),
      r"slot table: row 0 of 'e' is out of range or also held by None"),
+    # the row directory (a changing batch's block table reads it) files a row under another id
+    ("slots-directory-wrong-row", rich, lambda m: _wm(m).slot_table.row_of_id.__setitem__("b", _row(m, "e")),
+     r"slot table: the row directory is stale for request\(s\) 'b'"),
+    # the directory lost a live one-beam request
+    ("slots-directory-missing", rich, lambda m: _wm(m).slot_table.row_of_id.pop("e"),
+     r"slot table: the row directory is stale for request\(s\) 'e'"),
+    # the directory still files a request that left
+    ("slots-directory-left-over", rich, lambda m: _wm(m).slot_table.row_of_id.__setitem__("gone", 1),
+     r"slot table: the row directory is stale for request\(s\) 'gone'"),
     # a free row listed twice
     ("slots-free-row-twice", rich, lambda m: _wm(m).slot_table.free_rows.append(_wm(m).slot_table.free_rows[0]),
      r"slot table: a free row is held, out of range, or listed twice"),

@@ -198,6 +198,25 @@ def test_tables_wider_than_the_slot_matrix_are_padded_with_the_null_slot():
     m.verify_integrity()
 
 
+def test_a_reused_request_id_shows_its_new_rows_in_a_changing_batch():
+    """Block tables of an id list never seen before come from the table's row directory (one
+    lookup per id): a request id removed and admitted again must show the new request's
+    slots, never the old one's, and ids the directory does not hold (unknown) still raise."""
+    m = KVCacheManager(make_config(primary_blocks=16))
+    m.add_sequence(Request("a", [1, 2, 3, 4, 5, 6]))
+    m.add_sequence(Request("b", [7, 8, 9]))
+    m.add_sequence(Request("c", [10, 11, 12, 13, 14]))
+    assert np.array_equal(m.block_table(["a", "b", "c"]), model_table(m, ["a", "b", "c"], None))
+    m.remove_sequence("a", store_for_reuse=False)
+    m.add_sequence(Request("d", [20, 21, 22, 23, 24, 25, 26, 27, 28]))  # may take a's row back
+    m.add_sequence(Request("a", [30]))  # the same id, another request
+    for ids in (["c", "a", "b", "d"], ["a", "d"], ["b", "c", "a"]):
+        assert np.array_equal(m.block_table(ids), model_table(m, ids, None)), ids
+    with pytest.raises(UnknownRequestError):
+        m.block_table(["c", "gone"])
+    m.verify_integrity()
+
+
 def test_add_tokens_errors_change_nothing():
     m = KVCacheManager(make_config(primary_blocks=6))
     m.add_sequence(Request("a", [1, 2, 3, 4]))
