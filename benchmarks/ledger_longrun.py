@@ -167,16 +167,17 @@ def families(tpb: int) -> list[Family]:
                 "secondary_blocks": 2,
             },
         ),
-        # a busy cache: up to 96 live requests of up to 40 blocks, decode steps of up to 32
-        # rows, so the slot table's rows and width double several times and the tree grows
-        # wide (many siblings per node, partial matching among them)
+        # a busy cache: up to 96 live requests of up to 40 blocks, decode steps of up to 96
+        # rows (past `add_tokens`' row-by-row threshold of 64), so the slot table's rows and
+        # width double several times and the tree grows wide (many siblings per node, partial
+        # matching among them)
         Family(
             "many",
             {**base, "max_seq_len": 40 * tpb, "primary_blocks": 640, "secondary_blocks": 32},
             max_live=96,
             admit_sizes=(1, 2, 4, 8),
             remove_share=0.25,
-            decode_rows=32,
+            decode_rows=96,
         ),
     ]
 

@@ -17,6 +17,7 @@ import pytest
 
 from kvjax import DuplicateRequestError, InvalidArgumentError, KVCacheError, KVCacheManager, Request, UnknownRequestError
 from kvjax.errors import OutOfBlocksError
+from kvjax.ledger import decode_batch
 from kvjax.ledger.decode_batch import int_array
 from kvjax.ledger.validation import max_table_width
 from ledger_helpers import make_config
@@ -95,7 +96,12 @@ def outcome(op, m: KVCacheManager):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", range(3))
-def test_random_driver_tables_and_batched_growth(name, seed):
+@pytest.mark.parametrize("small_batch", ["row by row", "numpy"])
+def test_random_driver_tables_and_batched_growth(name, seed, small_batch, monkeypatch):
+    """`small_batch`: steps of at most `SMALL_BATCH` rows that only append take the row-by-row
+    path (the default for this driver's batches), or none does (the cached batch's numpy path)."""
+    if small_batch == "numpy":
+        monkeypatch.setattr(decode_batch, "SMALL_BATCH", 0)
     rng = random.Random(f"{name}-{seed}")
     config = make_config(**CONFIGS[name])
     a, b = KVCacheManager(config), KVCacheManager(config)  # a: add_tokens, b: add_token one by one
