@@ -305,7 +305,8 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if gaps:
                 row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
                 sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)
-            wm.extend_blocks(sw, row)
+            if row:
+                wm.extend_blocks(sw, row)
             if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
                 # storing resumes after the matched chain
                 n = bnode[matched[-1]]

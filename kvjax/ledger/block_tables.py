@@ -121,9 +121,15 @@ class SlotTable:
     def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
         r = self.rows_of(sw)[beam]
         n = self.length_of[r]
-        self._fit(n + len(slots))
-        self.table[r, n : n + len(slots)] = slots
-        self.length_of[r] = n + len(slots)
+        k = len(slots)
+        self._fit(n + k)
+        if k <= 8:  # a few entries: one memoryview store each beats a numpy slice assignment
+            cells = self.cells
+            for j, s in enumerate(slots, n):
+                cells[r, j] = s
+        else:
+            self.table[r, n : n + k] = slots
+        self.length_of[r] = n + k
 
     def append(self, sw: SequenceWindow, beam: int, slot: int) -> None:
         rows = sw.rows
