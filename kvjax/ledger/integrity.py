@@ -36,8 +36,10 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
             sw = seq.windows[wm.index]
             n_expected = -(-seq.num_tokens // tpb)
             lengths = {len(beam) for beam in sw.blocks}
-            if lengths != {n_expected} or (sw.rows is not None and len(sw.rows) != len(sw.blocks)):
+            if lengths != {n_expected}:
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
+            if sw.rows is not None and len(sw.rows) != len(sw.blocks):
+                _fail(f"window {w}: request {rid!r} has {len(sw.blocks)} beams but {len(sw.rows)} slot-table rows")
             for b, beam in enumerate(sw.blocks):
                 slots = slot_table.row(sw, b).tolist()
                 if len(slots) != len(beam):
@@ -124,6 +126,10 @@ def _verify_queues(wm) -> None:
             _fail(f"window {w}: block {b} has an expiry armed but is not free")
     if set(q.expiry) != set(q.armed):
         _fail(f"window {w}: expiry times and armed heap entries disagree")
+    entries = set(q._heap)
+    for b, c in q.armed.items():  # an armed expiry the heap lost would never fire
+        if (q.expiry[b], c, b) not in entries:
+            _fail(f"window {w}: block {b}'s armed expiry has no heap entry")
     if q.heap_size > q.heap_limit:
         _fail(f"window {w}: expiry heap holds {q.heap_size} entries, limit {q.heap_limit}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import heapq
 import re
 import signal
 from collections.abc import Callable, Iterator
@@ -202,6 +203,14 @@ def arm(m: KVCacheManager, b: int) -> None:
     q.expiry[b] = 1.0
 
 
+def drop_live_heap_entry(m: KVCacheManager) -> None:
+    """Remove the heap entry of one armed block (keeping the heap a heap)."""
+    q = _wm(m).queues
+    b, c = next(iter(q.armed.items()))
+    q._heap.remove((q.expiry[b], c, b))
+    heapq.heapify(q._heap)
+
+
 def grow_in_place(m: KVCacheManager, n: int) -> None:
     """Node `n` takes a second position holding a copy of its first block's tokens."""
     t = _tree(m)
@@ -317,7 +326,7 @@ CASES: list[Case] = [
      r"window 64: request 'b' has block lists of lengths \{5\}, expected 6"),
     # two beams, one row
     ("seq-rows-per-beam", rich, hand_back_second_beam,
-     r"window 64: request 'c' has block lists of lengths \{5\}, expected 5"),
+     r"window 64: request 'c' has 2 beams but 1 slot-table rows"),
     # a row shorter than its beam
     ("seq-row-shorter-than-beam", rich, shorten_row,
      r"window 64: request 'b' beam 0 has 5 blocks but 4 slots"),
@@ -391,6 +400,9 @@ CASES: list[Case] = [
     # an expiry time nobody armed
     ("expiry-time-unarmed", rich, lambda m: _wm(m).queues.expiry.__setitem__(_unarmed_free(m), 5000.0),
      r"window 64: expiry times and armed heap entries disagree"),
+    # the heap lost an armed block's entry (its retention would never expire)
+    ("expiry-heap-entry-lost", rich, lambda m: drop_live_heap_entry(m),
+     r"window 64: block \d+'s armed expiry has no heap entry"),
     # the heap outgrew its compaction bound
     ("expiry-heap-unbounded", rich, lambda m: setattr(_wm(m).queues, "heap_limit", _wm(m).queues.heap_size - 1),
      r"window 64: expiry heap holds \d+ entries, limit \d+"),
