@@ -104,15 +104,21 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
     b = m._batch
     if b is not None and same_ids(b.ids, ids):
         return b
+    seqs = distinct_live(m, ids)
+    if seqs is None:
+        return None
+    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
+    return b
+
+
+def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
+    """The live sequences of `ids`, in order; None when an id is unknown, unhashable or repeated."""
     live = m._seqs
     try:
         seqs = [live[r] for r in ids]
     except (KeyError, TypeError):
         return None
-    if len(set(ids)) != len(ids):
-        return None
-    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
-    return b
+    return seqs if len(set(ids)) == len(ids) else None
 
 
 def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: object) -> bool:
@@ -183,12 +189,8 @@ def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
         vals = tokens.tolist()
     else:
         return False
-    live = m._seqs
-    try:
-        seqs = [live[r] for r in ids]
-    except (KeyError, TypeError):
-        return False
-    if len(vals) != len(ids) or len(set(ids)) != len(ids):
+    seqs = distinct_live(m, ids) if len(vals) == len(ids) else None
+    if seqs is None:
         return False
     for seq, t in zip(seqs, vals, strict=True):
         if type(t) is not int or not 0 <= t <= INT32_MAX or len(seq.tokens) + 1 >= seq.slow_at:
