@@ -217,11 +217,11 @@ class ZmqEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            self.replays += 1  # counted before the answer, so a client that has it sees the count
             for s, payload in list(self._buffer):
                 if s >= start_seq:
                     sock.send_multipart((client, b"", self._topic, seq_bytes(s), payload))
             sock.send_multipart((client, b"", b"", END_SEQ, b""))
-            self.replays += 1
 
     def _close_sockets(self) -> None:
         for s in (self._pub, self._replay):
