@@ -79,6 +79,7 @@ class AdmissionPlan:
     seq: TrackedSequence
     windows: list[WindowAdmission]
     prepopulated: int = 0
+    path: TokenPath | None = None  # the prompt as the walk encoded it (None: no walk)
     # per-request deltas: reused, missed, alloc_total, alloc_new
     deltas: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0, 0])
 
@@ -146,7 +147,7 @@ def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
         return plan
     shared = n_ctx if beam == 1 else n_ctx - 1
     usable = seq.prompt_len - 1  # the last prompt token is always recomputed (its logits)
-    path = prompt_path(bm, seq, usable)
+    path = plan.path = prompt_path(bm, seq, usable)
     was = [walk(bm, wm, path, usable, shared) for wm in bm.windows]
     length = min(wa.coverage for wa in was)
     while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(bm.windows, was, strict=True)):
@@ -259,6 +260,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if wa.partial is not None and queue[wa.partial[0]] >= 0:
                 queues.take(wa.partial[0])
                 held.append(wa.partial[0])
+        rows: list[list[int]] = []  # each request's matched row, extended in phase B with its fresh blocks
         for i, adm in enumerate(plans):  # phase A: matches
             seq = adm.seq
             wa = adm.windows[widx]
@@ -305,8 +307,6 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if gaps:
                 row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
                 sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)
-            if row:
-                wm.extend_blocks(sw, row)
             if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
                 # storing resumes after the matched chain
                 n = bnode[matched[-1]]
@@ -328,7 +328,8 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                     b = wm.copy_prefix(b, n_tok, prio, dur)
                     refs.acquire(b)
                 c.reused_partial += 1
-                wm.extend_blocks(sw, [b])
+                row = [*row, b]
+            rows.append(row)
             deltas = adm.deltas
             deltas[0] += len(matched) - gaps + (wa.partial is not None)
             deltas[2] += c.alloc_total - alloc_total
@@ -336,7 +337,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
         for b in held:  # copy sources nobody claimed: free again (the copies come first)
             if ref[b] == 0 and queue[b] < 0:
                 queues.release(b)
-        for adm in plans:  # phase B: fresh blocks
+        for adm, row in zip(plans, rows, strict=True):  # phase B: fresh blocks
             seq = adm.seq
             wa = adm.windows[widx]
             sw = seq.windows[widx]
@@ -344,7 +345,10 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             first, stop = wa.num_matched_positions, wa.num_shared
             if stop > first:
                 retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
-                wm.extend_blocks(sw, wm.take_fresh(stop - first, retention))
+                fresh = wm.take_fresh(stop - first, retention)
+                row = [*row, *fresh] if row else fresh
+            if row:  # one write of the shared row: matches, the partial one, fresh blocks
+                wm.extend_blocks(sw, row)
             deltas = adm.deltas
             if reuse:
                 missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam

@@ -384,6 +384,34 @@ class RadixTree:
                 self.prune(n)
         return True
 
+    def detach_many(self, w: int, blocks) -> int:
+        """`detach` of each of `blocks` in order (blocks not cached are skipped); returns how
+        many were cached. Claiming a batch of victims, most of them the tails of their runs."""
+        bn, boff, vals = self.block_node[w], self.block_offset[w], self.values[w]
+        children, hashes, length = self.children, self.hashes, self.length
+        single = self.num_windows == 1
+        count = 0
+        for b in blocks:
+            n = bn[b]
+            if n < 0:
+                continue
+            count += 1
+            o = boff[b]
+            row = vals[n]
+            row[o] = NO_BLOCK
+            bn[b] = NO_BLOCK
+            if o == len(row) - 1 and children[n] is None:
+                if o and single and row[o - 1] != NO_BLOCK:  # the usual tail eviction (as `detach`)
+                    del row[o]
+                    hs = hashes[n]
+                    if hs is not None:
+                        del hs[o]
+                    length[n] = o
+                    self.num_positions -= 1
+                else:
+                    self.prune(n)
+        return count
+
     def prune(self, n: int) -> None:
         """Drop trailing empty positions of leaf nodes, from `n` up to the root."""
         values = self.values

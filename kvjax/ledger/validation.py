@@ -7,6 +7,7 @@ the argument normalised (numpy integers as `int`, id collections as lists).
 from __future__ import annotations
 
 import threading
+from operator import countOf
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ import numpy as np
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError
 from kvjax.ledger.sequence import TrackedSequence
+from kvjax.ledger.token_path import EXTRA_UNIT, NATIVE_LITTLE, TokenPath
 from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
 
@@ -160,10 +162,29 @@ def validate_request(
     return TrackedSequence(request, num_windows, is_cross, tokens)
 
 
-def check_token_values(seq: TrackedSequence, start: int) -> None:
-    """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids)."""
-    rest = seq.tokens[start:] if start else seq.tokens
-    if rest and (bool in set(map(type, rest)) or min(rest) < 0 or max(rest) > INT32_MAX):
+def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None = None) -> None:
+    """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids).
+
+    `path`: the prompt's first `path.num_tokens` tokens as admission encoded them (from block
+    0): encoding proved them int32, so only their sign bytes are read (one C-level test
+    instead of a `min` and a `max` over Python ints)."""
+    tokens = seq.tokens
+    rest = tokens[start:] if start else tokens
+    if not rest:
+        return
+    # every token an exact int (one C-level count; identity hits), else look for a bool
+    bad = countOf(map(type, rest), int) != len(rest) and bool in set(map(type, rest))
+    if not bad:
+        if path is not None and path.base == 0 and start < path.num_tokens:
+            unit = path.unit
+            sign = 3 if unit == EXTRA_UNIT or NATIVE_LITTLE else 0  # the byte holding a token's sign bit
+            tail = tokens[path.num_tokens :]
+            bad = not path.content[start * unit + sign :: unit].isascii() or (
+                bool(tail) and (min(tail) < 0 or max(tail) > INT32_MAX)
+            )
+        else:
+            bad = min(rest) < 0 or max(rest) > INT32_MAX
+    if bad:
         raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
 
 

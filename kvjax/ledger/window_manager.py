@@ -150,22 +150,23 @@ class WindowBlockManager:
             bnode, events, c = self.block_node, self.events, self.counters
             c.alloc_total += count
             tree, widx = self.tree, self.index
-            detach, hashes, boff = tree.detach, tree.hashes, tree.block_offset[widx]
-            removed: list | None = None if events is None else []
-            for b in out:
-                n = bnode[b]
-                if n < 0:
-                    c.alloc_new += 1
-                else:
-                    if removed is not None:  # its hash, cached when it was stored (else block_hash)
+            if events is None:
+                evicted = tree.detach_many(widx, out)
+            else:
+                detach, hashes, boff = tree.detach, tree.hashes, tree.block_offset[widx]
+                removed: list = []
+                for b in out:
+                    n = bnode[b]
+                    if n >= 0:  # its hash, cached when it was stored (else block_hash)
                         hs = hashes[n]
                         h = None if hs is None else hs[boff[b]]
                         removed.append(self.block_hash(b) if h is None else h)
-                    detach(widx, b)
-                    c.evicted += 1
-            if removed:
-                assert events is not None
-                events.removed_many(self.window, removed)
+                        detach(widx, b)
+                evicted = len(removed)
+                if removed:
+                    events.removed_many(self.window, removed)
+            c.alloc_new += count - evicted
+            c.evicted += evicted
             if retention is not None:
                 queues.set_retention_each(out, retention)
         self.refs.acquire_all(out)

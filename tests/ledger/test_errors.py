@@ -141,6 +141,25 @@ def test_bad_request_rejected(m, request_kwargs, match):
     assert isinstance(err, ValueError) and isinstance(err, KVCacheError)
 
 
+@pytest.mark.parametrize("bad", [-1, -(2**31), 2**31, True])
+@pytest.mark.parametrize("where", ["after a cached prefix", "last token", "with extra ids"])
+def test_bad_token_past_the_match_rejected(m, bad, where):
+    """Tokens the walk matched were checked when they were stored; the others are checked at
+    admission: those the walk encoded by their sign bytes (-2**31 sets only the top one), the
+    last prompt token (never encoded) on its own, and with extra ids in their 12-byte units."""
+    extra = None
+    if where == "after a cached prefix":
+        prompt = [*R(8), bad, 9, 10]  # blocks [0..3] [4..7] are cached (request "a")
+    elif where == "last token":
+        prompt = [*R(8), 77, 9, bad]  # the match ends at 8: tokens 8 and 9 are encoded, the last is not
+    else:
+        prompt, extra = [1, 2, bad, 4, 5], [7] * 5
+    unchanged(m, InvalidRequestError, m.add_sequence, Request("new", prompt, extra_ids=extra), match="int")
+    good = [*R(8), 8, 9, 10] if extra is None else [1, 2, 3, 4, 5]
+    assert m.add_sequence(Request("new", good, extra_ids=extra)) == (10 if extra is None else 0)  # 2 blocks + [8, 9]
+    m.verify_integrity()
+
+
 def test_not_a_request(m):
     unchanged(m, InvalidRequestError, m.add_sequence, {"request_id": "x", "prompt": [1]})
     unchanged(m, InvalidRequestError, m.add_sequences, [Request("ok", [1]), "nope"])
