@@ -187,6 +187,7 @@ class KVCacheManager:
         for plan in plans:
             seq = plan.seq
             seq.admit_counts = plan.deltas
+            seq.prompt_path = plan.path
             self._update_slow_at(seq)
             self._seqs[seq.request_id] = seq
             out.append(plan.prepopulated)

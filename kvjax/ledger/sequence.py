@@ -74,6 +74,7 @@ class TrackedSequence:
         "admit_counts",
         "slow_at",
         "batchable",
+        "prompt_path",
     )
 
     def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
@@ -107,6 +108,9 @@ class TrackedSequence:
         # `add_tokens` may grow it in a batch with others (one beam, no extra ids,
         # no retention, not a cross cache)
         self.batchable = self.beam_width == 1 and self.extra_ids is None and not is_cross and self.retention is None
+        # the prompt's tokens as admission's walk encoded them (prompt tokens never change):
+        # storing the context blocks reuses them instead of encoding the tokens again
+        self.prompt_path: TokenPath | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +122,10 @@ class TrackedSequence:
     def token_path(self, first_block: int, end_token: int, tokens_per_block: int) -> TokenPath:
         """Tokens `[first_block * tokens_per_block, end_token)` encoded for the radix tree
         (raises `struct.error` for a token id outside int32)."""
+        cached = self.prompt_path
+        if cached is not None and end_token == cached.num_tokens and tokens_per_block == cached.tokens_per_block:
+            o = first_block * cached.block_bytes  # the same path from `first_block` (one C-level copy)
+            return TokenPath(cached.content[o:], first_block, self.signature, tokens_per_block, end_token, cached.mm)
         start = first_block * tokens_per_block
         if self.extra_ids is None:
             content = encode_tokens(self.tokens[start:end_token])
