@@ -40,6 +40,9 @@ class WindowAdmission:
     num_per_beam: int = 0  # 1 when the last context block is allocated once per beam
     gap_ends: list[int] = dataclasses.field(default_factory=list)  # sliding window: end of each missing position
     coverage: int = 0  # tokens matched
+    # the matched blocks `window_need` found free (a one-request batch): committing takes
+    # exactly these out of the free queues
+    free: list[int] | None = None
 
     @property
     def num_matched_positions(self) -> int:
@@ -196,7 +199,8 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
     # Matched blocks that are free leave the free pool: primary ones are held, secondary
     # ones need an onboard target (referenced blocks are always primary).
     if len(plans) == 1:
-        free_matched = [b for b in plans[0].windows[idx].matched if b is not None and not ref[b]]
+        wa = plans[0].windows[idx]
+        free_matched = wa.free = [b for b in wa.matched if b is not None and not ref[b]]  # unreferenced = queued
     else:
         free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
     held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
@@ -256,7 +260,10 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
         held: list[int] = []
         for adm in plans:
             wa = adm.windows[widx]
-            queues.take_many(wa.matched, held)
+            if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
+                queues.take_many(wa.free, held, all_free=True)
+            else:
+                queues.take_many(wa.matched, held)
             if wa.partial is not None and queue[wa.partial[0]] >= 0:
                 queues.take(wa.partial[0])
                 held.append(wa.partial[0])

@@ -269,13 +269,16 @@ class FreeQueues:
         if self._unlink(b):
             self._disarm(b)
 
-    def take_many(self, blocks, taken: list[int]) -> None:
+    def take_many(self, blocks, taken: list[int], all_free: bool = False) -> None:
         """`take` for each of `blocks` (distinct ids; None entries skipped); appends the ones that were free
-        to `taken`."""
+        to `taken`. `all_free`: the caller found every one of them free (no None) a moment ago."""
         queue, prev, nxt = self.queue, self.prev, self.next
-        if None in blocks:
-            blocks = [b for b in blocks if b is not None]
-        free = [b for b in blocks if queue[b] >= 0]  # blocks in use are skipped
+        if all_free:
+            free = blocks
+        else:
+            if None in blocks:
+                blocks = [b for b in blocks if b is not None]
+            free = [b for b in blocks if queue[b] >= 0]  # blocks in use are skipped
         if not free:
             return
         nonempty, num_free = self.nonempty, self.num_free
