@@ -251,14 +251,15 @@ class RadixTree:
             and self.pid[n] + self.length[n] + k <= self.pid_end[n]
         )
 
-    def grow(self, n: int, content: bytes, k: int) -> int:
-        """Append `k` empty positions holding `content` to leaf `n` (see `can_grow`); returns
+    def grow(self, n: int, content: bytes, k: int, rows: dict[int, array.array] | None = None) -> int:
+        """Append `k` positions holding `content` to leaf `n` (see `can_grow`), empty or, for
+        window w, holding `rows[w]` (the caller files each block's node and offset); returns
         the offset of the first."""
         first = self.length[n]
         self.content[n] += content
         empty = array.array("i", [NO_BLOCK]) * k
-        for vals in self.values:
-            vals[n].extend(empty)
+        for w, vals in enumerate(self.values):
+            vals[n].extend(empty if rows is None or w not in rows else rows[w])
         hs = self.hashes[n]
         if hs is not None:
             hs.extend([None] * k)
@@ -762,7 +763,9 @@ class RadixTree:
         mm = path.mm
         bnode = self.block_node[w]
         sid = self.sig_ids.get(path.signature, -1)
+        boff = self.block_offset[w]
         last = p
+        placeholders = False
         while d < n_blocks:
             if mm is None:
                 end, mmk = n_blocks, ()
@@ -775,17 +778,25 @@ class RadixTree:
             row = blocks[d:end]
             if min(row) < 0:  # placeholders hold no position
                 row = array.array("i", [b if b >= 0 else NO_BLOCK for b in row])
+                placeholders = True
             moving = [(j, b) for j, b in enumerate(row) if b >= 0 and bnode[b] >= 0]
             if not mmk and self.can_grow(last, sid, bb, len(row)):  # the leaf run goes on
                 n = last
-                first = self.grow(n, path.content[lo:hi], len(row))
-                for j, b in enumerate(row):
-                    if b >= 0:
-                        if bnode[b] >= 0:  # a partial block that grew leaves its old key first
-                            on_move(d + j, b)
-                            self.detach(w, b)
-                        self.attach(w, n, first + j, b)
-                        attached.append((d + j, b))
+                if moving or placeholders:
+                    first = self.grow(n, path.content[lo:hi], len(row))
+                    for j, b in enumerate(row):
+                        if b >= 0:
+                            if bnode[b] >= 0:  # a partial block that grew leaves its old key first
+                                on_move(d + j, b)
+                                self.detach(w, b)
+                            self.attach(w, n, first + j, b)
+                            attached.append((d + j, b))
+                else:  # new blocks only (a finished request's decode blocks): the row as it is
+                    first = self.grow(n, path.content[lo:hi], len(row), {w: row})
+                    for j, b in enumerate(row, d):
+                        bnode[b] = n
+                        boff[b] = first + j - d
+                        attached.append((j, b))
                 if d < n_full <= end:
                     cursor = (n, self.pid[n] + first + n_full - 1 - d)
                 d = end
@@ -802,7 +813,6 @@ class RadixTree:
                         attached.append((d + j, b))
             else:
                 n = self.new_edge(last, d, path.signature, path.content[lo:hi], mmk, {w: row})
-                boff = self.block_offset[w]
                 for j, b in enumerate(row, d):
                     if b >= 0:
                         bnode[b] = n
@@ -812,7 +822,8 @@ class RadixTree:
                 cursor = (n, self.pid[n] + n_full - 1 - d)
             last = n
             d = end
-        self.prune(last)  # a trailing run of placeholders holds nothing
+        if placeholders:
+            self.prune(last)  # a trailing run of placeholders holds nothing
         return cursor
 
     def locate(self, node: int, pid: int) -> tuple[int, int] | None:

@@ -8,6 +8,7 @@ movement it decides goes to the shared `TransferRecorder`.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,9 @@ from kvjax.ledger.refs import RefCounts
 from kvjax.ledger.stats import Counters
 from kvjax.ledger.transfer_recorder import TransferRecorder
 from kvjax.transfer_plan import TransferKind
+
+# a row this long is packed in one call (a Python int per entry costs ~100 ns)
+_MANY_BLOCKS = 16
 
 if TYPE_CHECKING:
     from kvjax.ledger.events import KVCacheEventManager
@@ -209,12 +213,13 @@ class WindowBlockManager:
         with every beam. Slots are mirrored for block tables (placeholders -> null slot)."""
         slot, null = self.columns.slot, self.null_slot
         slots = [slot[b] if b >= 0 else null for b in blocks]
-        if beam is not None:
-            sw.blocks[beam].extend(blocks)
-            self.slot_table.extend(sw, beam, slots)
-            return
-        for b in range(len(sw.blocks)):
-            sw.blocks[b].extend(blocks)
+        # an admitted row: one pack, then a byte copy (`array.extend` of a list converts int by int)
+        ids = struct.pack(f"{len(blocks)}i", *blocks) if len(blocks) >= _MANY_BLOCKS else None
+        for b in range(len(sw.blocks)) if beam is None else (beam,):
+            if ids is None:
+                sw.blocks[b].extend(blocks)
+            else:
+                sw.blocks[b].frombytes(ids)
             self.slot_table.extend(sw, b, slots)
 
     def append_block(self, sw: SequenceWindow, beam: int, b: int) -> None:

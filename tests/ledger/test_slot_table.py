@@ -204,6 +204,39 @@ def test_tables_wider_than_the_slot_matrix_are_padded_with_the_null_slot():
     m.verify_integrity()
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize("windows", [(400,), (400, 9)])
+def test_long_admitted_rows_hold_the_matched_then_the_fresh_blocks(beams, windows):
+    """A long prompt's row (many matched blocks, a partial match, fresh ones, and with a
+    sliding window leading placeholders) is written in one call, in bulk past a few entries:
+    each beam's ids are the cached prefix's blocks then its own, its table row their slots."""
+    m = KVCacheManager(make_config(
+        tokens_per_block=4, max_seq_len=400, primary_blocks=300, num_layers=len(windows), attention_windows=windows,
+        max_beam_width=2,
+    ))  # fmt: skip
+    first = list(range(1000, 1130))  # 32 full blocks and 2 tokens
+    m.add_sequence(Request("first", first))
+    m.store_context_blocks("first")
+    for n_match, tail in ((120, [7] * 37), (126, [8] * 5), (8, [9] * 90)):  # whole blocks; a partial one; few
+        rid = ("next", n_match)
+        prompt = first[:n_match] + tail
+        assert m.add_sequence(Request(rid, prompt, beam_width=beams)) == n_match
+        k = n_match // 4
+        for w in m.windows:
+            cached = m.block_ids("first", w)[0]
+            rows = m.block_ids(rid, w)
+            for row in rows:
+                assert len(row) == -(-len(prompt) // 4)
+                # a sliding window leaves the matched blocks its first query cannot see as placeholders
+                gaps = 0 if w == 400 else sum((d + 1) * 4 <= n_match - w + 1 for d in range(k))
+                assert all(b < 0 for b in row[:gaps]) and all(b >= 0 for b in row[gaps:])
+                assert row[gaps:k] == cached[gaps:k]
+                assert not set(row[k:]) & set(cached)  # the rest is the request's own
+            assert rows[0][: len(rows[0]) - 1] == rows[-1][: len(rows[0]) - 1]  # beams share all but the last
+            assert np.array_equal(m.block_table([rid, "first"], w), model_table(m, [rid, "first"], w))
+        m.verify_integrity()
+
+
 def test_a_reused_request_id_shows_its_new_rows_in_a_changing_batch():
     """Block tables of an id list never seen before come from the table's row directory (one
     lookup per id): a request id removed and admitted again must show the new request's
