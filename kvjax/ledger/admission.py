@@ -200,7 +200,10 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
     # ones need an onboard target (referenced blocks are always primary).
     if len(plans) == 1:
         wa = plans[0].windows[idx]
-        free_matched = wa.free = [b for b in wa.matched if b is not None and not ref[b]]  # unreferenced = queued
+        if wm.is_swa:  # only a sliding window's walk leaves gaps (None)
+            free_matched = wa.free = [b for b in wa.matched if b is not None and not ref[b]]  # unreferenced = queued
+        else:
+            free_matched = wa.free = [b for b in cast("list[int]", wa.matched) if not ref[b]]
     else:
         free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
     held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
@@ -256,17 +259,18 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
         has_secondary = wm.num_secondary > 0
         # Take every matched free block out of the queues first, so no allocation (an
         # onboard target, a copy, a fresh block, another request's) can evict a block the
-        # batch is about to reuse or copy.
-        held: list[int] = []
+        # batch is about to reuse or copy. Phase A references every full match; a partial
+        # match's source may be copied and go back (`sources`).
+        sources: list[int] = []
         for adm in plans:
             wa = adm.windows[widx]
             if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
-                queues.take_many(wa.free, held, all_free=True)
+                queues.take_many(wa.free, all_free=True)
             else:
-                queues.take_many(wa.matched, held)
+                queues.take_many(wa.matched)
             if wa.partial is not None and queue[wa.partial[0]] >= 0:
                 queues.take(wa.partial[0])
-                held.append(wa.partial[0])
+                sources.append(wa.partial[0])
         rows: list[list[int]] = []  # each request's matched row, extended in phase B with its fresh blocks
         for i, adm in enumerate(plans):  # phase A: matches
             seq = adm.seq
@@ -341,7 +345,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             deltas[0] += len(matched) - gaps + (wa.partial is not None)
             deltas[2] += c.alloc_total - alloc_total
             deltas[3] += c.alloc_new - alloc_new
-        for b in held:  # copy sources nobody claimed: free again (the copies come first)
+        for b in sources:  # copy sources nobody claimed: free again (the copies come first)
             if ref[b] == 0 and queue[b] < 0:
                 queues.release(b)
         for adm, row in zip(plans, rows, strict=True):  # phase B: fresh blocks

@@ -269,9 +269,9 @@ class FreeQueues:
         if self._unlink(b):
             self._disarm(b)
 
-    def take_many(self, blocks, taken: list[int], all_free: bool = False) -> None:
-        """`take` for each of `blocks` (distinct ids; None entries skipped); appends the ones that were free
-        to `taken`. `all_free`: the caller found every one of them free (no None) a moment ago."""
+    def take_many(self, blocks, all_free: bool = False) -> None:
+        """`take` for each of `blocks` (distinct ids; None entries skipped). `all_free`: the
+        caller found every one of them free (no None) a moment ago."""
         queue, prev, nxt = self.queue, self.prev, self.next
         if all_free:
             free = blocks
@@ -297,7 +297,6 @@ class FreeQueues:
             for b in free:
                 armed.pop(b, None)
                 expiry.pop(b, None)
-        taken.extend(free)
 
     def release(self, b: int, to_front: bool = False) -> None:
         """Append a block whose last reference went away to its level's queue for its priority."""
