@@ -60,7 +60,8 @@ class FreeQueues:
         # queue q = level * NUM_PRIORITIES + priority has its sentinel at n + q
         self.prev = array.array("i", [0]) * (n + sentinels)
         self.next = array.array("i", [0]) * (n + sentinels)
-        self.queue = array.array("h", [NOT_FREE]) * n  # the queue a free block sits in
+        # the queue a free block sits in (a list of small ints: see `RefCounts`)
+        self.queue = [NOT_FREE] * n
         self.nonempty = [0] * NUM_LEVELS
         self.num_free = [0] * NUM_LEVELS
         self.priority = bytearray([DEFAULT_PRIORITY]) * n

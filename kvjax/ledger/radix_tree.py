@@ -510,7 +510,7 @@ class RadixTree:
         return matched, gaps
 
     def best_partial(
-        self, w: int, after: tuple[int, int], query: bytes, signature: tuple, mm: tuple, ref: array.array, skip_referenced: bool
+        self, w: int, after: tuple[int, int], query: bytes, signature: tuple, mm: tuple, ref: list[int], skip_referenced: bool
     ) -> tuple[int, int]:
         """The block, among the positions right after `after`, holding a block of window `w`
         whose tokens share the most leading units with `query` (ties: the oldest position),
@@ -612,7 +612,7 @@ class RadixTree:
         return NO_BLOCK, 0
 
     def _oldest_with_prefix(
-        self, kids: dict, sid: int, firsts: SortedFirsts, prefix: bytes, vals: list, ref: array.array, skip_referenced: bool
+        self, kids: dict, sid: int, firsts: SortedFirsts, prefix: bytes, vals: list, ref: list[int], skip_referenced: bool
     ) -> int:
         """The block of the oldest child of signature `sid` whose first block starts with
         `prefix` and that holds a block (unreferenced when `skip_referenced`), walking the
