@@ -52,7 +52,7 @@ class FreeQueues:
         "heap_limit",
     )
 
-    def __init__(self, level: bytearray, num_primary: int, offload_min_priority: int, clock: Callable[[], float]) -> None:
+    def __init__(self, level: list[int], num_primary: int, offload_min_priority: int, clock: Callable[[], float]) -> None:
         n = len(level)
         self.num_blocks = n
         self.level = level
@@ -64,7 +64,7 @@ class FreeQueues:
         self.queue = [NOT_FREE] * n
         self.nonempty = [0] * NUM_LEVELS
         self.num_free = [0] * NUM_LEVELS
-        self.priority = bytearray([DEFAULT_PRIORITY]) * n
+        self.priority = [DEFAULT_PRIORITY] * n  # a list of small ints (see `queue`)
         self.duration: dict[int, float] = {}  # block -> retention duration (absent: none)
         self.expiry: dict[int, float] = {}  # free block -> when its retention ends
         self.armed: dict[int, int] = {}  # free block -> counter of its live heap entry
