@@ -141,7 +141,7 @@ def test_bad_request_rejected(m, request_kwargs, match):
     assert isinstance(err, ValueError) and isinstance(err, KVCacheError)
 
 
-@pytest.mark.parametrize("bad", [-1, -(2**31), 2**31, True])
+@pytest.mark.parametrize("bad", [-1, -(2**31), 2**31, True, False])
 @pytest.mark.parametrize("where", ["after a cached prefix", "last token", "with extra ids"])
 def test_bad_token_past_the_match_rejected(m, bad, where):
     """Tokens the walk matched were checked when they were stored; the others are checked at
