@@ -23,8 +23,7 @@ class BlockColumns:
         self.num_secondary = num_secondary
         # ids 0..P-1 start on primary slots 0..P-1, ids P..P+S-1 on secondary slots 0..S-1
         self.slot = array.array("i", range(num_primary)) + array.array("i", range(num_secondary))
-        # a list of small ints: list indexing is what CPython specialises (see `RefCounts`)
-        self.level = [PRIMARY] * num_primary + [SECONDARY] * num_secondary
+        self.level = bytearray(num_primary) + bytearray([SECONDARY]) * num_secondary
 
     def swap_memory(self, a: int, b: int) -> None:
         """Exchange the memory slots and cache levels of blocks `a` and `b` (offload / onboard)."""

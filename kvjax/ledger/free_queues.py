@@ -4,8 +4,11 @@ Each cache level (primary, secondary) has 101 queues, one per retention priority
 sits in exactly one queue; the victim is the front of the lowest non-empty queue (a bitmask
 finds it in O(1)). The queues are intrusive doubly-linked lists in two int arrays (`prev`,
 `next`, indexed by block id, with one sentinel per queue after the blocks), so a free block
-costs a few bytes and no Python object. This module is the only one that changes queue
-membership, and the only one that changes a block's priority, duration or expiry.
+costs a few bytes and no Python object. Each block's queue and priority are small ints held in
+lists (the shared small-int objects, 8 bytes a block): the hot loops index them per block, and
+CPython specialises list indexing (an int array is 2-3x slower to index; each such list adds
+about 5 ms per million blocks to a full garbage collection). This module is the only one that
+changes queue membership, and the only one that changes a block's priority, duration or expiry.
 
 Blocks with a retention duration expire through a min-heap: `refresh()` moves expired free
 blocks to the back of the default queue. The heap deletes lazily (claiming a block only
@@ -52,7 +55,7 @@ class FreeQueues:
         "heap_limit",
     )
 
-    def __init__(self, level: list[int], num_primary: int, offload_min_priority: int, clock: Callable[[], float]) -> None:
+    def __init__(self, level: bytearray, num_primary: int, offload_min_priority: int, clock: Callable[[], float]) -> None:
         n = len(level)
         self.num_blocks = n
         self.level = level
@@ -60,11 +63,10 @@ class FreeQueues:
         # queue q = level * NUM_PRIORITIES + priority has its sentinel at n + q
         self.prev = array.array("i", [0]) * (n + sentinels)
         self.next = array.array("i", [0]) * (n + sentinels)
-        # the queue a free block sits in (a list of small ints: see `RefCounts`)
-        self.queue = [NOT_FREE] * n
+        self.queue = [NOT_FREE] * n  # the queue a free block sits in
         self.nonempty = [0] * NUM_LEVELS
         self.num_free = [0] * NUM_LEVELS
-        self.priority = [DEFAULT_PRIORITY] * n  # a list of small ints (see `queue`)
+        self.priority = [DEFAULT_PRIORITY] * n
         self.duration: dict[int, float] = {}  # block -> retention duration (absent: none)
         self.expiry: dict[int, float] = {}  # free block -> when its retention ends
         self.armed: dict[int, int] = {}  # free block -> counter of its live heap entry

@@ -18,7 +18,7 @@ class RefCounts:
 
     def __init__(self, num_blocks: int, queues: FreeQueues) -> None:
         # a list, not an int array: counts are small ints (shared objects, so 8 bytes a block)
-        # and list indexing is what CPython specialises (an array access costs 2-3x more)
+        # and list indexing is what CPython specialises (see `FreeQueues`)
         self.ref = [0] * num_blocks
         self.pin = array.array("i", [0]) * num_blocks  # rarely touched: 4 bytes a block
         self.queues = queues
