@@ -243,16 +243,6 @@ class KVCacheManager:
         return token
 
     def _add_token_slow(self, seq: TrackedSequence, token, n: int) -> None:
-        if seq.slow_at and not self._has_swa and type(token) is int and 0 <= token <= INT32_MAX and n <= self._max_seq_len:
-            # the usual block boundary (`slow_at` is set: one beam, no extra ids, not a cross
-            # cache; no sliding window): every check of `_checked_token` holds
-            tpb = self._tpb
-            if (n - 1) % tpb == 0:
-                self._bm.grow(seq, (n - 1) // tpb)
-            seq.tokens.append(token)
-            self._batch = None
-            seq.slow_at = min(len(seq.windows[0].blocks[0]) * tpb + 1, self._max_seq_len + 1)  # `_update_slow_at`
-            return
         token = self._checked_token(seq, token, n)
         if (n - 1) % self._tpb == 0:
             self._bm.grow(seq, (n - 1) // self._tpb)
