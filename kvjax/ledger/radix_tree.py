@@ -365,29 +365,12 @@ class RadixTree:
 
     def detach(self, w: int, b: int) -> bool:
         """Take `b` out of the tree and prune what is left empty. False if it was not cached."""
-        bn = self.block_node[w]
-        n = bn[b]
-        if n < 0:
-            return False
-        o = self.block_offset[w][b]
-        row = self.values[w][n]
-        row[o] = NO_BLOCK
-        bn[b] = NO_BLOCK
-        if o == len(row) - 1 and self.children[n] is None:
-            if o and self.num_windows == 1 and row[o - 1] != NO_BLOCK:  # the usual tail eviction
-                del row[o]
-                hs = self.hashes[n]
-                if hs is not None:
-                    del hs[o]
-                self.length[n] = o
-                self.num_positions -= 1
-            else:
-                self.prune(n)
-        return True
+        return self.detach_many(w, (b,)) == 1
 
     def detach_many(self, w: int, blocks) -> int:
-        """`detach` of each of `blocks` in order (blocks not cached are skipped); returns how
-        many were cached. Claiming a batch of victims, most of them the tails of their runs."""
+        """Take each of `blocks` out of the tree in order, pruning what is left empty (blocks
+        not cached are skipped); returns how many were cached. Most are the tails of runs
+        (victims claimed for new blocks): the position is dropped in place."""
         bn, boff, vals = self.block_node[w], self.block_offset[w], self.values[w]
         children, hashes, length = self.children, self.hashes, self.length
         single = self.num_windows == 1
@@ -402,7 +385,7 @@ class RadixTree:
             row[o] = NO_BLOCK
             bn[b] = NO_BLOCK
             if o == len(row) - 1 and children[n] is None:
-                if o and single and row[o - 1] != NO_BLOCK:  # the usual tail eviction (as `detach`)
+                if o and single and row[o - 1] != NO_BLOCK:  # the usual tail eviction
                     del row[o]
                     hs = hashes[n]
                     if hs is not None:
