@@ -82,20 +82,6 @@ _RemovedDataFields = _mutable_twin(RemovedData)
 _EventFields = _mutable_twin(KVCacheEvent)
 
 
-def new_stored_block(
-    block_hash: BlockHash, tokens: tuple, lora_id: int | None, cache_level: int, priority: int, mm_keys: tuple[MmKey, ...]
-) -> StoredBlock:
-    obj: Any = _StoredBlockFields()
-    obj.block_hash = block_hash
-    obj.tokens = tokens
-    obj.lora_id = lora_id
-    obj.cache_level = cache_level
-    obj.priority = priority
-    obj.mm_keys = mm_keys
-    obj.__class__ = StoredBlock
-    return obj
-
-
 def add_stored_blocks(
     out: list[StoredBlock],
     hashes: list,
@@ -106,8 +92,8 @@ def add_stored_blocks(
     priorities,
     mm_keys: tuple[MmKey, ...],
 ) -> None:
-    """Append one `StoredBlock` per block of a run of one node (what `new_stored_block` builds,
-    in one loop): `hashes[i]` and `tokens[i]` belong to the block of `attached[i]` (a
+    """Append one `StoredBlock` per block of a run of one node (the frozen records,
+    built in one loop): `hashes[i]` and `tokens[i]` belong to the block of `attached[i]` (a
     (depth, block id) pair), whose level and priority are read from the `levels` and
     `priorities` columns."""
     append = out.append
@@ -170,6 +156,37 @@ class KVCacheEventManager:
         if self._removed:
             self._flush_removed(window)
         self._enqueue(window, _new_stored_data(parent_hash, blocks))
+
+    def stored_one(
+        self, window: int, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: tuple, lora_id: int | None,
+        cache_level: int, priority: int, mm_keys: tuple[MmKey, ...],
+    ) -> None:
+        """`stored` of one new block (a decode block: the most frequent Stored event), its
+        three records built in place (as `add_stored_blocks`, `_new_stored_data` and `_new_event` build
+        them)."""
+        if self._removed:
+            self._flush_removed(window)
+        blk: Any = _StoredBlockFields()
+        blk.block_hash = block_hash
+        blk.tokens = tokens
+        blk.lora_id = lora_id
+        blk.cache_level = cache_level
+        blk.priority = priority
+        blk.mm_keys = mm_keys
+        blk.__class__ = StoredBlock
+        data: Any = _StoredDataFields()
+        data.parent_hash = parent_hash
+        data.blocks = (blk,)
+        data.__class__ = StoredData
+        ev: Any = _EventFields()
+        ev.event_id = next(self._ids)
+        ev.window_size = window
+        ev.data = data
+        ev.__class__ = KVCacheEvent
+        pending = self._pending
+        if len(pending) == self.max_size:
+            self.dropped += 1
+        pending.append(ev)
 
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
-from kvjax.ledger.events import add_stored_blocks, new_stored_block
+from kvjax.ledger.events import add_stored_blocks
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
 from kvjax.ledger.refs import RefCounts
@@ -154,10 +154,8 @@ class WindowBlockManager:
             bnode, events, c = self.block_node, self.events, self.counters
             c.alloc_total += count
             tree, widx = self.tree, self.index
-            if events is None:
-                evicted = tree.detach_many(widx, out)
-            else:
-                detach, hashes, boff = tree.detach, tree.hashes, tree.block_offset[widx]
+            if events is not None:  # the victims' hashes, read before any leaves the tree
+                hashes, boff = tree.hashes, tree.block_offset[widx]
                 removed: list = []
                 for b in out:
                     n = bnode[b]
@@ -165,10 +163,9 @@ class WindowBlockManager:
                         hs = hashes[n]
                         h = None if hs is None else hs[boff[b]]
                         removed.append(self.block_hash(b) if h is None else h)
-                        detach(widx, b)
-                evicted = len(removed)
                 if removed:
                     events.removed_many(self.window, removed)
+            evicted = tree.detach_many(widx, out)
             c.alloc_new += count - evicted
             c.evicted += evicted
             if retention is not None:
@@ -335,11 +332,10 @@ class WindowBlockManager:
             if tokens is not None:
                 block_tokens = tuple(tokens[d * tpb : min(d * tpb + tpb, num_tokens)])
             assert block_tokens is not None
-            block = new_stored_block(
-                h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b], self.queues.priority[b],
-                tree.mm.get(n, ()),
+            events.stored_one(
+                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b],
+                self.queues.priority[b], tree.mm.get(n, ()),
             )  # fmt: skip
-            events.stored(self.window, parent, (block,))
             return
         bnode, boff = self.block_node, tree.block_offset[self.index]
         (d0, b0), (d1, b1) = attached[0], attached[-1]
@@ -348,10 +344,11 @@ class WindowBlockManager:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
             parent, hashes, run_tokens = tree.event_run(n, o, len(attached), tokens is None)
-            if tokens is not None:
-                run_tokens = [tuple(tokens[i : i + tpb]) for i in range(d0 * tpb, (d1 + 1) * tpb, tpb)]
-                if num_tokens < (d1 + 1) * tpb:  # a partial last block ends at the stored length
-                    run_tokens[-1] = run_tokens[-1][: num_tokens - d1 * tpb]
+            if tokens is not None:  # each block's tuple cut by zip (one C-level pass)
+                end = min(num_tokens, (d1 + 1) * tpb)
+                run_tokens = list(zip(*[iter(tokens[d0 * tpb : end])] * tpb))
+                if end < (d1 + 1) * tpb:  # a partial last block ends at the stored length
+                    run_tokens.append(tuple(tokens[d1 * tpb : end]))
             assert run_tokens is not None
             blocks: list = []
             add_stored_blocks(

@@ -225,10 +225,23 @@ def test_sha256_hasher_keeps_no_memo():
 def test_fast_event_constructors_fill_every_field():
     """The ledger builds Stored events without the dataclasses' `__init__`; what it builds
     must equal (and hash like) what the public constructors build."""
-    from kvjax.ledger.events import KVCacheEvent, StoredBlock, StoredData, _new_event, _new_stored_data, new_stored_block
+    from kvjax.ledger.events import (
+        KVCacheEvent, KVCacheEventManager, StoredBlock, StoredData, _new_event, _new_stored_data, add_stored_blocks,
+    )  # fmt: skip
 
     args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
-    fast, slow = new_stored_block(*args), StoredBlock(*args)
+    slow = StoredBlock(*args)
+    built: list = []
+    add_stored_blocks(built, [args[0]], [args[1]], 7, [(0, 5)], {5: 1}, {5: 80}, ())
+    (fast,) = built
     assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
     assert _new_stored_data(None, (fast,)) == StoredData(None, (slow,))
     assert _new_event(3, 64, StoredData(b"p", ())) == KVCacheEvent(3, 64, StoredData(b"p", ()))
+    events = KVCacheEventManager(8)
+    events.removed(64, b"r")
+    events.stored_one(64, b"p", *args)  # flushes the pending Removed first
+    events.flush()
+    removed, stored = events.get_latest()
+    assert removed == KVCacheEvent(0, 64, RemovedData((b"r",)))
+    assert stored == KVCacheEvent(1, 64, StoredData(b"p", (slow,)))
+    assert hash(stored) == hash(KVCacheEvent(1, 64, StoredData(b"p", (slow,)))) and type(stored.data.blocks[0]) is StoredBlock
