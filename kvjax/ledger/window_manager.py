@@ -346,7 +346,7 @@ class WindowBlockManager:
             parent, hashes, run_tokens = tree.event_run(n, o, len(attached), tokens is None)
             if tokens is not None:  # each block's tuple cut by zip (one C-level pass)
                 end = min(num_tokens, (d1 + 1) * tpb)
-                run_tokens = list(zip(*[iter(tokens[d0 * tpb : end])] * tpb))
+                run_tokens = list(zip(*[iter(tokens[d0 * tpb : end])] * tpb, strict=False))  # a partial tail is cut off here
                 if end < (d1 + 1) * tpb:  # a partial last block ends at the stored length
                     run_tokens.append(tuple(tokens[d1 * tpb : end]))
             assert run_tokens is not None
