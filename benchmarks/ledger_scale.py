@@ -26,7 +26,9 @@ memory and GC targets to mean much, they only keep the script honest):
   calls (a twin ledger, steps interleaved, checked to end identical) and the bare loop of B
   no-op method calls.
 - events: microseconds per stored block that publishing KV events adds (same workload run with
-  events on and off, interleaved, best of 3; the consumer's `get_latest_events` included).
+  events on and off, interleaved, best of 3; the consumer's `get_latest_events` included);
+  beside it the same with the events converted to vLLM's wire events too (`LedgerEventAdapter`,
+  what the ZeroMQ publisher sends), the whole publishing path but the socket.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvjax import CacheConfig, KVCacheManager, Request  # noqa: E402
+from kvjax.kv_events.adapter import LedgerEventAdapter  # noqa: E402
 
 TPB = 16
 VOCAB = 128_000
@@ -315,12 +318,16 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
 
 
 # ---------------------------------------------------------------------------- events
-def _store_run(events: bool, requests: int, seed: int) -> tuple[float, int]:
+def _store_run(events: bool, requests: int, seed: int, wire: bool = False) -> tuple[float, int]:
     """Seconds to serve `requests` unique requests (every block stored), and the blocks
-    stored (counted from the Stored events when on; the same workload either way)."""
+    stored (counted from the Stored events when on; the same workload either way). `wire`:
+    each iteration's events are also converted to vLLM's wire events (what the ZeroMQ
+    publisher sends), so the figure is the whole publishing path but the socket."""
     rng = random.Random(seed)
     prompt_tokens, gen_tokens = 512, 64
-    m = KVCacheManager(config(16 * (prompt_tokens + gen_tokens) // TPB + 64, prompt_tokens + gen_tokens + TPB, events))
+    cfg = config(16 * (prompt_tokens + gen_tokens) // TPB + 64, prompt_tokens + gen_tokens + TPB, events)
+    m = KVCacheManager(cfg)
+    adapter = LedgerEventAdapter(cfg) if wire else None
     trace = [
         ([rng.randrange(VOCAB) for _ in range(prompt_tokens)], [rng.randrange(VOCAB) for _ in range(gen_tokens)])
         for _ in range(requests)
@@ -342,7 +349,10 @@ def _store_run(events: bool, requests: int, seed: int) -> tuple[float, int]:
         for i in ids:
             m.remove_sequence(i)
         m.flush_iteration_events()
-        for e in m.get_latest_events():
+        latest = m.get_latest_events()
+        if adapter is not None:
+            adapter.convert(latest)
+        for e in latest:
             blocks = getattr(e.data, "blocks", None)
             if blocks is not None:
                 stored += len(blocks)
@@ -352,12 +362,13 @@ def _store_run(events: bool, requests: int, seed: int) -> tuple[float, int]:
 
 
 def measure_events(requests: int, seed: int, repeats: int = 3) -> dict:
-    on, off = [], []
+    on, off, wire = [], [], []
     stored = 0
     for _ in range(repeats):
         t, stored = _store_run(True, requests, seed)
         on.append(t)
         off.append(_store_run(False, requests, seed)[0])
+        wire.append(_store_run(True, requests, seed, wire=True)[0])
     if not stored:
         raise RuntimeError("no Stored events were published")
     # what one block's SHA-256 (the default event hash) costs on this machine, for scale
@@ -368,6 +379,7 @@ def measure_events(requests: int, seed: int, repeats: int = 3) -> dict:
         events_on_s=min(on),
         events_off_s=min(off),
         events_us_per_stored_block=(min(on) - min(off)) / stored * 1e6,
+        events_with_wire_us_per_stored_block=(min(wire) - min(off)) / stored * 1e6,
         sha256_us_per_block=sha * 1e6,
     )
 
@@ -404,6 +416,7 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("decode", "per_call_step_us", "  (us of the step with one add_token per request)"),
         ("decode", "per_call_add_token_us", "  (us of its add_token calls)"),
         ("decode", "bare_call_loop_us", "  (us of the bare loop of no-op calls)"),
+        ("events", "events_with_wire_us_per_stored_block", "  (us/stored block with vLLM wire events made too)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]
     for section, key, label in context:

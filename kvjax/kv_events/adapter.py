@@ -20,10 +20,11 @@ until new blocks are stored, which routes worse but never wrongly.
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvjax.config import CacheConfig
 from kvjax.ledger.events import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredData, UpdatedData
@@ -45,15 +46,18 @@ log = logging.getLogger(__name__)
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU)  # ledger cache level 0 (primary) and 1 (secondary)
 
 
-@dataclasses.dataclass(slots=True)
-class _Known:
-    """An announced block: enough to announce it again on another tier."""
+class _Known(NamedTuple):
+    """An announced block: enough to announce it again on another tier (a tuple: the adapter
+    files one per block it announces, so it is built by one C-level call)."""
 
     parent: int | bytes | None
     tokens: tuple[int, ...]
     lora_id: int | None
     extra: tuple | None
     level: int
+
+
+_new_known = functools.partial(tuple.__new__, _Known)  # `_Known` from one tuple, without the Python-level `__new__`
 
 
 def _token_ids(block: StoredBlock) -> tuple[int, ...]:
@@ -83,19 +87,22 @@ class LedgerEventAdapter:
         self._spec = {
             w: (KIND_SLIDING_WINDOW, w) if config.is_swa(w) else (KIND_FULL_ATTENTION, None) for w in config.windows
         }
-        self._known: dict[tuple[int, int | bytes], _Known] = {}
-        self._partial: set[tuple[int, int | bytes]] = set()  # stored but never announced
+        # per window: announced blocks by hash, and partial blocks stored but never announced
+        self._known: dict[int, dict[int | bytes, _Known]] = {w: {} for w in self._group}
+        self._partial: dict[int, set[int | bytes]] = {w: set() for w in self._group}
         self._next_id: int | None = None
         self.ledger_gaps = 0  # times the ledger's event ids jumped (its buffer dropped events)
         self.unknown_hashes = 0  # removes / updates of blocks never announced (skipped)
 
     @property
     def num_known_blocks(self) -> int:
-        return len(self._known)
+        return sum(map(len, self._known.values()))
 
     def reset(self) -> None:
-        self._known.clear()
-        self._partial.clear()
+        for known in self._known.values():
+            known.clear()
+        for partial in self._partial.values():
+            partial.clear()
 
     # ------------------------------------------------------------------ conversion
     def convert(self, events: Iterable[KVCacheEvent], ts: float | None = None) -> KVEventBatch | None:
@@ -146,7 +153,7 @@ class LedgerEventAdapter:
             block_size=self.block_size,
             lora_id=lora_id,
             medium=MEDIA[level],
-            extra_keys=extra if extra is not None and any(e is not None for e in extra) else None,
+            extra_keys=extra if extra is not None and extra.count(None) != len(extra) else None,
             group_idx=self._group[window],
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=sliding,
@@ -154,53 +161,64 @@ class LedgerEventAdapter:
 
     def _stored(self, window: int, data: StoredData, out: list) -> None:
         parent = None if data.parent_hash is None else canonical_hash(data.parent_hash)
-        run: list = []  # (hash, tokens, extra) of the current run: one tier, one LoRA id
+        known, block_size = self._known[window], self.block_size
+        # the current run (one tier, one LoRA id): hashes, token ids, extra keys
+        hashes: list = []
+        tokens: list[int] = []
+        extras: list = []
         run_parent, run_level, run_lora = parent, None, None
 
-        def emit():
-            if run:
+        def emit() -> None:
+            if hashes:
                 assert run_level is not None  # set with the run's first block
-                out.append(self._stored_event(
-                    window, run_parent, [h for h, _, _ in run], [t for _, toks, _ in run for t in toks],
-                    run_lora, run_level, [e for _, _, e in run],
-                ))
+                out.append(self._stored_event(window, run_parent, hashes, tokens, run_lora, run_level, extras))
 
         for blk in data.blocks:
-            h = canonical_hash(blk.block_hash)
-            tokens = _token_ids(blk)
-            if len(tokens) != self.block_size:  # partial: only ever a leaf, never announced
-                self._partial.add((window, h))
+            h = blk.block_hash
+            if type(h) is not bytes:  # the ledger's SHA-256 hashes are bytes already
+                h = canonical_hash(h)
+            toks = blk.tokens
+            if type(toks) is not tuple or (toks and type(toks[0]) is not int):  # pairs with extra ids
+                toks = _token_ids(blk)
+            if len(toks) != block_size:  # partial: only ever a leaf, never announced
+                self._partial[window].add(h)
                 emit()
-                run = []
+                hashes, tokens, extras = [], [], []
                 continue
-            extra = _extra_keys(blk)
-            if run and (blk.cache_level != run_level or blk.lora_id != run_lora):
+            extra = _extra_keys(blk) if blk.mm_keys else None
+            level, lora = blk.cache_level, blk.lora_id
+            if hashes and (level != run_level or lora != run_lora):
                 emit()
-                run_parent, run = run[-1][0], []
-            if not run:
-                run_level, run_lora = blk.cache_level, blk.lora_id
-            run.append((h, tokens, extra))
-            self._known[(window, h)] = _Known(parent, tokens, blk.lora_id, extra, blk.cache_level)
+                run_parent, hashes, tokens, extras = hashes[-1], [], [], []
+            if not hashes:
+                run_level, run_lora = level, lora
+            hashes.append(h)
+            tokens += toks
+            extras.append(extra)
+            known[h] = _new_known((parent, toks, lora, extra, level))
             parent = h
         emit()
 
     def _removed(self, window: int, hashes, out: list) -> None:
         group = self._group.get(window)
+        known, partial = self._known[window], self._partial[window]
         by_level: dict[int, list] = {}
         order: list[int] = []
-        for raw in hashes:
-            h = canonical_hash(raw)
-            rec = self._known.pop((window, h), None)
+        for h in hashes:
+            if type(h) is not bytes:
+                h = canonical_hash(h)
+            rec = known.pop(h, None)
             if rec is None:
-                if (window, h) in self._partial:
-                    self._partial.discard((window, h))
+                if h in partial:
+                    partial.discard(h)
                 else:
                     self.unknown_hashes += 1
                 continue
-            if rec.level not in by_level:
-                by_level[rec.level] = []
-                order.append(rec.level)
-            by_level[rec.level].append(h)
+            level = rec.level
+            if level not in by_level:
+                by_level[level] = []
+                order.append(level)
+            by_level[level].append(h)
         for level in order:
             out.append(BlockRemoved(by_level[level], MEDIA[level], group))
 
@@ -208,15 +226,15 @@ class LedgerEventAdapter:
         if data.cache_level is None:
             return  # a priority change: nothing on the wire
         h = canonical_hash(data.block_hash)
-        rec = self._known.get((window, h))
+        rec = self._known[window].get(h)
         if rec is None:
-            if (window, h) not in self._partial:
+            if h not in self._partial[window]:
                 self.unknown_hashes += 1
             return
         old, new = data.cache_level
         if old == new or rec.level == new:
             return
         out.append(BlockRemoved([h], MEDIA[rec.level], self._group[window]))
-        rec.level = new
+        self._known[window][h] = rec._replace(level=new)
         out.append(self._stored_event(window, rec.parent, [h], list(rec.tokens), rec.lora_id, new,
                                       None if rec.extra is None else [rec.extra]))
