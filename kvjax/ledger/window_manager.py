@@ -19,6 +19,7 @@ from kvjax.ledger.events import add_stored_blocks
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import ROOT
 from kvjax.ledger.refs import RefCounts
+from kvjax.ledger.token_path import encode_tokens
 from kvjax.ledger.stats import Counters
 from kvjax.ledger.transfer_recorder import TransferRecorder
 from kvjax.transfer_plan import TransferKind
@@ -287,21 +288,35 @@ class WindowBlockManager:
         start, depth = ((ROOT, -1), 0) if found is None else found
         if depth >= n_blocks:
             return 0
-        path = seq.token_path(depth, num_tokens, tpb)
         events = self.events
         moves: list[tuple[int, object]] = []
-        if events is None:
-            on_move = _ignore
+        tree = self.tree
+        b = sw.blocks[0][depth]
+        if (
+            n_blocks == n_full == depth + 1 and found is not None and seq.extra_ids is None and not seq.mm_items
+            and tree.extend_leaf(
+                self.index, start[0], start[1], seq.signature, encode_tokens(seq.tokens[depth * tpb : n_full * tpb]), b
+            )
+        ):  # fmt: skip
+            # one new full block right after the cursor at the end of its leaf run: a decode
+            # step's store (what `insert` would do, without its walk)
+            attached = [(depth, b)]
+            n = start[0]
+            sw.cursor = (n, tree.pid[n] + start[1] + 1, n_full)
         else:
+            path = seq.token_path(depth, num_tokens, tpb)
+            if events is None:
+                on_move = _ignore
+            else:
 
-            def on_move(d: int, b: int) -> None:  # a partial block that grew leaves its old key
-                moves.append((d, self.block_hash(b)))
+                def on_move(d: int, b: int) -> None:  # a partial block that grew leaves its old key
+                    moves.append((d, self.block_hash(b)))
 
-        attached, cursor = self.tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
-        if cursor is not None:
-            sw.cursor = (cursor[0], cursor[1], n_full)
-        if not attached:
-            return 0
+            attached, cursor = tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
+            if cursor is not None:
+                sw.cursor = (cursor[0], cursor[1], n_full)
+            if not attached:
+                return 0
         queues = self.queues
         if seq.retention is None:
             queues.set_default_retention([b for _, b in attached])
