@@ -599,11 +599,18 @@ class Episode:
             grown = [info for info in batch if self.add_token(info)]
         self.last_batch = batch
         self.step()
+        to_store = []
         for info in grown:
             if info.rid in self.live:
                 self.forward(info, info.computed, info.n, "decode")
                 if self.rng.random() < 0.5:
-                    self.call("store_new_block", info.rid)
+                    to_store.append(info.rid)
+        if to_store and grown is batch:  # a batched step stores in one call, as the engine's does
+            self.run.ops += len(to_store) - 1  # counted as the calls it stands for (the same run)
+            self.call("store_new_blocks", to_store)
+        else:
+            for rid in to_store:
+                self.call("store_new_block", rid)
 
     @staticmethod
     def may_rewind(info: Live) -> bool:

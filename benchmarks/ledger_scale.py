@@ -24,7 +24,8 @@ memory and GC targets to mean much, they only keep the script honest):
   block): `add_tokens` of B tokens, `block_table` (padded) and `take_transfers`, mean
   microseconds per step (the target figure); beside it the same step with B `add_token`
   calls (a twin ledger, steps interleaved, checked to end identical) and the bare loop of B
-  no-op method calls.
+  no-op method calls; and, outside the target figure, what storing the blocks the step's
+  forward completed costs (`store_new_blocks` of the B ids against B `store_new_block` calls).
 - events: microseconds per stored block that publishing KV events adds (same workload run with
   events on and off, interleaved, best of 3; the consumer's `get_latest_events` included);
   beside it the same with the events converted to vLLM's wire events too (`LedgerEventAdapter`,
@@ -240,6 +241,7 @@ def _decode_ledger(batch: int, seed: int, steps: int, ctx: int) -> tuple[KVCache
     ids = list(range(batch))
     for i in ids:
         m.add_sequence(Request(i, [rng.randrange(VOCAB) for _ in range(ctx - i % TPB)], max_new_tokens=steps))
+        m.store_context_blocks(i)  # as after a prefill: each step then stores only its new blocks
     return m, ids
 
 
@@ -256,30 +258,40 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
     step_tokens = [rng.integers(0, VOCAB, size=batch, dtype=np.int32) for _ in range(steps + churn_steps)]
     clock = time.perf_counter
     gc.collect()
-    def timed_step(m: KVCacheManager, append: Callable[[], None]) -> tuple[float, float, float]:
-        """Seconds of one step's token appends, its padded block table and `take_transfers`."""
+    def timed_step(m: KVCacheManager, append: Callable[[], None], store: Callable[[], None]) -> tuple[float, ...]:
+        """Seconds of one step's token appends, its padded block table, `take_transfers` and
+        (outside the target figure) the store of the blocks the forward completed."""
         t0 = clock()
         append()
         t1 = clock()
         m.block_table(ids, max_blocks=width)
         t2 = clock()
         m.take_transfers()
-        return t1 - t0, t2 - t1, clock() - t2
+        t3 = clock()
+        store()
+        return t1 - t0, t2 - t1, t3 - t2, clock() - t3
 
     def one_by_one(toks: list[int]) -> None:
         add_token = looped.add_token
         for i, tok in zip(ids, toks, strict=True):
             add_token(i, tok)
 
-    add = table = take = loop_add = loop_table = loop_take = 0.0
+    def store_one_by_one() -> None:
+        store_new_block = looped.store_new_block
+        for i in ids:
+            store_new_block(i)
+
+    add = table = take = store = loop_add = loop_table = loop_take = loop_store = 0.0
     per_step = []
     for tokens in step_tokens[:steps]:
-        a, b, c = timed_step(batched, lambda tokens=tokens: batched.add_tokens(ids, tokens))
-        add, table, take = add + a, table + b, take + c
+        a, b, c, d = timed_step(
+            batched, lambda tokens=tokens: batched.add_tokens(ids, tokens), lambda: batched.store_new_blocks(ids)
+        )
+        add, table, take, store = add + a, table + b, take + c, store + d
         per_step.append(a + b + c)
         toks = tokens.tolist()
-        a, b, c = timed_step(looped, lambda toks=toks: one_by_one(toks))
-        loop_add, loop_table, loop_take = loop_add + a, loop_table + b, loop_take + c
+        a, b, c, d = timed_step(looped, lambda toks=toks: one_by_one(toks), store_one_by_one)
+        loop_add, loop_table, loop_take, loop_store = loop_add + a, loop_table + b, loop_take + c, loop_store + d
     for m in (batched, looped):
         m.verify_integrity()
     if batched.snapshot() != looped.snapshot():
@@ -312,6 +324,8 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         changing_batch_step_us=churn / churn_steps * 1e6,
         per_call_step_us=(loop_add + loop_table + loop_take) * us,
         per_call_add_token_us=loop_add * us,
+        store_new_blocks_us=store * us,
+        per_call_store_new_block_us=loop_store * us,
         per_call_block_table_us=loop_table * us,
         bare_call_loop_us=loop * 1e6,
     )
@@ -416,6 +430,8 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("decode", "per_call_step_us", "  (us of the step with one add_token per request)"),
         ("decode", "per_call_add_token_us", "  (us of its add_token calls)"),
         ("decode", "bare_call_loop_us", "  (us of the bare loop of no-op calls)"),
+        ("decode", "store_new_blocks_us", "  (us of store_new_blocks after the step's forward)"),
+        ("decode", "per_call_store_new_block_us", "  (us of the same with one store_new_block each)"),
         ("events", "events_with_wire_us_per_stored_block", "  (us/stored block with vLLM wire events made too)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]

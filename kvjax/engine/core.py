@@ -15,7 +15,7 @@ One step (SPEC §2):
   4. a decode forward `[B, 1]` and a prefill forward `[B, T]`, both bucketed, jitted, pools
      donated, sampling inside the jit;
   5. `set_context_position` after each chunk, `store_context_blocks` when a prompt is done,
-     `store_new_block` after decode tokens; finished requests (a stop token or
+     `store_new_blocks` after decode tokens; finished requests (a stop token or
      `max_new_tokens`) leave with `remove_sequence`.
 
 The core checks as it goes that every admission's prefill computed + reused tokens equals its
@@ -318,8 +318,8 @@ class EngineCore:
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
             toks, chosen, margins = self._forward(rows, decode, chunk_bucket=1)
+            led.store_new_blocks([r.request_id for r in decode])
             for r, t, c, m in zip(decode, toks, chosen, margins, strict=True):
-                led.store_new_block(r.request_id)
                 outputs.append(self._emit(r, int(t), float(c), float(m)))
         sampled: list[tuple] = []
         group = self.cfg.buckets.prefill_rows

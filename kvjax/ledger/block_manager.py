@@ -102,6 +102,35 @@ class BlockManager:
             return windows[0].store(seq, seq.windows[0], num_tokens, allow_partial)
         return sum(wm.store(seq, seq.windows[wm.index], num_tokens, allow_partial) for wm in reversed(self.windows))
 
+    def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:
+        """`store(seqs[i], counts[i], allow_partial=False)` of each, in order (a decode step's
+        stores: `WindowBlockManager.store_new_full_blocks`)."""
+        if len(self.windows) == 1:
+            self.windows[0].store_new_full_blocks(seqs, counts)
+        else:
+            for seq, n in zip(seqs, counts, strict=True):
+                self.store(seq, n, allow_partial=False)
+
+    def with_unstored_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> list[int]:
+        """Indices of the sequences for which `has_unstored_block(seqs[i], counts[i])` holds. A
+        decode step's usual row (its newest full block is where its cursor says it was stored)
+        is settled by one comparison here; any other goes to `has_unstored_block`."""
+        tpb = self.tokens_per_block
+        pids, lengths = self.tree.pid, self.tree.length
+        single = len(self.windows) == 1
+        has_unstored = self.has_unstored_block
+        out = []
+        for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+            if single:
+                cur = seq.windows[0].cursor
+                if cur is not None and n // tpb <= cur[2]:
+                    first = pids[cur[0]]
+                    if first <= cur[1] < first + lengths[cur[0]]:
+                        continue
+            if has_unstored(seq, n):
+                out.append(i)
+        return out
+
     def has_unstored_block(self, seq: TrackedSequence, num_tokens: int) -> bool:
         """Has a full block within `num_tokens` completed since the last store?"""
         n_full = num_tokens // self.tokens_per_block

@@ -344,6 +344,25 @@ class KVCacheManager:
         self._bm.store(seq, self._materialised(seq), allow_partial=False)
 
     @writer
+    def store_new_blocks(self, request_ids: Sequence[Hashable]) -> None:
+        """`store_new_block` of each request, in order, in one call (an engine's decode step,
+        where most requests completed no block since the last store: each of those costs one
+        comparison). Every id is looked up first: an unknown one raises `UnknownRequestError`
+        and nothing is stored. Repeating an id is harmless (its second store finds nothing)."""
+        seqs = self._seqs_of(check_id_list("request_ids", request_ids))
+        bm = self._bm
+        if not bm.reuse:
+            return
+        seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
+        if self._kv_valid:
+            counts = [self._materialised(s) for s in seqs]
+        else:  # `_materialised` of each (no failed transfer pending), in one pass
+            counts = [s.context_position if s.context_position < s.prompt_len else len(s.tokens) - 1 for s in seqs]
+        rows = bm.with_unstored_blocks(seqs, counts)
+        if rows:
+            bm.store_new_full_blocks([seqs[i] for i in rows], [counts[i] for i in rows])
+
+    @writer
     def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:
         """Store every block, the trailing partial one included, without releasing them; with
         `pin`, also take an extra reference on the sequence's blocks (undo with

@@ -331,6 +331,39 @@ class WindowBlockManager:
             self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq.tokens, num_tokens)
         return len(attached)
 
+    def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:
+        """`store(seq, count, allow_partial=False)` of each, in order. A decode step's usual
+        row (one new full block after its cursor, at the end of its own leaf run; no
+        retention wishes, events off) is attached here, and the rows' priorities are written
+        together; any other row goes through `store`."""
+        if self.events is not None:  # Stored events keep the calls' order: one by one
+            for seq, n in zip(seqs, counts, strict=True):
+                self.store(seq, seq.windows[self.index], n, False)
+            return
+        tpb, idx, tree = self.tokens_per_block, self.index, self.tree
+        locate, extend_leaf, pid = tree.locate, tree.extend_leaf, tree.pid
+        done: list[int] = []  # blocks attached here, their default priority not yet written
+        for seq, n in zip(seqs, counts, strict=True):
+            sw = seq.windows[idx]
+            cur = sw.cursor
+            plain = seq.retention is None and seq.extra_ids is None and not seq.mm_items
+            if cur is not None and n // tpb == cur[2] + 1 and plain:
+                depth = cur[2]
+                pos = locate(cur[0], cur[1])
+                if pos is not None:
+                    node, o = pos
+                    b = sw.blocks[0][depth]
+                    if extend_leaf(idx, node, o, seq.signature, encode_tokens(seq.tokens[depth * tpb : (depth + 1) * tpb]), b):
+                        sw.cursor = (node, pid[node] + o + 1, depth + 1)
+                        done.append(b)
+                        continue
+            if done:
+                self.queues.set_default_retention(done)
+                done = []
+            self.store(seq, sw, n, False)
+        if done:
+            self.queues.set_default_retention(done)
+
     def _emit_stored(self, attached: list[tuple[int, int]], moves: list, tokens: list[int] | None, num_tokens: int) -> None:
         """Stored events, one per run of consecutive newly stored depths under one parent; a
         moved block's Removed comes before the run that stores it again (as it happened).

@@ -77,6 +77,13 @@ MANAGER_ROWS = [
         set(),
         {"list": UnknownRequestError, None: InvalidArgumentError},
     ),
+    ("store_new_blocks.request_id", lambda m, v: m.store_new_blocks(["a", v]), set(), UnknownRequestError),
+    (
+        "store_new_blocks.request_ids",
+        lambda m, v: m.store_new_blocks(v),
+        set(),
+        {"list": UnknownRequestError, "array": UnknownRequestError, None: InvalidArgumentError},
+    ),
     ("rewind.n", lambda m, v: m.rewind("a", v), set(), InvalidRequestError),
     ("set_context_position.position", lambda m, v: m.set_context_position("a", v), set(), InvalidRequestError),
     ("store_blocks_for_reuse.pin", lambda m, v: m.store_blocks_for_reuse("a", pin=v), FLAGS, InvalidArgumentError),

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from kvjax import CacheConfig, KVCacheManager, Request
-from kvjax.errors import KVCacheError, OutOfBlocksError
+from kvjax.errors import InvalidArgumentError, KVCacheError, UnknownRequestError
 from kvjax.ledger import radix_tree
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.request import RetentionConfig, TokenRangeRetention
@@ -18,10 +18,10 @@ from kvjax.request import RetentionConfig, TokenRangeRetention
 TPB = 4
 
 
-def _config(windows: tuple[int, ...] | None) -> CacheConfig:
+def _config(windows: tuple[int, ...] | None, events: bool = True) -> CacheConfig:
     return CacheConfig(
         tokens_per_block=TPB, num_layers=1 if windows is None else len(windows), num_kv_heads=1, head_dim=8,
-        max_seq_len=96, primary_blocks=48, event_buffer_max_size=100_000, attention_windows=windows,
+        max_seq_len=96, primary_blocks=48, event_buffer_max_size=100_000 if events else 0, attention_windows=windows,
     )  # fmt: skip
 
 
@@ -86,7 +86,7 @@ def test_extend_leaf_leaves_the_ledger_as_the_walk_does(seed, windows, run_limit
                 try:
                     results.append(m.add_sequence(q))
                     m.store_context_blocks(next_id)
-                except OutOfBlocksError:
+                except KVCacheError:  # out of blocks: refused alike
                     results.append(None)
             assert results[0] == results[1]
             assert fast.snapshot() == walk.snapshot()
@@ -117,3 +117,147 @@ def test_extend_leaf_leaves_the_ledger_as_the_walk_does(seed, windows, run_limit
         m.verify_integrity()
     assert fast.get_latest_events() == walk.get_latest_events()
     assert spy.taken > 20 and spy.refused > 0  # both of the shortcut's answers were exercised
+
+
+# ---------------------------------------------------------------------------- store_new_blocks
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("windows", "events"), [(None, False), (None, True), ((96, 12), False)])
+def test_store_new_blocks_is_store_new_block_of_each(seed, windows, events):
+    """The batched call against one call per id, on twin ledgers driven like an engine's steps
+    (chunked prefills part-way through, drafts and rewinds, retention wishes, pins, finished
+    requests, an id repeated in the list), compared after every step."""
+    rng = random.Random(seed)
+    batched, looped = KVCacheManager(_config(windows, events)), KVCacheManager(_config(windows, events))
+    retention = RetentionConfig([TokenRangeRetention(0, 8, 70)], decode_priority=30)
+    live: dict[int, int] = {}  # request id -> draft tokens it may rewind
+    for step in range(300):
+        r = rng.random()
+        if (r < 0.12 or not live) and len(live) < 6:
+            rid = step
+            prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 30))]  # few ids: prefixes repeat
+            drafts = rng.choice((0, 2))
+            chunk = rng.randrange(len(prompt) + 1) if rng.random() < 0.3 else None
+            ret = retention if rng.random() < 0.25 else None
+            answers = []
+            for m in (batched, looped):
+                try:
+                    req = Request(rid, prompt, max_new_tokens=40, num_draft_tokens=drafts, retention=ret)
+                    answers.append(m.add_sequence(req))
+                    if chunk is not None:  # a chunked prefill part-way through: its KV ends there
+                        m.set_context_position(rid, chunk)
+                except KVCacheError as e:
+                    answers.append(type(e).__name__)
+            assert answers[0] == answers[1]
+            if type(answers[0]) is int:
+                live[rid] = drafts
+        elif r < 0.18:
+            rid, store = rng.choice(list(live)), rng.random() < 0.8
+            for m in (batched, looped):
+                m.remove_sequence(rid, store_for_reuse=store)
+            del live[rid]
+        elif r < 0.22:
+            rid = rng.choice(list(live))
+            if live[rid]:
+                n = rng.randrange(1, live[rid] + 1)
+                answers = []
+                for m in (batched, looped):
+                    try:
+                        m.rewind(rid, n)
+                        answers.append("ok")
+                    except KVCacheError as e:
+                        answers.append(type(e).__name__)
+                assert answers[0] == answers[1]
+        elif r < 0.25:
+            pin = rng.random() < 0.5
+            rid = rng.choice(list(live))
+            assert batched.store_blocks_for_reuse(rid, pin=pin) == looped.store_blocks_for_reuse(rid, pin=pin)
+        else:
+            ids = list(live)
+            rng.shuffle(ids)
+            for rid in ids:
+                tok = rng.randrange(6)
+                for m in (batched, looped):
+                    try:
+                        m.add_token(rid, tok)
+                    except KVCacheError:
+                        pass
+            if ids and rng.random() < 0.2:
+                ids.append(ids[0])  # a repeated id stores nothing more
+            batched.store_new_blocks(ids)
+            for rid in ids:
+                looped.store_new_block(rid)
+        assert batched.snapshot() == looped.snapshot(), step
+    batched.verify_integrity()
+    looped.verify_integrity()
+    if events:
+        for m in (batched, looped):
+            m.flush_iteration_events()
+        assert batched.get_latest_events() == looped.get_latest_events()
+
+
+def test_store_new_blocks_checks_every_id_first():
+    m = KVCacheManager(_config(None))
+    for rid in ("a", "b"):
+        m.add_sequence(Request(rid, list(range(10)), max_new_tokens=8))
+        for t in range(7):
+            m.add_token(rid, t)
+    before = m.snapshot()
+    with pytest.raises(UnknownRequestError):
+        m.store_new_blocks(["a", "ghost", "b"])  # "a" has blocks to store: none is
+    with pytest.raises(InvalidArgumentError):
+        m.store_new_blocks("ab")
+    assert m.snapshot() == before
+    m.store_new_blocks(("a", "b"))
+    assert m.snapshot() != before
+    m.verify_integrity()
+
+
+def test_store_new_blocks_stops_at_what_a_failed_transfer_left_valid():
+    """After a failed partial copy the request's KV is valid only up to the cut: the batched
+    call stores no more than one call per id does."""
+    ledgers = []
+    for _ in range(2):
+        m = KVCacheManager(_config(None))
+        a = list(range(12))
+        m.add_sequence(Request("a", a, max_new_tokens=8))
+        m.store_context_blocks("a")
+        m.add_sequence(Request("b", list(range(6)) + [77, 78, 79], max_new_tokens=8))  # block [4, 8) of "a" copied
+        plan = m.take_transfers()
+        m.transfers_failed(plan.seq)  # the copy did not arrive: "b" is valid up to token 4
+        for t in (5, 6, 7, 8):
+            m.add_token("b", t)
+        ledgers.append(m)
+    batched, looped = ledgers
+    assert batched.snapshot() == looped.snapshot()
+    batched.store_new_blocks(["b", "a"])
+    looped.store_new_block("b")
+    looped.store_new_block("a")
+    assert batched.snapshot() == looped.snapshot()
+    batched.verify_integrity()
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_reused_partial_block_stored_by_a_decode_step_takes_the_requests_retention(events):
+    """A block reused in place from a partial match keeps the cached block's priority until
+    the request stores it; completed by decode tokens and stored by `store_new_blocks`, it
+    must take the request's retention exactly as `store_new_block` gives it. (Its old run
+    cannot grow in place, so this is the batched call's `store` path.)"""
+    ledgers = []
+    for _ in range(2):
+        m = KVCacheManager(_config(None, events))
+        keep = RetentionConfig([TokenRangeRetention(0, 8, 70)])
+        m.add_sequence(Request("a", [1, 2, 3, 4, 5, 6], max_new_tokens=4, retention=keep))
+        m.remove_sequence("a")  # stores [1, 2, 3, 4] and the partial [5] (6 has no KV) at priority 70
+        assert m.add_sequence(Request("b", [1, 2, 3, 4, 5, 6, 9], max_new_tokens=8)) == 5
+        m.store_context_blocks("b")
+        for t in (10, 11):
+            m.add_token("b", t)  # [5, 6, 9, 10] is full and its KV written
+        ledgers.append(m)
+    batched, looped = ledgers
+    reused = batched.block_ids("b")[0][1]
+    assert batched.block(reused).priority == 70  # kept from the cached block until stored
+    batched.store_new_blocks(["b"])
+    looped.store_new_block("b")
+    assert batched.snapshot() == looped.snapshot()
+    assert batched.block(reused).priority == looped.block(reused).priority
+    batched.verify_integrity()
