@@ -17,7 +17,7 @@ from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY,
 from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.events import add_stored_blocks
 from kvjax.ledger.free_queues import FreeQueues
-from kvjax.ledger.radix_tree import ROOT
+from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
 from kvjax.ledger.token_path import encode_tokens
 from kvjax.ledger.stats import Counters
@@ -290,19 +290,11 @@ class WindowBlockManager:
             return 0
         events = self.events
         moves: list[tuple[int, object]] = []
-        tree = self.tree
-        b = sw.blocks[0][depth]
-        if (
-            n_blocks == n_full == depth + 1 and found is not None and seq.extra_ids is None and not seq.mm_items
-            and tree.extend_leaf(
-                self.index, start[0], start[1], seq.signature, encode_tokens(seq.tokens[depth * tpb : n_full * tpb]), b
-            )
-        ):  # fmt: skip
-            # one new full block right after the cursor at the end of its leaf run: a decode
-            # step's store (what `insert` would do, without its walk)
+        b = NO_BLOCK
+        if n_blocks == n_full == depth + 1 and found is not None:
+            b = self._extend_own_leaf(seq, sw, start, depth)
+        if b >= 0:
             attached = [(depth, b)]
-            n = start[0]
-            sw.cursor = (n, tree.pid[n] + start[1] + 1, n_full)
         else:
             path = seq.token_path(depth, num_tokens, tpb)
             if events is None:
@@ -312,7 +304,7 @@ class WindowBlockManager:
                 def on_move(d: int, b: int) -> None:  # a partial block that grew leaves its old key
                     moves.append((d, self.block_hash(b)))
 
-            attached, cursor = tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
+            attached, cursor = self.tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
             if cursor is not None:
                 sw.cursor = (cursor[0], cursor[1], n_full)
             if not attached:
@@ -331,6 +323,23 @@ class WindowBlockManager:
             self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq.tokens, num_tokens)
         return len(attached)
 
+    def _extend_own_leaf(self, seq: TrackedSequence, sw: SequenceWindow, pos: tuple[int, int], depth: int) -> int:
+        """A decode step's store: the sequence's block `depth`, one new full block, attached
+        right after `pos` (where its block `depth - 1` is) when that position ends a leaf run
+        that can grow in place (`RadixTree.extend_leaf`: what `insert` does there, without its
+        walk); the cursor moves on. Returns the block, or NO_BLOCK (nothing changed: `insert`
+        must do it)."""
+        if seq.extra_ids is not None or seq.mm_items:
+            return NO_BLOCK
+        tpb, tree = self.tokens_per_block, self.tree
+        node, o = pos
+        b = sw.blocks[0][depth]
+        content = encode_tokens(seq.tokens[depth * tpb : (depth + 1) * tpb])
+        if not tree.extend_leaf(self.index, node, o, seq.signature, content, b):
+            return NO_BLOCK
+        sw.cursor = (node, tree.pid[node] + o + 1, depth + 1)
+        return b
+
     def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:
         """`store(seq, count, allow_partial=False)` of each, in order. A decode step's usual
         row (one new full block after its cursor, at the end of its own leaf run; no
@@ -340,21 +349,16 @@ class WindowBlockManager:
             for seq, n in zip(seqs, counts, strict=True):
                 self.store(seq, seq.windows[self.index], n, False)
             return
-        tpb, idx, tree = self.tokens_per_block, self.index, self.tree
-        locate, extend_leaf, pid = tree.locate, tree.extend_leaf, tree.pid
+        tpb, idx, locate = self.tokens_per_block, self.index, self.tree.locate
         done: list[int] = []  # blocks attached here, their default priority not yet written
         for seq, n in zip(seqs, counts, strict=True):
             sw = seq.windows[idx]
             cur = sw.cursor
-            plain = seq.retention is None and seq.extra_ids is None and not seq.mm_items
-            if cur is not None and n // tpb == cur[2] + 1 and plain:
-                depth = cur[2]
+            if cur is not None and n // tpb == cur[2] + 1 and seq.retention is None:
                 pos = locate(cur[0], cur[1])
                 if pos is not None:
-                    node, o = pos
-                    b = sw.blocks[0][depth]
-                    if extend_leaf(idx, node, o, seq.signature, encode_tokens(seq.tokens[depth * tpb : (depth + 1) * tpb]), b):
-                        sw.cursor = (node, pid[node] + o + 1, depth + 1)
+                    b = self._extend_own_leaf(seq, sw, pos, cur[2])
+                    if b >= 0:
                         done.append(b)
                         continue
             if done:
