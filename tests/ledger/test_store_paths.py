@@ -1,8 +1,11 @@
-"""A decode block stored by `RadixTree.extend_leaf` (the shortcut a decode step's store takes)
-must leave the ledger exactly as the full walk (`RadixTree.insert`) leaves it: twin ledgers,
-one with the shortcut switched off, driven by the same seeded engine-like run (shared
-prefixes, so some stores find their key cached already; speculative tokens and rewinds; pins;
-requests that finish, storing or not; evictions in a small pool), compared op by op."""
+"""The decode step's store paths against the general ones, on twin ledgers driven by the same
+seeded engine-like run (shared prefixes, so some stores find their key cached already;
+speculative tokens and rewinds; pins; requests that finish, storing or not; evictions in a
+small pool) and compared op by op:
+
+- a decode block stored by `RadixTree.extend_leaf` (the shortcut that skips the tree walk)
+  against the full walk (`RadixTree.insert`), the shortcut switched off in the twin;
+- `store_new_blocks(ids)` against one `store_new_block` call per id."""
 from __future__ import annotations
 
 import random
