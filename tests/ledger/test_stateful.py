@@ -395,10 +395,13 @@ class LedgerMachine(RuleBasedStateMachine):
                 del info["extra"][-j:]
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), op=st.sampled_from(["context", "chunk", "new", "reuse", "reuse_pin"]))
+    @rule(data=st.data(), op=st.sampled_from(["context", "chunk", "new", "new_batch", "reuse", "reuse_pin"]))
     def store(self, data, op):
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
-        if op == "context":
+        if op == "new_batch":  # a decode step's stores in one call (ids may repeat)
+            more = data.draw(st.lists(st.sampled_from(sorted(self.live)), max_size=3), label="more ids")
+            self.m.store_new_blocks([rid, *more])
+        elif op == "context":
             self.m.store_context_blocks(rid)
         elif op == "chunk":
             pos = data.draw(st.integers(0, len(self.live[rid]["beams"][0])), label="pos")
