@@ -269,30 +269,25 @@ class RadixTree:
 
     def extend_leaf(self, w: int, n: int, o: int, signature: tuple, content: bytes, b: int) -> bool:
         """Attach block `b` of window `w`, holding `content` (one full block's units), at a
-        new position right after `(n, o)` when that is the last position of leaf run `n` and
-        the run can grow in place (`can_grow`) and `b` is cached nowhere: what `insert` does
+        new position right after `(n, o)` when that is the last position of leaf run `n`, the
+        run can grow in place (`can_grow`) and `b` is cached nowhere: what `insert` does
         there, without its walk. False, changing nothing, otherwise."""
         bnode = self.block_node[w]
-        c = self.content[n]
-        if (  # `can_grow(n, sid, len(content), 1)` at the run's end, inline
-            o != self.length[n] - 1 or b < 0 or bnode[b] >= 0 or n == ROOT or self.children[n] is not None
-            or self.sig[n] != self.sig_ids.get(signature, -1) or n in self.mm or len(c) != (o + 1) * len(content)
-            or self.pid[n] + o + 2 > self.pid_end[n]
-        ):  # fmt: skip
+        if o != self.length[n] - 1 or b < 0 or bnode[b] >= 0:
             return False
-        self.content[n] = c + content
-        if self.num_windows == 1:
-            self.values[0][n].append(b)
-        else:
-            for i, vals in enumerate(self.values):
-                vals[n].append(b if i == w else NO_BLOCK)
+        if not self.can_grow(n, self.sig_ids.get(signature, -1), len(content), 1):
+            return False
+        # `grow(n, content, 1, {w: [b]})` for one position, without its per-window row arrays
+        self.content[n] += content
+        for i, vals in enumerate(self.values):
+            vals[n].append(b if i == w else NO_BLOCK)
         hs = self.hashes[n]
         if hs is not None:
             hs.append(None)
-        bnode[b] = n
-        self.block_offset[w][b] = o + 1
         self.length[n] = o + 2
         self.num_positions += 1
+        bnode[b] = n
+        self.block_offset[w][b] = o + 1
         return True
 
     def split(self, n: int, o: int) -> int:
