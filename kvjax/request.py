@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Hashable, Sequence
+from typing import cast
 
 from kvjax.config import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
 from kvjax.errors import InvalidRequestError
@@ -94,6 +95,17 @@ class RetentionConfig:
         return None, None
 
 
+_PLAIN_ID_TYPES = frozenset((int, str))
+
+
+def _plain_id(rid: object) -> bool:
+    """An int, a str, or a flat tuple of them: hashable and equal to itself by construction,
+    so `check_hashable_id` has nothing to find (engines often key requests by a tuple such as
+    (client, number))."""
+    t = type(rid)
+    return t is int or t is str or (t is tuple and set(map(type, cast("tuple", rid))) <= _PLAIN_ID_TYPES)
+
+
 @dataclasses.dataclass
 class Request:
     """One sequence to cache. `prompt` is token ids; `extra_ids` (one per prompt token) separate
@@ -116,11 +128,11 @@ class Request:
 
     def _plain(self) -> bool:
         """True when every field already has the form `validate` would leave it in and passes
-        its checks (the common request: int or str id, list prompt, defaults elsewhere), so
+        its checks (the common request: an int, str or flat tuple id, list prompt, defaults elsewhere), so
         admission does not pay for the general checks twice."""
         n, d, w = self.max_new_tokens, self.num_draft_tokens, self.beam_width
         return (
-            (type(self.request_id) is int or type(self.request_id) is str)
+            _plain_id(self.request_id)
             and (type(self.prompt) is list or type(self.prompt) is tuple)
             and type(n) is int and 0 <= n <= INT32_MAX
             and type(d) is int and 0 <= d <= INT32_MAX

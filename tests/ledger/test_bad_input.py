@@ -206,6 +206,9 @@ def request_rows():
     p = [1, 2, 3]
     return [
         ("Request.request_id", lambda v: Request(v, p), ALL - {"list", "array", "nan"}),
+        # a tuple id (its fast path takes flat tuples of ints and strs): unhashable members fail
+        ("Request.request_id_in_tuple", lambda v: Request(("client", v), p), ALL - {"list", "array", "array0"}),
+        ("Request.request_id_nested", lambda v: Request(("client", (1, v)), p), ALL - {"list", "array", "array0"}),
         ("Request.prompt", lambda v: Request("r", v), {"list", "array"}),
         ("Request.max_new_tokens", lambda v: Request("r", p, max_new_tokens=v), set()),
         ("Request.beam_width", lambda v: Request("r", p, beam_width=v), set()),
@@ -421,3 +424,20 @@ def test_durations_expire_on_the_injected_clock():
     assert m.refresh_blocks() == 0
     clock.advance(1.0)
     assert m.refresh_blocks() == 3  # [0, 4), [4, 8) and the partial [8]
+
+
+def test_tuple_request_ids_are_tracked_like_any_other():
+    """A flat tuple of ints and strs takes the request's fast check; a tuple holding anything
+    else takes the general one. Both are admitted and found again by an equal tuple."""
+    m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=8))
+    plain, general = ("client", 7), ("client", (1, 2.5))
+    assert Request(plain, [1, 2, 3])._plain() and not Request(general, [1, 2, 3])._plain()
+    for rid in (plain, general):
+        m.add_sequence(Request(rid, [1, 2, 3, 4, 5]))
+    m.add_token(("client", 7), 9)
+    m.add_token(("client", (1, 2.5)), 9)
+    assert m.block_ids(("client", 7)) != m.block_ids(("client", (1, 2.5)))
+    assert len(m.block_ids(("client", 7))[0]) == len(m.block_ids(("client", (1, 2.5)))[0]) == 2
+    with pytest.raises(DuplicateRequestError):
+        m.add_sequence(Request(("client", 7), [1]))
+    m.verify_integrity()
