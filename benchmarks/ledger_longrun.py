@@ -17,7 +17,10 @@ The model (tests/ledger/ledger_helpers.py `SlotModel`) holds one tag per token p
 every primary and secondary slot; every transfer plan is replayed op by op (failed ops leave
 garbage) and every forward writes its positions' tags through the block table. A position's
 tag hashes every token up to it plus the request's isolation keys, so KV of any other prompt
-never passes for it. Checked:
+never passes for it. A decode step runs in an engine's order: the forward computes each row's
+newest token, a token is sampled and added, blocks are stored; the token just added has no KV
+until the next step's forward (its position holds an "unwritten" marker meanwhile, so a store
+that covered it would put the marker in the tree). Checked:
   * after each admission, every prepopulated position the first new query reads holds the
     request's own tags;
   * after each forward, every position any of its queries reads (per window: from the first
@@ -320,6 +323,13 @@ class Episode:
                     if got != info.tags[b][i] or any(self.model.primary[p][slot][i % tpb] != got for p in pools[1:]):
                         raise Violation(f"{what}: request {info.rid} window {w} beam {b} position {i} holds {got!r}")
 
+    def unwritten(self, info: Live) -> None:
+        """The newest position has no KV yet (the next forward computes it): mark its slots."""
+        i = info.n - 1
+        for w, table in self.tables(info).items():
+            for b in range(len(info.beams)):
+                self.model.write(w, int(table[b, i // self.tpb]), i % self.tpb, ("unwritten", info.rid, b, i))
+
     def forward(self, info: Live, start: int, stop: int, what: str) -> None:
         """Compute positions [start, stop): write them, then check what their queries read."""
         if stop <= start:
@@ -593,6 +603,11 @@ class Episode:
             batch = last  # the previous step's rows again (`add_tokens` keeps that batch)
         else:
             batch = self.rng.sample(cands, min(self.family.decode_rows, len(cands)))
+        # the step's forward computes each row's newest token (its queries read their windows),
+        # then the sampled tokens are added and the blocks they complete stored
+        self.step()
+        for info in batch:
+            self.forward(info, info.computed, info.n, "decode")
         if batch and self.rng.random() < 0.6:
             grown = self.add_tokens(batch)
         else:
@@ -602,7 +617,7 @@ class Episode:
         to_store = []
         for info in grown:
             if info.rid in self.live:
-                self.forward(info, info.computed, info.n, "decode")
+                self.unwritten(info)
                 if self.rng.random() < 0.5:
                     to_store.append(info.rid)
         if to_store and grown is batch:  # a batched step stores in one call, as the engine's does
@@ -617,14 +632,14 @@ class Episode:
         return len(info.beams) == 1
 
     def speculate(self) -> None:
-        # A verify forward computes the newest (verified) token plus the drafts added after it:
-        # at most num_draft_tokens + 1 positions, as an engine does; without a sliding window a
-        # request may speculate regardless of its declared draft count.
+        # A verify forward computes the newest token (sampled last step, no KV yet) plus the
+        # drafts added after it: at most num_draft_tokens + 1 positions, as an engine does;
+        # without a sliding window a request may speculate regardless of its declared drafts.
         cands = [i for i in self.decoding() if self.may_rewind(i) and (i.drafts or not self.family.swa)]
         if not cands:
             return
         info = self.rng.choice(cands)
-        k = self.rng.randrange(1, (info.drafts if self.family.swa else 4) + 2)
+        k = self.rng.randrange(1, (info.drafts if self.family.swa else 4) + 1)  # drafts
         start = info.computed
         added = 0
         for _ in range(k):

@@ -10,9 +10,13 @@ After every step: `verify_integrity()`, count and table invariants, and a data c
 keeps a model of every memory slot's content (one tag per token position, a tag naming the
 token and every token before it plus the isolation keys). Every `TransferPlan` is replayed op
 by op with the semantics documented in kvjax/ledger/transfer_plan.py, and a model forward
-writes each sequence's new tokens into the slots its block table names. Then:
+writes each sequence's new tokens into the slots its block table names. Forwards run as an
+engine runs them: a prefill writes the whole prompt, a decode token's KV is written by the next
+forward (until then its position holds an "unwritten" marker, so a store that covered the
+newest token would leave the marker in the tree), a speculative verify writes the previous
+newest token and every draft. Then:
   * every live sequence's block table points at slots holding exactly its own tokens, for
-    every position it has written (prepopulated positions included), placeholders aside;
+    every position but the newest (prepopulated positions included), placeholders aside;
   * every block in the radix tree holds the tokens its tree path spells (primary or secondary);
   * pinned blocks (of live or removed sequences) keep every position they held when pinned
     until unpinned, through rewinds too;
@@ -152,6 +156,14 @@ class LedgerMachine(RuleBasedStateMachine):
                     slot = int(table[b, i // tpb])
                     self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i, info["extra"]))
 
+    def _unwritten(self, rid, i):
+        """Mark position `i` as holding no KV yet (a token the next forward computes)."""
+        info = self.live[rid]
+        for w in self.config.windows:
+            table = self.m.block_table([rid], w if self.multi else None)
+            for b in range(len(info["beams"])):
+                self.model.write(w, int(table[b, i // self.tpb]), i % self.tpb, ("unwritten", rid, b, i))
+
     def _check_seq_content(self, rid, upto):
         info = self.live[rid]
         tpb = self.tpb
@@ -217,8 +229,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _record_pins(self, rid, rows=None):
         """Remember what every pinned block of request `rid` (`rows`: its block ids per window,
-        taken before a removal) holds at the positions the request wrote; later positions of
-        a slot may hold stale KV of rewound tokens."""
+        taken before a removal) holds at the positions the request wrote (all but the newest,
+        whose KV the next forward writes); later positions of a slot may hold stale KV of
+        rewound tokens."""
         tpb, n = self.tpb, len(self.live[rid]["beams"][0])
         rows = rows or {w: self._rows(rid, w) for w in self.config.windows}
         for w, beams in rows.items():
@@ -226,7 +239,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 for d, bid in enumerate(beam):
                     blk = None if bid == PLACEHOLDER_BLOCK_ID else self.m.block(bid, w if self.multi else None)
                     if blk is not None and blk.pin_count:
-                        valid = min(tpb, n - d * tpb)
+                        valid = max(0, min(tpb, n - 1 - d * tpb))
                         content = list(self.model.read(w, blk.level, blk.slot))
                         self.pinned_content.setdefault((w, bid), []).append(content[:valid] + [None] * (tpb - valid))
 
@@ -295,6 +308,8 @@ class LedgerMachine(RuleBasedStateMachine):
         toks = [data.draw(st.integers(0, 3), label="token") for _ in info["beams"]]
         if len(toks) > 1 and data.draw(st.booleans(), label="one int for every beam"):
             toks = [toks[0]] * len(toks)
+        self._engine_step()
+        self._write(rid, [n - 1])  # the forward that sampled this token wrote the newest one's KV
         before = self.m.snapshot()
         try:
             self.m.add_token(rid, toks[0] if len(toks) == 1 or len(set(toks)) == 1 else toks)
@@ -308,7 +323,7 @@ class LedgerMachine(RuleBasedStateMachine):
             info["extra"].append(0)  # generated tokens carry extra id 0 (docs/semantics.md)
         self._engine_step()
         self._check_query_windows(rid, n, n)
-        self._write(rid, [n])
+        self._unwritten(rid, n)  # its KV comes with the next forward
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -335,14 +350,15 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data(), op=st.sampled_from(["none", "new", "reuse", "reuse_pin"]))
     def speculate(self, data, op):
-        """One speculative step: the newest token plus up to `num_draft_tokens` drafts (up to
-        three for requests that declared none), one verify forward over all of them (every
-        query's window checked), maybe a store or pin, then the rejected drafts rewound."""
+        """One speculative step: up to `num_draft_tokens` drafts (up to three for requests that
+        declared none) after the newest token, one verify forward over the newest token and
+        the drafts (every query's window checked), maybe a store or pin, then the rejected
+        drafts rewound."""
         rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
         info = self.live[rid]
         if len(info["beams"]) != 1:
             return
-        k = data.draw(st.integers(1, 1 + (info["drafts"] or 3)), label="step tokens")
+        k = data.draw(st.integers(1, info["drafts"] or 3), label="drafts")
         first = len(info["beams"][0])
         added = 0
         for _ in range(k):
@@ -362,15 +378,15 @@ class LedgerMachine(RuleBasedStateMachine):
             added += 1
         if not added:
             return
-        # the verify forward: queries at every added position, KV written afterwards. The
+        # the verify forward: queries at the newest token and every draft, KV written. The
         # ledger keeps what the newest token and num_draft_tokens drafts see (a request
         # without drafts that speculates anyway breaks that contract: its step is checked
         # from the newest token back over its declared drafts only)
         self._engine_step()
-        self._check_seq_content(rid, first)
+        self._check_seq_content(rid, first - 1)
         last = first + added - 1
-        self._check_query_windows(rid, max(first, last - info["drafts"]), last)
-        self._write(rid, range(first, first + added))
+        self._check_query_windows(rid, max(first - 1, last - info["drafts"]), last)
+        self._write(rid, range(first - 1, first + added))  # inputs: the newest token and every draft
         if op == "new":
             self.m.store_new_block(rid)
         elif op != "none":
@@ -378,7 +394,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if op == "reuse_pin":
                 self.pins.append(ids)
                 self._record_pins(rid)
-        j = data.draw(st.integers(0, added - 1), label="rejected")  # the first token is not a draft
+        j = data.draw(st.integers(0, added), label="rejected")
         before = self.m.snapshot()
         try:
             self.m.rewind(rid, j)
@@ -571,7 +587,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def slot_contents(self):
         self._engine_step()
         for rid, info in self.live.items():
-            self._check_seq_content(rid, len(info["beams"][0]))
+            self._check_seq_content(rid, len(info["beams"][0]) - 1)  # the newest may have no KV yet
         # every cached block holds what its tree path spells
         inspector = self.m.inspector
         for w in self.config.windows:
