@@ -1,8 +1,8 @@
 """Hypothesis stateful test of the whole ledger on tiny pools (issue 2 quality bar, issue 7).
 
-Random operation sequences (add, add batch, add token, speculative steps with draft tokens and
-rejections, rewind, store, remove, pin/unpin, refresh with a fake clock, take_transfers,
-scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4, 0-4 secondary
+Random operation sequences (add, add batch, chunked prefill, add token, speculative steps with
+draft tokens and rejections, rewind, store, remove, pin/unpin, refresh with a fake clock,
+take_transfers, scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4, 0-4 secondary
 blocks, optionally a second, sliding window and beam width 2), so eviction, offload, onboard,
 partial reuse, copies, sliding-window detach and rewinds happen all the time.
 
@@ -11,12 +11,13 @@ keeps a model of every memory slot's content (one tag per token position, a tag 
 token and every token before it plus the isolation keys). Every `TransferPlan` is replayed op
 by op with the semantics documented in kvjax/ledger/transfer_plan.py, and a model forward
 writes each sequence's new tokens into the slots its block table names. Forwards run as an
-engine runs them: a prefill writes the whole prompt, a decode token's KV is written by the next
-forward (until then its position holds an "unwritten" marker, so a store that covered the
-newest token would leave the marker in the tree), a speculative verify writes the previous
-newest token and every draft. Then:
+engine runs them: a prefill writes the prompt, whole or in chunks (the ledger is told each
+chunk with `set_context_position`); a decode token's KV is written by the next forward; a
+speculative verify writes the previous newest token and every draft. A position no forward
+has written yet holds an "unwritten" marker, so a store that covered it would leave the
+marker in the tree. Then:
   * every live sequence's block table points at slots holding exactly its own tokens, for
-    every position but the newest (prepopulated positions included), placeholders aside;
+    every position a forward wrote (prepopulated positions included), placeholders aside;
   * every block in the radix tree holds the tokens its tree path spells (primary or secondary);
   * pinned blocks (of live or removed sequences) keep every position they held when pinned
     until unpinned, through rewinds too;
@@ -156,13 +157,37 @@ class LedgerMachine(RuleBasedStateMachine):
                     slot = int(table[b, i // tpb])
                     self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i, info["extra"]))
 
-    def _unwritten(self, rid, i):
-        """Mark position `i` as holding no KV yet (a token the next forward computes)."""
+    def _unwritten(self, rid, positions):
+        """Mark `positions` as holding no KV yet (tokens a later forward computes)."""
         info = self.live[rid]
         for w in self.config.windows:
             table = self.m.block_table([rid], w if self.multi else None)
             for b in range(len(info["beams"])):
-                self.model.write(w, int(table[b, i // self.tpb]), i % self.tpb, ("unwritten", rid, b, i))
+                for i in positions:
+                    self.model.write(w, int(table[b, i // self.tpb]), i % self.tpb, ("unwritten", rid, b, i))
+
+    def _written(self, rid):
+        """Positions whose KV the forwards so far wrote: the prefilled prompt tokens while
+        the prefill runs, then every token but the newest (whose KV the next forward writes)."""
+        info = self.live[rid]
+        done = info["prefilled"] == info["prompt_len"]
+        return len(info["beams"][0]) - 1 if done else info["prefilled"]
+
+    def _decoding(self):
+        return sorted(r for r, info in self.live.items() if info["prefilled"] == info["prompt_len"])
+
+    def _prefill(self, data, req, p):
+        """The admitted request's prefill from its prepopulated length `p`: the whole prompt,
+        or (drawn) a first chunk, the rest left to `prefill_chunk`."""
+        rid, n = req.request_id, len(req.prompt)
+        end = n
+        if n - p > 1 and data.draw(st.booleans(), label="chunked prefill"):
+            end = data.draw(st.integers(p, n - 1), label="first chunk end")
+        self._write(rid, range(p, end))
+        if end < n:
+            self._unwritten(rid, range(end, n))
+            self.m.set_context_position(rid, end)
+        self.live[rid]["prefilled"] = end
 
     def _check_seq_content(self, rid, upto):
         info = self.live[rid]
@@ -212,6 +237,7 @@ class LedgerMachine(RuleBasedStateMachine):
             extra=None if req.extra_ids is None else list(req.extra_ids),
             drafts=req.num_draft_tokens,
             longest=len(req.prompt),  # most tokens held so far (sliding windows detach against it)
+            prefilled=len(req.prompt),  # prompt tokens whose KV is written (`_prefill` sets it)
         )
 
     def _check_query_windows(self, rid, first, last):
@@ -232,14 +258,14 @@ class LedgerMachine(RuleBasedStateMachine):
         taken before a removal) holds at the positions the request wrote (all but the newest,
         whose KV the next forward writes); later positions of a slot may hold stale KV of
         rewound tokens."""
-        tpb, n = self.tpb, len(self.live[rid]["beams"][0])
+        tpb, n = self.tpb, self._written(rid)
         rows = rows or {w: self._rows(rid, w) for w in self.config.windows}
         for w, beams in rows.items():
             for beam in beams:
                 for d, bid in enumerate(beam):
                     blk = None if bid == PLACEHOLDER_BLOCK_ID else self.m.block(bid, w if self.multi else None)
                     if blk is not None and blk.pin_count:
-                        valid = max(0, min(tpb, n - 1 - d * tpb))
+                        valid = max(0, min(tpb, n - d * tpb))
                         content = list(self.model.read(w, blk.level, blk.slot))
                         self.pinned_content.setdefault((w, bid), []).append(content[:valid] + [None] * (tpb - valid))
 
@@ -275,7 +301,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._admitted(req, p)
         self._check_seq_content(req.request_id, p)  # reused KV is this request's own
         self._check_query_windows(req.request_id, p, len(req.prompt) - 1)  # the prefill's queries
-        self._write(req.request_id, range(p, len(req.prompt)))
+        self._prefill(data, req, p)
 
     @precondition(lambda self: len(self.live) < 3)
     @rule(data=st.data(), n=st.integers(2, 3))
@@ -295,12 +321,12 @@ class LedgerMachine(RuleBasedStateMachine):
             self._check_seq_content(req.request_id, p)
             self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
         for req, p in zip(reqs, ps, strict=True):
-            self._write(req.request_id, range(p, len(req.prompt)))
+            self._prefill(data, req, p)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self._decoding())
     @rule(data=st.data())
     def add_token(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        rid = data.draw(st.sampled_from(self._decoding()), label="rid")
         info = self.live[rid]
         n = len(info["beams"][0])
         if n >= self.max_seq_len:
@@ -323,12 +349,30 @@ class LedgerMachine(RuleBasedStateMachine):
             info["extra"].append(0)  # generated tokens carry extra id 0 (docs/semantics.md)
         self._engine_step()
         self._check_query_windows(rid, n, n)
-        self._unwritten(rid, n)  # its KV comes with the next forward
+        self._unwritten(rid, [n])  # its KV comes with the next forward
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: any(i["prefilled"] < i["prompt_len"] for i in self.live.values()))
+    @rule(data=st.data(), store=st.booleans())
+    def prefill_chunk(self, data, store):
+        """The next chunk of a running prefill: its queries checked, its KV written, the
+        ledger told (`set_context_position`), maybe its full blocks stored."""
+        rid = data.draw(st.sampled_from(sorted(r for r, i in self.live.items() if i["prefilled"] < i["prompt_len"])))
+        info = self.live[rid]
+        start = info["prefilled"]
+        end = data.draw(st.integers(start + 1, info["prompt_len"]), label="chunk end")
+        self._engine_step()
+        self._check_seq_content(rid, start)
+        self._check_query_windows(rid, start, end - 1)
+        self._write(rid, range(start, end))
+        self.m.set_context_position(rid, end)
+        info["prefilled"] = end
+        if store:
+            self.m.store_context_blocks(rid)
+
+    @precondition(lambda self: self._decoding())
     @rule(data=st.data())
     def rewind(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        rid = data.draw(st.sampled_from(self._decoding()), label="rid")
         info = self.live[rid]
         generated = len(info["beams"][0]) - info["prompt_len"]
         if len(info["beams"]) != 1 or generated == 0:
@@ -347,14 +391,14 @@ class LedgerMachine(RuleBasedStateMachine):
         if info["extra"] is not None:
             del info["extra"][-k:]
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self._decoding())
     @rule(data=st.data(), op=st.sampled_from(["none", "new", "reuse", "reuse_pin"]))
     def speculate(self, data, op):
         """One speculative step: up to `num_draft_tokens` drafts (up to three for requests that
         declared none) after the newest token, one verify forward over the newest token and
         the drafts (every query's window checked), maybe a store or pin, then the rejected
         drafts rewound."""
-        rid = data.draw(st.sampled_from(sorted(self.live)), label="rid")
+        rid = data.draw(st.sampled_from(self._decoding()), label="rid")
         info = self.live[rid]
         if len(info["beams"]) != 1:
             return
@@ -420,7 +464,10 @@ class LedgerMachine(RuleBasedStateMachine):
         elif op == "context":
             self.m.store_context_blocks(rid)
         elif op == "chunk":
-            pos = data.draw(st.integers(0, len(self.live[rid]["beams"][0])), label="pos")
+            # a context position the forwards reached (a prefill may still be running)
+            info = self.live[rid]
+            top = len(info["beams"][0]) if info["prefilled"] == info["prompt_len"] else info["prefilled"]
+            pos = data.draw(st.integers(0, top), label="pos")
             before = self.m.snapshot()
             try:
                 self.m.set_context_position(rid, pos)
@@ -524,7 +571,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self._admitted(req, p)
         self._check_seq_content(req.request_id, p)
         self._check_query_windows(req.request_id, p, len(req.prompt) - 1)
-        self._write(req.request_id, range(p, len(req.prompt)))
+        self._prefill(data, req, p)
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -586,8 +633,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def slot_contents(self):
         self._engine_step()
-        for rid, info in self.live.items():
-            self._check_seq_content(rid, len(info["beams"][0]) - 1)  # the newest may have no KV yet
+        for rid in self.live:
+            self._check_seq_content(rid, self._written(rid))
         # every cached block holds what its tree path spells
         inspector = self.m.inspector
         for w in self.config.windows:
