@@ -17,6 +17,7 @@ from kvjax.errors import InvalidArgumentError, KVCacheError, UnknownRequestError
 from kvjax.ledger import radix_tree
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.request import RetentionConfig, TokenRangeRetention
+from ledger_helpers import make_config
 
 TPB = 4
 
@@ -264,3 +265,36 @@ def test_a_reused_partial_block_stored_by_a_decode_step_takes_the_requests_reten
     assert batched.snapshot() == looped.snapshot()
     assert batched.block(reused).priority == looped.block(reused).priority
     batched.verify_integrity()
+
+
+def test_a_run_that_lost_its_tail_does_not_grow_back_in_place():
+    """A leaf run whose last position was evicted must not take a new position in place: that
+    position would get the evicted one's position id, and a storing cursor still naming the
+    evicted position (a request whose own block for that key stayed private, because another
+    request's block held the key) would take it for its own. Here request b's next stored
+    block then hung under request c's prefix, and a request with c's prefix reused it: 12
+    tokens of KV computed after another prompt. A new node (fresh ids) makes b's store walk
+    again, which stores b's block under b's own prefix."""
+    m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=8, max_seq_len=32))
+    k0, k1, y = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+    # admitted together, so neither reuses the other: b's blocks stay private when a's are stored
+    m.add_sequences([Request("a", k0 + k1 + [0], max_new_tokens=8), Request("b", k0 + k1 + [0], max_new_tokens=8)])
+    m.store_context_blocks("a")
+    m.store_context_blocks("b")  # b's cursor: the position holding a's block for k1
+    a0, a1, _ = m.block_ids("a")[0]
+    m.remove_sequence("a")
+    m.add_sequence(Request("d", list(range(20, 29)), max_new_tokens=0))  # the never-used blocks and a's third
+    m.add_sequence(Request("e", [40, 41], max_new_tokens=0))  # the next victim: a's k1 block, the run's tail
+    assert m.inspector.cached_block_ids() == {a0}
+    m.remove_sequence("d", store_for_reuse=False)
+    m.remove_sequence("e", store_for_reuse=False)
+    m.add_sequence(Request("c", k0 + y + [0], max_new_tokens=4))
+    m.store_context_blocks("c")  # y after k0: where k1 was
+    for t in (31, 32, 33, 34):
+        m.add_token("b", t)
+    m.store_new_block("b")
+    b2 = m.block_ids("b")[0][2]
+    assert [k.tokens for k in m.inspector.cached_path(b2)] == [tuple(k0), tuple(k1), (0, 31, 32, 33)]
+    m.remove_sequence("c")
+    assert m.add_sequence(Request("f", k0 + y + [0, 31, 32, 33, 7], max_new_tokens=0)) == 8  # k0 and y only
+    m.verify_integrity()
