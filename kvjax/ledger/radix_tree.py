@@ -241,7 +241,10 @@ class RadixTree:
 
     def can_grow(self, n: int, sid: int, block_bytes: int, k: int) -> bool:
         """May leaf `n` take `k` more positions of a path with signature `sid` in place? Only
-        a run of full blocks that never lost positions at its end, with ids to spare."""
+        a run of full blocks that never lost positions at its end (its content still as long
+        as its positions), with ids to spare. A run that lost its tail never grows back: the
+        new position would get the lost one's id, which a storing cursor may still name
+        (tests/ledger/test_store_paths.py shows the wrong reuse that follows)."""
         return (
             n != ROOT
             and self.children[n] is None
