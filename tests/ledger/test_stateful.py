@@ -688,7 +688,7 @@ class BeamMachine(LedgerMachine):
     FAMILY = dict(tpb=[4, 2], secondary=[0, 2], swa=[False, True], beams=[True])
 
 
-_settings = settings(max_examples=45, stateful_step_count=50, deadline=None)
+_settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 TestOffload = OffloadMachine.TestCase
 TestOffload.settings = _settings
 TestSlidingWindow = SlidingWindowMachine.TestCase
