@@ -606,6 +606,7 @@ class Episode:
         # the step's forward computes each row's newest token (its queries read their windows),
         # then the sampled tokens are added and the blocks they complete stored
         self.step()
+        batch = [info for info in batch if info.rid in self.live]  # a failed plan may readmit one
         for info in batch:
             self.forward(info, info.computed, info.n, "decode")
         if batch and self.rng.random() < 0.6:

@@ -128,8 +128,8 @@ class Request:
 
     def _plain(self) -> bool:
         """True when every field already has the form `validate` would leave it in and passes
-        its checks (the common request: an int, str or flat tuple id, list prompt, defaults elsewhere), so
-        admission does not pay for the general checks twice."""
+        its checks (the common request: an int, str or flat tuple id, list prompt, defaults
+        elsewhere), so admission does not pay for the general checks twice."""
         n, d, w = self.max_new_tokens, self.num_draft_tokens, self.beam_width
         return (
             _plain_id(self.request_id)

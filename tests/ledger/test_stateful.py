@@ -2,9 +2,9 @@
 
 Random operation sequences (add, add batch, chunked prefill, add token, speculative steps with
 draft tokens and rejections, rewind, store, remove, pin/unpin, refresh with a fake clock,
-take_transfers, scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4, 0-4 secondary
-blocks, optionally a second, sliding window and beam width 2), so eviction, offload, onboard,
-partial reuse, copies, sliding-window detach and rewinds happen all the time.
+take_transfers, scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4,
+0-4 secondary blocks, optionally a second, sliding window and beam width 2), so eviction,
+offload, onboard, partial reuse, copies, sliding-window detach and rewinds happen all the time.
 
 After every step: `verify_integrity()`, count and table invariants, and a data check. The test
 keeps a model of every memory slot's content (one tag per token position, a tag naming the
@@ -255,9 +255,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _record_pins(self, rid, rows=None):
         """Remember what every pinned block of request `rid` (`rows`: its block ids per window,
-        taken before a removal) holds at the positions the request wrote (all but the newest,
-        whose KV the next forward writes); later positions of a slot may hold stale KV of
-        rewound tokens."""
+        taken before a removal) holds at the positions a forward wrote (`_written`); later
+        positions of a slot may hold stale KV of rewound tokens."""
         tpb, n = self.tpb, self._written(rid)
         rows = rows or {w: self._rows(rid, w) for w in self.config.windows}
         for w, beams in rows.items():
@@ -356,7 +355,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def prefill_chunk(self, data, store):
         """The next chunk of a running prefill: its queries checked, its KV written, the
         ledger told (`set_context_position`), maybe its full blocks stored."""
-        rid = data.draw(st.sampled_from(sorted(r for r, i in self.live.items() if i["prefilled"] < i["prompt_len"])))
+        running = sorted(r for r, i in self.live.items() if i["prefilled"] < i["prompt_len"])
+        rid = data.draw(st.sampled_from(running), label="rid")
         info = self.live[rid]
         start = info["prefilled"]
         end = data.draw(st.integers(start + 1, info["prompt_len"]), label="chunk end")
