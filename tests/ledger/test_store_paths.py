@@ -281,7 +281,7 @@ def test_a_run_that_lost_its_tail_does_not_grow_back_in_place():
     m.add_sequences([Request("a", k0 + k1 + [0], max_new_tokens=8), Request("b", k0 + k1 + [0], max_new_tokens=8)])
     m.store_context_blocks("a")
     m.store_context_blocks("b")  # b's cursor: the position holding a's block for k1
-    a0, a1, _ = m.block_ids("a")[0]
+    a0 = m.block_ids("a")[0][0]  # a's k0 block: the one left cached below
     m.remove_sequence("a")
     m.add_sequence(Request("d", list(range(20, 29)), max_new_tokens=0))  # the never-used blocks and a's third
     m.add_sequence(Request("e", [40, 41], max_new_tokens=0))  # the next victim: a's k1 block, the run's tail
