@@ -297,7 +297,7 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
     if batched.snapshot() != looped.snapshot():
         raise AssertionError("add_tokens and add_token one by one left different ledgers")
     # a batch that changes every step (requests finish and join): nothing learned carries over
-    churn = 0.0
+    churn = churn_store = 0.0
     for k, tokens in enumerate(step_tokens[steps:], 1):
         order = ids[k:] + ids[:k]  # another id list each step
         tokens = np.roll(tokens, -k)
@@ -305,7 +305,10 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         batched.add_tokens(order, tokens)
         batched.block_table(order, max_blocks=width)
         batched.take_transfers()
-        churn += clock() - t0
+        t1 = clock()
+        batched.store_new_blocks(list(order))  # the step's own list, rebuilt as an engine does
+        churn_store += clock() - t1
+        churn += t1 - t0
     batched.verify_integrity()
     noop = _Noop().add_token
     t0 = clock()
@@ -322,6 +325,7 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         block_table_us=table * us,
         take_transfers_us=take * us,
         changing_batch_step_us=churn / churn_steps * 1e6,
+        changing_batch_store_us=churn_store / churn_steps * 1e6,
         per_call_step_us=(loop_add + loop_table + loop_take) * us,
         per_call_add_token_us=loop_add * us,
         store_new_blocks_us=store * us,
@@ -432,6 +436,7 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("decode", "bare_call_loop_us", "  (us of the bare loop of no-op calls)"),
         ("decode", "store_new_blocks_us", "  (us of store_new_blocks after the step's forward)"),
         ("decode", "per_call_store_new_block_us", "  (us of the same with one store_new_block each)"),
+        ("decode", "changing_batch_store_us", "  (us of store_new_blocks, id list new every step)"),
         ("events", "events_with_wire_us_per_stored_block", "  (us/stored block with vLLM wire events made too)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]

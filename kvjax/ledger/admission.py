@@ -321,7 +321,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
                 # storing resumes after the matched chain
                 n = bnode[matched[-1]]
-                sw.cursor = (n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched))
+                wm.set_cursor(sw, (n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched)), own=True)
             if wa.partial is not None:
                 b, n_tok = wa.partial
                 prio, dur = seq.block_priority(len(matched), tpb)
@@ -360,6 +360,8 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                 row = [*row, *fresh] if row else fresh
             if row:  # one write of the shared row: matches, the partial one, fresh blocks
                 wm.extend_blocks(sw, row)
+                if sw.cursor is not None:  # phase A's cursor (on the matched chain): its row exists now
+                    wm.set_cursor(sw, sw.cursor, own=True)
             deltas = adm.deltas
             if reuse:
                 missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam

@@ -27,17 +27,22 @@ class SlotTable:
 
     A sequence window gets its rows (one per beam) with its first block and gives them back
     on release; rows and width grow by doubling, so memory follows the live batch (bounded by
-    the pool), never time.
+    the pool), never time. Beside each row, `store_due` int64 `[rows]` holds its sequence's
+    store hint (`set_store_due`), so a decode step's store pre-check is a column comparison.
     """
 
     __slots__ = (
         "null_slot", "table", "lengths", "cells", "length_of", "free_rows", "next_row", "epoch", "longest", "row_of_id",
+        "store_due", "due_of",
     )  # fmt: skip
 
     def __init__(self, null_slot: int, rows: int = 64, width: int = 16) -> None:
         self.null_slot = null_slot
         self.table = np.full((rows, width), null_slot, dtype=np.int32)  # [rows, width]
         self.lengths = np.zeros(rows, dtype=np.int32)  # [rows]
+        # per row, the store hint of its one-beam sequence: 0, or the materialised token count
+        # from which it may hold a full block not yet stored (`set_store_due`)
+        self.store_due = np.zeros(rows, dtype=np.int64)  # [rows]
         self._views()
         self.free_rows: list[int] = []
         self.next_row = EMPTY_ROW + 1
@@ -54,6 +59,8 @@ class SlotTable:
         rows = sw.rows
         if rows is None:
             rows = sw.rows = [self._new_row() for _ in range(len(sw.blocks))]
+            for r in rows:  # a recycled row says nothing of its new owner's cursor
+                self.due_of[r] = 0
             if len(rows) == 1:
                 self.row_of_id[sw.request_id] = rows[0]
             self.epoch += 1
@@ -82,6 +89,9 @@ class SlotTable:
             lengths = np.zeros(rows, dtype=np.int32)  # [rows]
             lengths[: self.lengths.shape[0]] = self.lengths
             self.lengths = lengths
+            due = np.zeros(rows, dtype=np.int64)  # [rows]
+            due[: self.store_due.shape[0]] = self.store_due
+            self.store_due = due
         self._views()
 
     def _views(self) -> None:
@@ -89,6 +99,7 @@ class SlotTable:
         access costs several times more); renewed whenever the arrays are replaced."""
         self.cells = memoryview(self.table)
         self.length_of = memoryview(self.lengths)
+        self.due_of = memoryview(self.store_due)
 
     def _fit(self, length: int) -> None:
         """Make room for a row of `length` slots."""
@@ -111,11 +122,22 @@ class SlotTable:
             del self.row_of_id[sw.request_id]
         table, length_of, null = self.table, self.length_of, self.null_slot
         for r in rows:
+            self.due_of[r] = 0
             n = length_of[r]
             if n:
                 table[r, :n] = null
                 length_of[r] = 0
         self.free_rows.extend(rows)
+
+    def set_store_due(self, sw: SequenceWindow, due: int) -> None:
+        """File the store hint of a one-beam sequence's row (nothing for a sequence with no
+        row yet, or several: their rows keep 0). A nonzero hint promises that while the
+        sequence materialises fewer than `due` tokens, it holds no full block to store
+        (`store_new_blocks` skips the row on that alone); 0 promises nothing. The window
+        manager's `set_cursor` is the only caller."""
+        rows = sw.rows
+        if rows is not None and len(rows) == 1:
+            self.due_of[rows[0]] = due
 
     # ------------------------------------------------------------------ writers
     def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
@@ -228,6 +250,8 @@ class SlotTable:
         held[list(owner)] = True
         if lengths[~held].any():
             raise IntegrityError("slot table: a row nobody holds is not empty")
+        if self.store_due.shape[0] != table.shape[0] or self.store_due[~held].any() or (self.store_due < 0).any():
+            raise IntegrityError("slot table: a row nobody holds has a store hint, or a hint is negative")
         past = np.arange(table.shape[1])[None, :] >= lengths[:, None]  # [rows, width]
         if (table[past] != null).any():
             raise IntegrityError("slot table: an entry past a row's end is not the null slot")

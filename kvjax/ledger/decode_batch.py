@@ -7,14 +7,19 @@ and blocks that sliding-window detaches would free are counted back), and change
 
 Speed: the manager keeps the last batch (`DecodeBatch`: its sequences, their token lists and
 how many more tokens each can append before it must allocate or detach a block), dropped by
-every other change to a sequence's tokens or `slow_at` or to the set of live sequences (one
-store; `add_tokens` keeps the batch it runs current itself). A step whose requests start no block
-is then a vectorised check of the tokens plus one C-level `list.append` per request. Requests
+every other change to a sequence's tokens or `slow_at` and by every removal (`add_tokens` keeps
+the batch it runs current itself; an admission keeps it: a new sequence is in no cached batch).
+A step whose requests start no block is then a vectorised check of the tokens plus one C-level
+`list.append` per request. Requests
 that start a block (one in `tokens_per_block`) share one claim of victims per window
 (`take_fresh`) and one slot-table write; the others that need more (beams, cross caches, extra
 ids, a sliding-window detach) run `add_token`'s own slow path, in row order. A small step (at
 most `SMALL_BATCH` rows) whose every row only appends skips the batch: its rows are checked
 and appended one by one, which up to about 64 rows costs less than the batch's numpy calls.
+
+The batch also serves the step's `store_new_blocks` (same id list): `store_candidates` picks the
+rows that may have completed a block from its token counts and the slot table's store hints,
+so the others are never read.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "store_rows", "store_epoch")
 
     def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
         self.ids = ids
@@ -53,6 +58,10 @@ class DecodeBatch:
         self.token_lists: list[list[int]] = [s.tokens for s in seqs]
         self.num_tokens = int_array([len(t) for t in self.token_lists])  # [n]
         self.left = int_array([s.slow_at for s in seqs]) - 1 - self.num_tokens  # [n]
+        # `store_candidates`: the rows' slot-table rows as of the table's `store_epoch` (an
+        # empty array: some row can never take that path)
+        self.store_rows: np.ndarray | None = None
+        self.store_epoch = -1
 
 
 _SIGNED_CODES = {4: "i", 8: "q"}  # struct codes of native signed ints by size
@@ -109,6 +118,42 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
         return None
     b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
     return b
+
+
+def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
+    """`store_new_blocks`' pre-check without a walk through the batch's sequences: when `ids`
+    is the cached batch's id list in a ledger of one full-attention window, and every row is a
+    one-beam self-attention sequence holding a slot-table row, the sequences (in row order)
+    that may hold a full block not yet stored; None otherwise (the caller checks every row).
+
+    A row is left out when its token count minus one (the newest token's KV is never
+    materialised, so this bounds what is) is below its row's store hint, which promises
+    nothing to store until then (`WindowBlockManager.set_cursor`). The rest are checked in
+    full by the caller, as any row would be."""
+    b = m._batch
+    bm = m._bm
+    if b is None or m._has_swa or len(bm.windows) != 1 or not same_ids(b.ids, ids):
+        return None
+    table = bm.windows[0].slot_table
+    rows = b.store_rows
+    if rows is None or b.store_epoch != table.epoch:
+        rows = b.store_rows = store_rows(b.seqs, ids, table.row_of_id)
+        b.store_epoch = table.epoch
+    if not len(rows):
+        return None
+    maybe = b.num_tokens - 1 >= table.store_due[rows]  # [n]
+    return list(compress(b.seqs, maybe.tolist()))
+
+
+def store_rows(seqs: list[TrackedSequence], ids: list | tuple, directory: dict) -> np.ndarray:
+    """Slot-table rows `[n]` of one-beam self-attention sequences; empty when some sequence
+    has beams, is a cross cache or holds no row yet."""
+    if not all([s.beam_width == 1 and not s.is_cross for s in seqs]):
+        return np.zeros(0, dtype=np.intp)
+    try:
+        return int_array([directory[r] for r in ids], np.intp)
+    except KeyError:
+        return np.zeros(0, dtype=np.intp)
 
 
 def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:

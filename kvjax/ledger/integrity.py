@@ -59,6 +59,8 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
                         _fail(f"window {w}: request {rid!r} references secondary block {blk}")
                     if slots[pos] != slot_col[blk]:
                         _fail(f"window {w}: slot row of {rid!r} says {slots[pos]} at {pos}, block {blk} owns {slot_col[blk]}")
+            if sw.rows is not None and len(sw.rows) == 1:
+                _verify_store_hint(bm, wm, rid, seq, sw)
             for blk in sw.unique_blocks():
                 refs[blk] += 1
         _verify_queues(wm)
@@ -77,6 +79,23 @@ def verify_ledger(bm: BlockManager, seqs: dict) -> None:
             if slots != list(range(count)):
                 _fail(f"window {w}: level-{level} slots are not a permutation of 0..{count - 1}")
     _verify_tree(bm)
+
+
+def _verify_store_hint(bm: BlockManager, wm, rid, seq, sw) -> None:
+    """A nonzero store hint (`WindowBlockManager.set_cursor`) is the cursor's, in a
+    full-attention window, and the cursor's position still holds the sequence's own block."""
+    due = int(wm.slot_table.store_due[sw.rows[0]])
+    if due == 0:
+        return
+    cur = sw.cursor
+    w = wm.window
+    if cur is None or wm.is_swa or due != (cur[2] + 1) * bm.tokens_per_block:
+        _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
+    found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
+    own = sw.blocks[0][cur[2] - 1]
+    row = None if found is None else bm.tree.values[wm.index][found[0][0]]
+    if row is None or row[found[0][1]] != own:
+        _fail(f"window {w}: the store hint of request {rid!r} trusts cursor {cur}, whose position lost block {own}")
 
 
 def _verify_queues(wm) -> None:

@@ -188,7 +188,7 @@ class KVCacheManager:
             seq = plan.seq
             seq.admit_counts = plan.deltas
             seq.prompt_path = plan.path
-            self._update_slow_at(seq)
+            self._set_slow_at(seq)  # a new sequence is in no cached batch: the batch stays
             self._seqs[seq.request_id] = seq
             out.append(plan.prepopulated)
         return out
@@ -254,8 +254,12 @@ class KVCacheManager:
         self._update_slow_at(seq)
 
     def _update_slow_at(self, seq: TrackedSequence) -> None:
-        """Next token count at which `add_token` must allocate or detach a block."""
+        """Next token count at which `add_token` must allocate or detach a block (a live
+        sequence's: the cached batch, which may hold it, goes)."""
         self._batch = None  # its counts of tokens left before `slow_at` go stale
+        self._set_slow_at(seq)
+
+    def _set_slow_at(self, seq: TrackedSequence) -> None:
         if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
             seq.slow_at = 0
             return
@@ -346,14 +350,22 @@ class KVCacheManager:
     @writer
     def store_new_blocks(self, request_ids: Sequence[Hashable]) -> None:
         """`store_new_block` of each request, in order, in one call (an engine's decode step,
-        where most requests completed no block since the last store: each of those costs one
-        comparison). Every id is looked up first: an unknown one raises `UnknownRequestError`
-        and nothing is stored. Repeating an id is harmless (its second store finds nothing)."""
-        seqs = self._seqs_of(check_id_list("request_ids", request_ids))
+        where most requests completed no block since the last store). Every id is looked up
+        first: an unknown one raises `UnknownRequestError` and nothing is stored. Repeating an
+        id is harmless (its second store finds nothing). Called with the id list of the step's
+        `add_tokens` (admissions in between keep it), the requests with nothing new are found
+        by one comparison of two columns, without reading their objects
+        (`decode_batch.store_candidates`); otherwise each costs one comparison."""
+        ids = check_id_list("request_ids", request_ids)
         bm = self._bm
-        if not bm.reuse:
-            return
-        seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
+        maybe = decode_batch.store_candidates(self, ids) if bm.reuse else None
+        if maybe is not None:  # the ids of the cached `add_tokens` batch: only rows that may store
+            seqs = maybe
+        else:
+            seqs = self._seqs_of(ids)
+            if not bm.reuse:
+                return
+            seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
         if self._kv_valid:
             counts = [self._materialised(s) for s in seqs]
         else:  # `_materialised` of each (no failed transfer pending), in one pass

@@ -74,7 +74,7 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
             if pos is not None and tree.position_tokens(*pos) > filled:
                 wm.drop_cached(b, evicted=False)
         if sw.cursor is not None and sw.cursor[2] > last:
-            sw.cursor = None
+            wm.set_cursor(sw, None, own=False)
     del seq.tokens[new_n:]  # `seq.num_tokens` follows
     if seq.extra_ids is not None:
         del seq.extra_ids[new_n:]

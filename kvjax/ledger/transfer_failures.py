@@ -175,6 +175,7 @@ def _cut_back(m: KVCacheManager, seq, cut: int) -> None:
     if seq.prepopulated > cut:
         seq.prepopulated = cut  # what `request_stats` reports as prepopulated tokens
     tpb = m.tokens_per_block
-    for sw in seq.windows:
+    for wm in m._bm.windows:
+        sw = seq.windows[wm.index]
         if sw.cursor is not None and sw.cursor[2] > cut // tpb:  # must not skip the recomputed blocks
-            sw.cursor = None
+            wm.set_cursor(sw, None, own=False)

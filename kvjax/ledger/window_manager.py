@@ -259,6 +259,22 @@ class WindowBlockManager:
         sw.num_front_removed = pos + 1
 
     # ------------------------------------------------------------------ storing for reuse
+    def set_cursor(self, sw: SequenceWindow, cursor: tuple[int, int, int] | None, own: bool) -> None:
+        """Move a sequence's storing cursor ((node, position id, full blocks) of its last full
+        block known stored; None: forget it) and file the row's store hint to match.
+
+        The hint is `(full blocks + 1) * tokens_per_block` only when the position holds the
+        sequence's own block (`own`) in a full-attention window: a block the sequence
+        references is never evicted, and nothing else takes a referenced block out of the tree
+        (a split moves it, keeping its position id), so until a new full block materialises
+        the sequence has nothing to store, which is all `store_new_blocks` may skip a row
+        for. A cursor on another request's block (ours stayed private: a duplicate) can lose
+        its position to an eviction, after which the sequence stores its own block there; a
+        sliding window releases old blocks. Those, and no cursor, file 0 (always check)."""
+        sw.cursor = cursor
+        due = (cursor[2] + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
+        self.slot_table.set_store_due(sw, due)
+
     def cursor_position(self, seq: TrackedSequence, sw: SequenceWindow) -> tuple[tuple[int, int], int] | None:
         """Where the sequence's storing cursor is ((node, offset), full blocks), or None when
         it has none or its position was pruned since."""
@@ -306,7 +322,10 @@ class WindowBlockManager:
 
             attached, cursor = self.tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
             if cursor is not None:
-                sw.cursor = (cursor[0], cursor[1], n_full)
+                node, pid = cursor
+                row = self.tree.values[self.index][node]  # None: the node holds nothing of this window
+                own = row is not None and row[pid - self.tree.pid[node]] == sw.blocks[0][n_full - 1]
+                self.set_cursor(sw, (node, pid, n_full), own)
             if not attached:
                 return 0
         queues = self.queues
@@ -337,7 +356,7 @@ class WindowBlockManager:
         content = encode_tokens(seq.tokens[depth * tpb : (depth + 1) * tpb])
         if not tree.extend_leaf(self.index, node, o, seq.signature, content, b):
             return NO_BLOCK
-        sw.cursor = (node, tree.pid[node] + o + 1, depth + 1)
+        self.set_cursor(sw, (node, tree.pid[node] + o + 1, depth + 1), own=True)
         return b
 
     def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from kvjax import CacheConfig, KVCacheManager, Request
 from kvjax.errors import InvalidArgumentError, KVCacheError, UnknownRequestError
-from kvjax.ledger import radix_tree
+from kvjax.ledger import decode_batch, radix_tree
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.request import RetentionConfig, TokenRangeRetention
 from ledger_helpers import make_config
@@ -124,13 +124,38 @@ def test_extend_leaf_leaves_the_ledger_as_the_walk_does(seed, windows, run_limit
 
 
 # ---------------------------------------------------------------------------- store_new_blocks
+class _CandidateSpy:
+    """Counts `store_new_blocks` calls that took the store-hint pre-check, and the rows it let
+    through against the rows asked."""
+
+    def __init__(self, monkeypatch_obj) -> None:
+        self.calls = self.rows = self.kept = 0
+        real = decode_batch.store_candidates
+
+        def store_candidates(m, ids):
+            out = real(m, ids)
+            if out is not None:
+                self.calls += 1
+                self.rows += len(ids)
+                self.kept += len(out)
+            return out
+
+        monkeypatch_obj.setattr(decode_batch, "store_candidates", store_candidates)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(("windows", "events"), [(None, False), (None, True), ((96, 12), False)])
-def test_store_new_blocks_is_store_new_block_of_each(seed, windows, events):
+@pytest.mark.parametrize("append", ["add_token", "add_tokens"])
+def test_store_new_blocks_is_store_new_block_of_each(seed, windows, events, append, monkeypatch):
     """The batched call against one call per id, on twin ledgers driven like an engine's steps
     (chunked prefills part-way through, drafts and rewinds, retention wishes, pins, finished
-    requests, an id repeated in the list), compared after every step."""
+    requests, an id repeated in the list), compared after every step. With `add_tokens`, the
+    step's id list usually stays the same from step to step, as a decode batch's does, so the
+    batched store takes its store-hint pre-check whenever the ledger keeps that batch (one
+    full-attention window): requests that stored nothing new are then skipped unread."""
+    spy = _CandidateSpy(monkeypatch)
     rng = random.Random(seed)
+    order: list[int] = []
     batched, looped = KVCacheManager(_config(windows, events)), KVCacheManager(_config(windows, events))
     retention = RetentionConfig([TokenRangeRetention(0, 8, 70)], decode_priority=30)
     live: dict[int, int] = {}  # request id -> draft tokens it may rewind
@@ -176,23 +201,41 @@ def test_store_new_blocks_is_store_new_block_of_each(seed, windows, events):
             rid = rng.choice(list(live))
             assert batched.store_blocks_for_reuse(rid, pin=pin) == looped.store_blocks_for_reuse(rid, pin=pin)
         else:
-            ids = list(live)
-            rng.shuffle(ids)
-            for rid in ids:
-                tok = rng.randrange(6)
+            if set(order) != set(live) or rng.random() < 0.2:  # the batch changed, or is reordered
+                order = list(live)
+                rng.shuffle(order)
+            ids = list(order)
+            toks = [rng.randrange(6) for _ in ids]
+            together = append == "add_tokens"
+            if together:
+                answers = []
                 for m in (batched, looped):
                     try:
-                        m.add_token(rid, tok)
-                    except KVCacheError:
-                        pass
+                        m.add_tokens(ids, toks)  # atomic: a refusal changes nothing
+                        answers.append("ok")
+                    except KVCacheError as e:
+                        answers.append(type(e).__name__)
+                assert answers[0] == answers[1]
+                together = answers[0] == "ok"
+            if not together:
+                for rid, tok in zip(ids, toks, strict=True):
+                    for m in (batched, looped):
+                        try:
+                            m.add_token(rid, tok)
+                        except KVCacheError:
+                            pass
             if ids and rng.random() < 0.2:
                 ids.append(ids[0])  # a repeated id stores nothing more
             batched.store_new_blocks(ids)
             for rid in ids:
                 looped.store_new_block(rid)
         assert batched.snapshot() == looped.snapshot(), step
-    batched.verify_integrity()
+        batched.verify_integrity()  # store hints included
     looped.verify_integrity()
+    if append == "add_tokens" and windows is None:
+        assert spy.calls > 10 and spy.kept < spy.rows  # the pre-check ran, and skipped rows
+    else:
+        assert spy.calls == 0  # per-token calls keep no batch; two windows never take it
     if events:
         for m in (batched, looped):
             m.flush_iteration_events()
@@ -298,3 +341,67 @@ def test_a_run_that_lost_its_tail_does_not_grow_back_in_place():
     m.remove_sequence("c")
     assert m.add_sequence(Request("f", k0 + y + [0, 31, 32, 33, 7], max_new_tokens=0)) == 8  # k0 and y only
     m.verify_integrity()
+
+
+def test_a_cursor_on_another_requests_block_is_checked_every_step():
+    """The store hint skips a row only while its cursor sits on the request's own block (which
+    no eviction can take). Request b's cursor sits on request a's block for the same key (b's
+    own stayed private: they were admitted together). Once a's block is evicted, b must store
+    its own block there in the very next `store_new_blocks`, even in a step where b completed
+    no block and the call takes the pre-check (the cached `add_tokens` batch: c starts a block)."""
+    k0, k1 = [1, 2, 3, 4], [5, 6, 7, 8]
+    ledgers = []
+    for batched in (True, False):
+        m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=11, max_seq_len=32))
+        m.add_sequences([Request("a", k0 + k1 + [0], max_new_tokens=8), Request("b", k0 + k1 + [0], max_new_tokens=8)])
+        m.add_sequence(Request("c", list(range(50, 58)), max_new_tokens=8))
+        for rid in ("a", "b", "c"):
+            m.store_context_blocks(rid)  # b's cursor: the position of a's block for k1
+        a0 = m.block_ids("a")[0][0]
+        m.remove_sequence("a")
+        m.add_sequence(Request("d", list(range(20, 36)), max_new_tokens=0))  # never-used blocks and a's third
+        m.add_sequence(Request("e", [40, 41], max_new_tokens=0))  # the next victim: a's k1 block
+        assert m.inspector.cached_block_ids() & {a0, *m.block_ids("b")[0]} == {a0}
+        m.remove_sequence("d", store_for_reuse=False)
+        m.remove_sequence("e", store_for_reuse=False)
+        m.add_tokens(["b", "c"], [31, 60])  # b appends inside its last block; c starts one
+        if batched:
+            m.store_new_blocks(["b", "c"])
+        else:
+            m.store_new_block("b")
+            m.store_new_block("c")
+        b1 = m.block_ids("b")[0][1]
+        assert b1 in m.inspector.cached_block_ids()  # b's own k1 block, under a's k0
+        m.verify_integrity()
+        ledgers.append(m)
+    assert ledgers[0].snapshot() == ledgers[1].snapshot()
+
+
+def test_an_engine_step_with_admissions_keeps_the_store_pre_check(monkeypatch):
+    """An engine's step: `add_tokens` of the decode batch, admissions, the forward, then
+    `store_new_blocks` of the same ids. Admitting new requests in between keeps the cached
+    batch (they are in no batch), so the store still skips the rows with nothing new, and ends
+    where one `store_new_block` per id does."""
+    spy = _CandidateSpy(monkeypatch)
+    rng = random.Random(3)
+    ledgers = [KVCacheManager(make_config(tokens_per_block=4, primary_blocks=1200, max_seq_len=64)) for _ in range(2)]
+    ids = list(range(80))  # above `SMALL_BATCH`: every step keeps its batch
+    prompts = {i: [rng.randrange(50) for _ in range(5 + i % 7)] for i in range(100)}
+    for m in ledgers:
+        m.add_sequences([Request(i, prompts[i], max_new_tokens=20) for i in ids])
+    for step in range(12):
+        toks = [rng.randrange(50) for _ in ids]
+        joining = [Request(100 + 10 * step + j, prompts[rng.randrange(100)], max_new_tokens=4) for j in range(2)]
+        for k, m in enumerate(ledgers):
+            m.add_tokens(ids, toks)
+            m.add_sequences(joining)
+            if k == 0:
+                m.store_new_blocks(list(ids))
+            else:
+                for i in ids:
+                    m.store_new_block(i)
+            for r in joining:
+                m.remove_sequence(r.request_id)
+        assert ledgers[0].snapshot() == ledgers[1].snapshot(), step
+    ledgers[0].verify_integrity()
+    assert spy.calls == 12 and spy.kept < spy.rows // 2
