@@ -165,11 +165,10 @@ class CapacityScheduler:
     def _guaranteed_no_evict(self, running: list[LiveRequest]):
         led = self.ledger
         free = {w: led.num_free_blocks(w) for w in self.windows}
-        reserved = {w: 0 for w in self.windows}
+        ids = [r.request_id for r in running]  # one batched query per window, not one per request
+        reserved = {w: int(led.remaining_blocks_to_completion_many(ids, w).sum()) for w in self.windows}
         out = Schedule()
         for r in running:
-            for w in self.windows:
-                reserved[w] += led.remaining_blocks_to_completion(r.request_id, w)
             (out.generation if r.phase is Phase.GENERATION else out.context).append(r)
 
         def fits(request, summary=None) -> bool:
@@ -187,22 +186,29 @@ class CapacityScheduler:
         look = self.config.two_steps_lookahead
         led.start_scheduling()
         scheduled = {w: 0 for w in self.windows}
+        free = {w: led.scheduling_num_free_blocks(w) for w in self.windows}  # read again after each pause
         out = Schedule()
 
-        def try_fit(request_or_id, summary=None) -> bool:
-            # a new request's summary (one planning pass) serves every window's query
-            need = {w: led.needed_blocks_one_step(request_or_id, look, w, summary=summary) for w in self.windows}
-            if all(led.scheduling_has_free_blocks(scheduled[w] + need[w], w) for w in self.windows):
+        def fits(need: dict[int, int]) -> bool:
+            if all(scheduled[w] + need[w] <= free[w] for w in self.windows):
                 for w in self.windows:
                     scheduled[w] += need[w]
                 return True
             return False
 
+        def try_fit(request_or_id, summary=None) -> bool:
+            # a new request's summary (one planning pass) serves every window's query
+            return fits({w: led.needed_blocks_one_step(request_or_id, look, w, summary=summary) for w in self.windows})
+
+        # the running requests' needs, one batched query per window (a pause frees blocks but
+        # changes no other request's need)
+        ids = [r.request_id for r in running]
+        needs = {w: dict(zip(ids, led.needed_blocks_one_step_many(ids, look, w).tolist(), strict=True)) for w in self.windows}
         candidates = list(running)
         i = 0
         while i < len(candidates):
             r = candidates[i]
-            if try_fit(r.request_id):
+            if fits({w: needs[w][r.request_id] for w in self.windows}):
                 (out.generation if r.phase is Phase.GENERATION else out.context).append(r)
                 i += 1
                 continue
@@ -211,6 +217,7 @@ class CapacityScheduler:
             if victim is None:
                 break
             led.scheduling_remove_sequence(victim.request_id)
+            free.update({w: led.scheduling_num_free_blocks(w) for w in self.windows})
             out.pause.append(victim)
             candidates.remove(victim)
         return out, try_fit

@@ -599,6 +599,22 @@ class KVCacheManager:
         return scheduler_queries.remaining_blocks_to_completion(self, request_or_id, window, summary)
 
     @reader
+    def needed_blocks_one_step_many(
+        self, request_ids: Sequence[Hashable], two_steps_lookahead: bool = False, window: int | None = None
+    ) -> np.ndarray:
+        """`needed_blocks_one_step` of each admitted request, int64 `[n]`, in one call (a
+        scheduler's step asks it of every running request). Every id is looked up first: an
+        unknown one raises `UnknownRequestError`."""
+        return scheduler_queries.needed_blocks_one_step_many(self, request_ids, two_steps_lookahead, window)
+
+    @reader
+    def remaining_blocks_to_completion_many(self, request_ids: Sequence[Hashable], window: int | None = None) -> np.ndarray:
+        """`remaining_blocks_to_completion` of each admitted request, int64 `[n]`, in one call
+        (a scheduler's step asks it of every running request). Every id is looked up first: an
+        unknown one raises `UnknownRequestError`."""
+        return scheduler_queries.remaining_blocks_to_completion_many(self, request_ids, window)
+
+    @reader
     def start_scheduling(self) -> None:
         """Begin a scheduling dry run: shadow ref counts start equal to the real ones. The dry
         run lasts until the ledger next changes (then its calls raise `SchedulingStateError`)."""
@@ -612,6 +628,13 @@ class KVCacheManager:
     @reader
     def scheduling_has_free_blocks(self, n: int, window: int | None = None) -> bool:
         return scheduler_queries.scheduling_has_free_blocks(self, n, window)
+
+    @reader
+    def scheduling_num_free_blocks(self, window: int | None = None) -> int:
+        """Dry run: the free blocks of `window` counting the removals so far (every window's
+        least with `window=None`): `scheduling_has_free_blocks(n, window)` is `n <=` this, so a
+        scheduler checking many requests against one dry run reads it once per removal."""
+        return scheduler_queries.scheduling_num_free_blocks(self, window)
 
     # ------------------------------------------------------------------ housekeeping
     @writer

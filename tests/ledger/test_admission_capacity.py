@@ -9,11 +9,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from kvjax import InvalidRequestError, KVCacheManager, OutOfBlocksError, Request
+from kvjax.errors import InvalidArgumentError, UnknownRequestError
 from ledger_helpers import SlotModel, make_config, tag
 
 R = range
@@ -244,3 +247,52 @@ def test_scheduler_queries_agree_with_admission_over_random_states():
     # the random states exercised both sides of the boundary and both exactness cases
     assert stats["fits"] > 150 and stats["single"] - stats["admitted"] > 50 and stats["plus_one"] > 0, stats
     assert stats["batch_fits"] > 50 and stats["batch"] - stats["batch_fits"] > 50, stats
+
+
+def test_batched_queries_answer_as_the_scalar_ones_over_random_states():
+    """`remaining_blocks_to_completion_many` and `needed_blocks_one_step_many` (what a
+    scheduler asks of every running request each step) against one scalar query per id, after
+    every operation of seeded random traffic: reuse on and off, sliding and variable windows,
+    beams, drafts, chunked prefills part-way through, sink tokens and a chunk budget (the
+    temporary window), requests holding no block yet. A bad id list changes nothing."""
+    rng = random.Random(20261201)
+    checked = 0
+    for c in range(40):
+        cfg = _random_config(rng)
+        extra = rng.choice([{}, {}, dict(sink_token_length=3), dict(max_num_tokens=5)])
+        if extra:
+            cfg = dataclasses.replace(cfg, **extra)
+        m = KVCacheManager(cfg)
+        live: list = []
+        pins: list = []
+        for step in range(50):
+            rid = f"{c}-{step}"
+            _history_step(rng, m, cfg, live, pins, rid)
+            if live and rng.random() < 0.2:  # a chunked prefill part-way through
+                r = rng.choice(live)
+                try:
+                    m.set_context_position(r, rng.randrange(6))
+                except InvalidRequestError:  # past its tokens, or a chunk whose blocks a sliding window released
+                    pass
+            ids = list(live)
+            rng.shuffle(ids)
+            for w in cfg.windows:
+                many = m.remaining_blocks_to_completion_many(ids, w)
+                assert many.dtype == np.int64 and many.shape == (len(ids),)
+                assert many.tolist() == [m.remaining_blocks_to_completion(r, w) for r in ids], (cfg, w)
+                for look in (False, True):
+                    many = m.needed_blocks_one_step_many(ids, look, w)
+                    assert many.tolist() == [m.needed_blocks_one_step(r, look, w) for r in ids], (cfg, w, look)
+                checked += len(ids)
+        before = m.snapshot()
+        with pytest.raises(UnknownRequestError):
+            m.remaining_blocks_to_completion_many([*live, "ghost"])
+        with pytest.raises(UnknownRequestError):
+            m.needed_blocks_one_step_many(["ghost", *live])
+        with pytest.raises(InvalidArgumentError):
+            m.needed_blocks_one_step_many(live, two_steps_lookahead="yes")
+        with pytest.raises(InvalidArgumentError):
+            m.remaining_blocks_to_completion_many("ab")
+        assert m.snapshot() == before
+        m.verify_integrity()
+    assert checked > 2000

@@ -146,6 +146,38 @@ MANAGER_ROWS = [
         set(),
         InvalidRequestError,
     ),
+    ("needed_blocks_one_step_many.request_id", lambda m, v: m.needed_blocks_one_step_many(["a", v]), set(), UnknownRequestError),
+    (
+        "needed_blocks_one_step_many.request_ids",
+        lambda m, v: m.needed_blocks_one_step_many(v),
+        set(),
+        {"list": UnknownRequestError, "array": UnknownRequestError, None: InvalidArgumentError},
+    ),
+    ("needed_blocks_one_step_many.two_steps", lambda m, v: m.needed_blocks_one_step_many(["a"], v), FLAGS, InvalidArgumentError),
+    (
+        "needed_blocks_one_step_many.window",
+        lambda m, v: m.needed_blocks_one_step_many(["a"], window=v),
+        {"none"},
+        InvalidArgumentError,
+    ),
+    (
+        "remaining_blocks_to_completion_many.request_id",
+        lambda m, v: m.remaining_blocks_to_completion_many(["a", v]),
+        set(),
+        UnknownRequestError,
+    ),
+    (
+        "remaining_blocks_to_completion_many.request_ids",
+        lambda m, v: m.remaining_blocks_to_completion_many(v),
+        set(),
+        {"list": UnknownRequestError, "array": UnknownRequestError, None: InvalidArgumentError},
+    ),
+    (
+        "remaining_blocks_to_completion_many.window",
+        lambda m, v: m.remaining_blocks_to_completion_many(["a"], v),
+        {"none"},
+        InvalidArgumentError,
+    ),
     (
         "scheduling_remove_sequence.request_id",
         lambda m, v: (m.start_scheduling(), m.scheduling_remove_sequence(v)),
@@ -161,6 +193,12 @@ MANAGER_ROWS = [
     (
         "scheduling_has_free_blocks.window",
         lambda m, v: (m.start_scheduling(), m.scheduling_has_free_blocks(1, v)),
+        {"none"},
+        InvalidArgumentError,
+    ),
+    (
+        "scheduling_num_free_blocks.window",
+        lambda m, v: (m.start_scheduling(), m.scheduling_num_free_blocks(v)),
         {"none"},
         InvalidArgumentError,
     ),
@@ -370,6 +408,7 @@ def test_scheduling_remove_twice_and_out_of_order():
     m.start_scheduling()
     m.scheduling_remove_sequence("a")
     free = [m.scheduling_has_free_blocks(n) for n in range(20)]
+    assert free == [n <= m.scheduling_num_free_blocks() for n in range(20)]
     with pytest.raises(DuplicateRequestError):
         m.scheduling_remove_sequence("a")  # would count a's blocks free twice
     assert [m.scheduling_has_free_blocks(n) for n in range(20)] == free  # prediction intact
@@ -377,6 +416,8 @@ def test_scheduling_remove_twice_and_out_of_order():
     m.add_sequence(Request("late", [5, 6, 7]))
     with pytest.raises(SchedulingStateError):
         m.scheduling_has_free_blocks(1)
+    with pytest.raises(SchedulingStateError):
+        m.scheduling_num_free_blocks()
     with pytest.raises(SchedulingStateError):
         m.scheduling_remove_sequence("b")
     m.start_scheduling()  # a new dry run starts clean, "a" may be removed again
