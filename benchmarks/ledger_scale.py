@@ -25,7 +25,9 @@ memory and GC targets to mean much, they only keep the script honest):
   microseconds per step (the target figure); beside it the same step with B `add_token`
   calls (a twin ledger, steps interleaved, checked to end identical) and the bare loop of B
   no-op method calls; and, outside the target figure, what storing the blocks the step's
-  forward completed costs (`store_new_blocks` of the B ids against B `store_new_block` calls).
+  forward completed costs (`store_new_blocks` of the B ids against B `store_new_block` calls),
+  and a scheduler's per-step question of every running request
+  (`remaining_blocks_to_completion_many` against one call per request).
 - events: microseconds per stored block that publishing KV events adds (same workload run with
   events on and off, interleaved, best of 3; the consumer's `get_latest_events` included);
   beside it the same with the events converted to vLLM's wire events too (`LedgerEventAdapter`,
@@ -310,6 +312,16 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         churn_store += clock() - t1
         churn += t1 - t0
     batched.verify_integrity()
+    # a scheduler's per-step question of every running request, batched and one call each
+    window = batched.windows[0]
+    many = one_each = 0.0
+    for _ in range(3):
+        t0 = clock()
+        total = int(batched.remaining_blocks_to_completion_many(ids, window).sum())
+        t1 = clock()
+        if total != sum(batched.remaining_blocks_to_completion(i, window) for i in ids):
+            raise AssertionError("the batched and per-request scheduler queries disagree")
+        many, one_each = many + t1 - t0, one_each + clock() - t1
     noop = _Noop().add_token
     t0 = clock()
     for _ in range(steps):
@@ -326,6 +338,8 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         take_transfers_us=take * us,
         changing_batch_step_us=churn / churn_steps * 1e6,
         changing_batch_store_us=churn_store / churn_steps * 1e6,
+        scheduler_query_us=many / 3 * 1e6,
+        per_call_scheduler_query_us=one_each / 3 * 1e6,
         per_call_step_us=(loop_add + loop_table + loop_take) * us,
         per_call_add_token_us=loop_add * us,
         store_new_blocks_us=store * us,
@@ -437,6 +451,8 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("decode", "store_new_blocks_us", "  (us of store_new_blocks after the step's forward)"),
         ("decode", "per_call_store_new_block_us", "  (us of the same with one store_new_block each)"),
         ("decode", "changing_batch_store_us", "  (us of store_new_blocks, id list new every step)"),
+        ("decode", "scheduler_query_us", "  (us of remaining_blocks_to_completion_many, B ids)"),
+        ("decode", "per_call_scheduler_query_us", "  (us of the same as B calls)"),
         ("events", "events_with_wire_us_per_stored_block", "  (us/stored block with vLLM wire events made too)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]
