@@ -139,6 +139,10 @@ class SlotTable:
         if rows is not None and len(rows) == 1:
             self.due_of[rows[0]] = due
 
+    def clear_store_hints(self) -> None:
+        """Every row back to "check" (a store moved a block some cursor may name)."""
+        self.store_due.fill(0)
+
     # ------------------------------------------------------------------ writers
     def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
         r = self.rows_of(sw)[beam]

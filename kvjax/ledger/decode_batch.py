@@ -10,12 +10,12 @@ how many more tokens each can append before it must allocate or detach a block),
 every other change to a sequence's tokens or `slow_at` and by every removal (`add_tokens` keeps
 the batch it runs current itself; an admission keeps it: a new sequence is in no cached batch).
 A step whose requests start no block is then a vectorised check of the tokens plus one C-level
-`list.append` per request. Requests
-that start a block (one in `tokens_per_block`) share one claim of victims per window
-(`take_fresh`) and one slot-table write; the others that need more (beams, cross caches, extra
-ids, a sliding-window detach) run `add_token`'s own slow path, in row order. A small step (at
-most `SMALL_BATCH` rows) whose every row only appends skips the batch: its rows are checked
-and appended one by one, which up to about 64 rows costs less than the batch's numpy calls.
+`list.append` per request. Requests that start a block (one in `tokens_per_block`) share one
+claim of victims per window (`take_fresh`) and one slot-table write; the others that need more
+(beams, cross caches, extra ids, a sliding-window detach) run `add_token`'s own slow path, in
+row order. A small step (at most `SMALL_BATCH` rows) whose every row only appends skips the
+batch: its rows are checked and appended one by one, which up to about 64 rows costs less
+than the batch's numpy calls.
 
 The batch also serves the step's `store_new_blocks` (same id list): `store_candidates` picks the
 rows that may have completed a block from its token counts and the slot table's store hints,

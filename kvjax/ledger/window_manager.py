@@ -265,12 +265,14 @@ class WindowBlockManager:
 
         The hint is `(full blocks + 1) * tokens_per_block` only when the position holds the
         sequence's own block (`own`) in a full-attention window: a block the sequence
-        references is never evicted, and nothing else takes a referenced block out of the tree
-        (a split moves it, keeping its position id), so until a new full block materialises
-        the sequence has nothing to store, which is all `store_new_blocks` may skip a row
-        for. A cursor on another request's block (ours stayed private: a duplicate) can lose
-        its position to an eviction, after which the sequence stores its own block there; a
-        sliding window releases old blocks. Those, and no cursor, file 0 (always check)."""
+        references is never evicted, and a split moves a position without changing its id, so
+        until a new full block materialises the sequence has nothing to store, which is all
+        `store_new_blocks` may skip a row for. A cursor on another request's block (ours stayed
+        private: a duplicate) can lose its position to an eviction, after which the sequence
+        stores its own block there; a sliding window releases old blocks. Those, and no
+        cursor, file 0 (always check). The one way a referenced block leaves its position is
+        a store that moves it under another key (a sharer storing it as a partial block, or a
+        partial block that grew): `store` then clears every hint of the window."""
         sw.cursor = cursor
         due = (cursor[2] + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
         self.slot_table.set_store_due(sw, due)
@@ -313,14 +315,13 @@ class WindowBlockManager:
             attached = [(depth, b)]
         else:
             path = seq.token_path(depth, num_tokens, tpb)
-            if events is None:
-                on_move = _ignore
-            else:
 
-                def on_move(d: int, b: int) -> None:  # a partial block that grew leaves its old key
-                    moves.append((d, self.block_hash(b)))
+            def on_move(d: int, b: int) -> None:  # a block cached under another key moves here
+                moves.append((d, None if events is None else self.block_hash(b)))
 
             attached, cursor = self.tree.insert(self.index, path, start, n_blocks, n_full, sw.blocks[0], on_move)
+            if moves:  # the moved block may hold another request's cursor position: no hint holds
+                self.slot_table.clear_store_hints()
             if cursor is not None:
                 node, pid = cursor
                 row = self.tree.values[self.index][node]  # None: the node holds nothing of this window
@@ -465,6 +466,3 @@ class WindowBlockManager:
         for _, h in pending_moves:
             events.removed(window, h)
 
-
-def _ignore(d: int, b: int) -> None:
-    pass

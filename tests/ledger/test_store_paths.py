@@ -405,3 +405,34 @@ def test_an_engine_step_with_admissions_keeps_the_store_pre_check(monkeypatch):
         assert ledgers[0].snapshot() == ledgers[1].snapshot(), step
     ledgers[0].verify_integrity()
     assert spy.calls == 12 and spy.kept < spy.rows // 2
+
+
+def test_a_block_moved_under_another_key_clears_the_store_hints():
+    """A referenced block can leave its position one way: another holder stores it under a
+    shorter key (request a's speculative tokens were stored, then rewound, and a stores its
+    block as a partial one when it leaves). Request b, which matched that block, loses its
+    cursor's position, so its next store must put the block back under b's key, even in a
+    step where b completed no block and the call takes the store-hint pre-check."""
+    ledgers = []
+    for batched in (True, False):
+        m = KVCacheManager(make_config(tokens_per_block=2, primary_blocks=16, max_seq_len=16))
+        m.add_sequence(Request("a", [100, 1], max_new_tokens=6, num_draft_tokens=3))
+        for t in (0, 2, 3):  # drafts: their forward writes [100, 1] and [0, 2]
+            m.add_token("a", t)
+        m.store_new_block("a")
+        m.rewind("a", 3)  # all rejected: a is [100, 1] again, its first block still cached in full
+        m.add_sequence(Request("b", [100, 1, 0], max_new_tokens=4))  # matches [100, 1]
+        m.add_sequence(Request("c", [50, 51, 52, 53], max_new_tokens=4))
+        b0 = m.block_ids("b")[0][0]
+        m.remove_sequence("a")  # stores its block as the partial [100] (token 1 has no KV for a)
+        assert [k.tokens for k in m.inspector.cached_path(b0)] == [(100,)]
+        m.add_tokens(["b", "c"], [7, 54])  # b appends in its block; c starts one
+        if batched:
+            m.store_new_blocks(["b", "c"])
+        else:
+            m.store_new_block("b")
+            m.store_new_block("c")
+        assert [k.tokens for k in m.inspector.cached_path(b0)] == [(100, 1)]
+        m.verify_integrity()
+        ledgers.append(m)
+    assert ledgers[0].snapshot() == ledgers[1].snapshot()
