@@ -18,7 +18,9 @@ every primary and secondary slot; every transfer plan is replayed op by op (fail
 garbage) and every forward writes its positions' tags through the block table. A position's
 tag hashes every token up to it plus the request's isolation keys, so KV of any other prompt
 never passes for it. A decode step runs in an engine's order: the forward computes each row's
-newest token, a token is sampled and added, blocks are stored; the token just added has no KV
+newest token, a token is sampled and added, blocks are stored (a batched step's half the time
+with the step's own id list, as the engine stores, so `store_new_blocks` takes its store-hint
+pre-check); the token just added has no KV
 until the next step's forward (its position holds an "unwritten" marker meanwhile, so a store
 that covered it would put the marker in the tree). Checked:
   * after each admission, every prepopulated position the first new query reads holds the
@@ -621,6 +623,10 @@ class Episode:
                 self.unwritten(info)
                 if self.rng.random() < 0.5:
                     to_store.append(info.rid)
+        if grown is batch and self.rng.random() < 0.5:
+            # the engine's store: the step's own id list, so the call takes the store-hint
+            # pre-check (the rows it skips are read by nothing)
+            to_store = [info.rid for info in batch]
         if to_store and grown is batch:  # a batched step stores in one call, as the engine's does
             self.run.ops += len(to_store) - 1  # counted as the calls it stands for (the same run)
             self.call("store_new_blocks", to_store)
