@@ -274,6 +274,15 @@ def live_node_listed_free(m: KVCacheManager) -> None:
 
 # (id, builder, corruption, message regex)
 Case = tuple[str, Callable[[], KVCacheManager], Callable[[KVCacheManager], object], str]
+def cursor_on_foreign_block(m: KVCacheManager) -> None:
+    """Request b's storing cursor (its hint kept) moves to the first position of a node that
+    does not hold b's block at the cursor's depth."""
+    sw = _sw(m, "b")
+    own = sw.blocks[0][sw.cursor[2] - 1]
+    n = _node(m, lambda t, n: own not in t.values[0][n])
+    sw.cursor = (n, _tree(m).pid[n], sw.cursor[2])
+
+
 CASES: list[Case] = [
     # ---------------------------------------------------------------- SlotTable.verify
     # more rows handed out than the table has
@@ -320,7 +329,19 @@ CASES: list[Case] = [
     ("slots-stale-entry-past-end", rich,
      lambda m: _wm(m).slot_table.table.__setitem__((_row(m, "b"), int(_wm(m).slot_table.lengths[_row(m, "b")])), 0),
      r"slot table: an entry past a row's end is not the null slot"),
+    # a store hint on a row nobody holds
+    ("slots-free-row-hint", rich, lambda m: _wm(m).slot_table.store_due.__setitem__(_wm(m).slot_table.free_rows[0], 8),
+     r"slot table: a row nobody holds has a store hint, or a hint is negative"),
+    # a negative store hint on a held row
+    ("slots-negative-hint", rich, lambda m: _wm(m).slot_table.store_due.__setitem__(_row(m, "b"), -4),
+     r"slot table: a row nobody holds has a store hint, or a hint is negative"),
     # ---------------------------------------------------------------- sequences
+    # a store hint that is not its cursor's (b's cursor: 4 full blocks, so 20)
+    ("seq-hint-for-another-cursor", rich, lambda m: _wm(m).slot_table.store_due.__setitem__(_row(m, "b"), 16),
+     r"window 64: request 'b' has store hint 16 for cursor \(\d+, \d+, 4\)"),
+    # a store hint trusting a cursor whose position holds another block than the request's own
+    ("seq-hint-on-foreign-position", rich, cursor_on_foreign_block,
+     r"window 64: the store hint of request 'b' trusts cursor \(\d+, \d+, 4\), whose position lost block 5"),
     # a token without its block
     ("seq-tokens-without-block", rich, lambda m: m._seqs["b"].tokens.append(208),
      r"window 64: request 'b' has block lists of lengths \{5\}, expected 6"),
