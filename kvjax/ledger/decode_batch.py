@@ -50,7 +50,7 @@ class DecodeBatch:
     """The sequences of one `add_tokens` id list, and per row how many more tokens it can
     append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens", "store_rows", "store_epoch")
+    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens")
 
     def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
         self.ids = ids
@@ -58,10 +58,6 @@ class DecodeBatch:
         self.token_lists: list[list[int]] = [s.tokens for s in seqs]
         self.num_tokens = int_array([len(t) for t in self.token_lists])  # [n]
         self.left = int_array([s.slow_at for s in seqs]) - 1 - self.num_tokens  # [n]
-        # `store_candidates`: the rows' slot-table rows as of the table's `store_epoch` (an
-        # empty array: some row can never take that path)
-        self.store_rows: np.ndarray | None = None
-        self.store_epoch = -1
 
 
 _SIGNED_CODES = {4: "i", 8: "q"}  # struct codes of native signed ints by size
@@ -123,37 +119,24 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
 def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
     """`store_new_blocks`' pre-check without a walk through the batch's sequences: when `ids`
     is the cached batch's id list in a ledger of one full-attention window, and every row is a
-    one-beam self-attention sequence holding a slot-table row, the sequences (in row order)
-    that may hold a full block not yet stored; None otherwise (the caller checks every row).
+    one-beam request, the sequences (in row order) that may hold a full block not yet stored;
+    None otherwise (the caller checks every row).
 
     A row is left out when its token count minus one (the newest token's KV is never
     materialised, so this bounds what is) is below its row's store hint, which promises
-    nothing to store until then (`WindowBlockManager.set_cursor`). The rest are checked in
-    full by the caller, as any row would be."""
+    nothing to store until then (`WindowBlockManager.set_cursor`). The rows are the block
+    table's (`_rows_of`, cached per id list); a request holding no row yet reads the empty
+    row's hint, 0. The rest are checked in full by the caller, as any row would be."""
     b = m._batch
     bm = m._bm
     if b is None or m._has_swa or len(bm.windows) != 1 or not same_ids(b.ids, ids):
         return None
-    table = bm.windows[0].slot_table
-    rows = b.store_rows
-    if rows is None or b.store_epoch != table.epoch:
-        rows = b.store_rows = store_rows(b.seqs, ids, table.row_of_id)
-        b.store_epoch = table.epoch
-    if not len(rows):
+    wm = bm.windows[0]
+    rows = m._rows_of(ids, wm)  # [n] one per request, unless some request has beams
+    if len(rows) != len(ids):
         return None
-    maybe = b.num_tokens - 1 >= table.store_due[rows]  # [n]
+    maybe = b.num_tokens - 1 >= wm.slot_table.store_due[rows]  # [n]
     return list(compress(b.seqs, maybe.tolist()))
-
-
-def store_rows(seqs: list[TrackedSequence], ids: list | tuple, directory: dict) -> np.ndarray:
-    """Slot-table rows `[n]` of one-beam self-attention sequences; empty when some sequence
-    has beams, is a cross cache or holds no row yet."""
-    if not all([s.beam_width == 1 and not s.is_cross for s in seqs]):
-        return np.zeros(0, dtype=np.intp)
-    try:
-        return int_array([directory[r] for r in ids], np.intp)
-    except KeyError:
-        return np.zeros(0, dtype=np.intp)
 
 
 def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
