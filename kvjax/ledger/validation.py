@@ -16,9 +16,13 @@ import numpy as np
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError
 from kvjax.ledger.sequence import TrackedSequence
-from kvjax.ledger.token_path import EXTRA_UNIT, NATIVE_LITTLE, TokenPath
+from kvjax.ledger.token_path import EXTRA_UNIT, NATIVE_LITTLE, PLAIN_UNIT, TokenPath
 from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
+
+
+# a matched prefix up to this long has its token types read directly (cheaper than numpy there)
+_SHORT_PREFIX = 64
 
 
 def check_window(window: object) -> None:
@@ -169,6 +173,8 @@ def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None 
     0): encoding proved them int32, so only their sign bytes are read (one C-level test
     instead of a `min` and a `max` over Python ints)."""
     tokens = seq.tokens
+    if start and _bool_in_prefix(tokens, start, path):
+        raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
     rest = tokens[start:] if start else tokens
     if not rest:
         return
@@ -186,6 +192,17 @@ def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None 
             bad = min(rest) < 0 or max(rest) > INT32_MAX
     if bad:
         raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
+
+
+def _bool_in_prefix(tokens: list, end: int, path: TokenPath | None) -> bool:
+    """Is one of `tokens[:end]` a bool? They are the tokens the tree walk matched: equal to
+    cached ints, so a bool among them can only sit where a 0 or a 1 is cached. A long plain
+    prefix is searched for those values in its encoding first (one numpy pass); only the
+    positions found have their types read."""
+    if end <= _SHORT_PREFIX or path is None or path.base != 0 or path.unit != PLAIN_UNIT or end > path.num_tokens:
+        return bool in set(map(type, tokens[:end]))
+    small = np.flatnonzero(np.frombuffer(path.content, dtype=np.int32, count=end) <= 1)  # native int32 units
+    return any(type(tokens[i]) is bool for i in small.tolist())
 
 
 def check_beam_token(seq: TrackedSequence, token: object) -> int:

@@ -360,6 +360,32 @@ def test_numpy_integers_are_accepted_as_ints():
     assert a.snapshot() == b.snapshot()
 
 
+@pytest.mark.parametrize("length", [9, 200])  # a short prefix reads types; a long one searches its encoding first
+@pytest.mark.parametrize("where", ["first", "middle", "last matched"])
+def test_a_bool_token_is_refused_even_where_the_tree_matched(length, where):
+    """A cached prefix proves the matched tokens' values, not their types: True equals the
+    cached 1, so a prompt with a bool where a 0 or 1 is cached must still be refused (the
+    unmatched rest always was), and the ledger left as it was."""
+    m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=128, max_seq_len=512))
+    prompt = [(7 * i) % 2 for i in range(length)]  # 0s and 1s: every position could hold a bool
+    m.add_sequence(Request("a", prompt, max_new_tokens=1))
+    m.store_context_blocks("a")
+    m.remove_sequence("a")
+    pos = {"first": 0, "middle": length // 2, "last matched": length - 2}[where]
+    bad = list(prompt)
+    bad[pos] = bool(bad[pos])
+    before = m.snapshot()
+    with pytest.raises(InvalidRequestError, match="prompt tokens"):
+        m.add_sequence(Request("b", bad, max_new_tokens=1))
+    assert m.snapshot() == before
+    m.verify_integrity()
+    ints = list(prompt)
+    ints[pos] = np.int64(ints[pos])  # a numpy integer there is an int: converted, and matched
+    assert m.add_sequence(Request("c", ints, max_new_tokens=1)) == length - 1
+    assert all(type(t) is int for t in m._seqs["c"].tokens)
+    m.verify_integrity()
+
+
 # --------------------------------------------------------------------------- the issue's known offenders
 def test_fractional_retention_start_is_refused_before_admission():
     with pytest.raises(InvalidRequestError):
