@@ -119,7 +119,7 @@ def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int,
         if b != NO_BLOCK:
             partial = (b, n)
     coverage = len(matched) * tpb + (partial[1] if partial else 0)
-    return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage)
+    return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage, None)
 
 
 def _safe(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
@@ -140,7 +140,7 @@ def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     tpb = bm.tokens_per_block
     n_ctx = -(-seq.prompt_len // tpb)
     beam = seq.beam_width
-    plan = AdmissionPlan(seq, [])
+    plan = AdmissionPlan(seq, [], 0, None, [0, 0, 0, 0])
     if bm.is_cross:
         plan.windows = [WindowAdmission([], None, n_ctx) for _ in bm.windows]
         return plan
@@ -151,12 +151,20 @@ def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     shared = n_ctx if beam == 1 else n_ctx - 1
     usable = seq.prompt_len - 1  # the last prompt token is always recomputed (its logits)
     path = plan.path = prompt_path(bm, seq, usable)
-    was = [walk(bm, wm, path, usable, shared) for wm in bm.windows]
+    windows = bm.windows
+    per_beam = int(shared < n_ctx)
+    if len(windows) == 1 and not windows[0].is_swa:  # the usual case: nothing to reconcile
+        wa = walk(bm, windows[0], path, usable, shared)
+        wa.num_per_beam = per_beam
+        plan.windows = [wa]
+        plan.prepopulated = wa.coverage
+        return plan
+    was = [walk(bm, wm, path, usable, shared) for wm in windows]
     length = min(wa.coverage for wa in was)
-    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(bm.windows, was, strict=True)):
+    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(windows, was, strict=True)):
         length = (length - 1) // tpb * tpb
-    for wm, wa in zip(bm.windows, was, strict=True):
-        wa.num_per_beam = int(shared < n_ctx)
+    for wm, wa in zip(windows, was, strict=True):
+        wa.num_per_beam = per_beam
         if length < wa.coverage or wm.is_swa:
             _truncate(bm, wm, wa, length)
     plan.windows = was

@@ -58,9 +58,9 @@ class SlotTable:
         """The rows of `sw` (one per beam), handed out on first use."""
         rows = sw.rows
         if rows is None:
+            # a row's store hint is 0 whenever it is free (`release`, `_resize`): it says
+            # nothing of its new owner's cursor
             rows = sw.rows = [self._new_row() for _ in range(len(sw.blocks))]
-            for r in rows:  # a recycled row says nothing of its new owner's cursor
-                self.due_of[r] = 0
             if len(rows) == 1:
                 self.row_of_id[sw.request_id] = rows[0]
             self.epoch += 1
@@ -144,7 +144,7 @@ class SlotTable:
         self.store_due.fill(0)
 
     # ------------------------------------------------------------------ writers
-    def extend(self, sw: SequenceWindow, beam: int, slots: list[int]) -> None:
+    def extend(self, sw: SequenceWindow, beam: int, slots: list[int] | np.ndarray) -> None:
         r = self.rows_of(sw)[beam]
         n = self.length_of[r]
         k = len(slots)

@@ -25,7 +25,7 @@ class SequenceWindow:
 
     def __init__(self, request_id: Hashable, beam_width: int) -> None:
         self.request_id = request_id  # the SlotTable files a one-beam sequence's row under it
-        self.blocks: list[array.array] = [array.array("i") for _ in range(beam_width)]
+        self.blocks: list[array.array] = [array.array("i")] if beam_width == 1 else [array.array("i") for _ in range(beam_width)]
         # rows of the window's SlotTable, one per beam (None until the first block); only the
         # SlotTable hands them out and takes them back
         self.rows: list[int] | None = None
@@ -90,7 +90,8 @@ class TrackedSequence:
             self.prompt_len = len(self.tokens)
         self.beam_width = request.beam_width
         self.lora_task_id = request.lora_task_id
-        self.salt_id = cache_salt_id(request.cache_salt)
+        salt = request.cache_salt
+        self.salt_id = None if salt is None else cache_salt_id(salt)
         self.signature = (self.extra_ids is not None, self.lora_task_id, self.salt_id)
         self.mm_items = request.mm_items
         self.retention = request.retention
@@ -98,7 +99,10 @@ class TrackedSequence:
         self.num_draft_tokens = request.num_draft_tokens
         self.context_position = self.prompt_len
         self.prepopulated = 0
-        self.windows = [SequenceWindow(self.request_id, self.beam_width) for _ in range(num_windows)]
+        rid, beams = self.request_id, self.beam_width
+        self.windows = [SequenceWindow(rid, beams)]
+        if num_windows > 1:
+            self.windows += [SequenceWindow(rid, beams) for _ in range(num_windows - 1)]
         # (reused, missed, alloc_total, alloc_new) blocks of its admission (`request_stats`)
         self.admit_counts: list[int] = [0, 0, 0, 0]
         self.context_retention: list[tuple[int | None, float | None]] | None = None

@@ -12,6 +12,8 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
@@ -209,10 +211,16 @@ class WindowBlockManager:
     def extend_blocks(self, sw: SequenceWindow, blocks: list[int], beam: int | None = None) -> None:
         """Append referenced blocks (or placeholders) to one beam, or with `beam=None` share them
         with every beam. Slots are mirrored for block tables (placeholders -> null slot)."""
-        slot, null = self.columns.slot, self.null_slot
-        slots = [slot[b] if b >= 0 else null for b in blocks]
+        slots: list[int] | np.ndarray
+        if self.num_secondary or self.is_swa:
+            slot, null = self.columns.slot, self.null_slot
+            slots = [slot[b] if b >= 0 else null for b in blocks]
+        else:  # no host tier: every block keeps its own slot (no swaps); no placeholders either
+            slots = blocks
         # an admitted row: one pack, then a byte copy (`array.extend` of a list converts int by int)
         ids = struct.pack(f"{len(blocks)}i", *blocks) if len(blocks) >= _MANY_BLOCKS else None
+        if ids is not None and slots is blocks:  # the slots are those bytes too: no list conversion
+            slots = np.frombuffer(ids, dtype=np.int32)
         for b in range(len(sw.blocks)) if beam is None else (beam,):
             if ids is None:
                 sw.blocks[b].extend(blocks)
