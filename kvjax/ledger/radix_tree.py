@@ -731,6 +731,8 @@ class RadixTree:
                     if last_partial and (mm is None or d not in mm) and P[(d - base) * bb :] == c[(o + 1) * bb :]:
                         m = 1
                     if m == 0:
+                        if d == n_blocks - 1 and d >= n_full and self._holds_longer(w, blocks[d], (n, o), sid, path, d):
+                            break
                         n = self.split(n, o + 1)
                         cursor = self._create_rest(w, path, n, d, n_blocks, n_full, blocks, on_move, attached, cursor)
                         break
@@ -743,6 +745,8 @@ class RadixTree:
                     mmk = () if mm is None else mm.get(d, ())
                     c_id = kids.get(blk if sid == 0 and not mmk else (sid, blk, mmk))
                 if c_id is None:
+                    if d == n_blocks - 1 and d >= n_full and self._holds_longer(w, blocks[d], (n, o), sid, path, d):
+                        break
                     cursor = self._create_rest(w, path, n, d, n_blocks, n_full, blocks, on_move, attached, cursor)
                     break
                 n, first, m = c_id, 0, 1
@@ -751,6 +755,10 @@ class RadixTree:
                 b = blocks[d + j]
                 if b >= 0 and row[first + j] == NO_BLOCK:
                     if bnode[b] >= 0:
+                        if d + j == n_blocks - 1 and d + j >= n_full and self._holds_longer(
+                            w, b, self.previous(n, first + j), sid, path, d + j
+                        ):
+                            continue
                         on_move(d + j, b)
                         self.detach(w, b)
                     self.attach(w, n, first + j, b)
@@ -760,6 +768,24 @@ class RadixTree:
             d += m
             o = first + m - 1
         return attached, cursor
+
+    def _holds_longer(self, w: int, b: int, before: tuple[int, int], sid: int, path: TokenPath, d: int) -> bool:
+        """Is block `b`, offered as the path's partial last block `d`, cached right after
+        position `before` (the path's position at depth d - 1) under a key that extends the
+        offered tokens? Then it stays there: a cached block's KV never changes, so its longer
+        key is still true, and requests matching it keep it (a holder that materialised fewer
+        of its tokens, such as one whose speculative tokens were rejected, would otherwise
+        move it under the shorter key and the tree would forget the rest)."""
+        n = self.block_node[w][b] if b >= 0 else NO_BLOCK
+        if n < 0 or sid < 0 or self.sig[n] != sid or n in self.mm or (path.mm is not None and d in path.mm):
+            return False
+        o = self.block_offset[w][b]
+        if self.previous(n, o) != before:
+            return False
+        bb = path.block_bytes
+        offered = path.content[(d - path.base) * bb :]
+        held = self.content[n][o * bb : (o + 1) * bb]
+        return len(held) > len(offered) and held.startswith(offered)
 
     def _create_rest(
         self, w, path: TokenPath, p: int, d: int, n_blocks: int, n_full: int, blocks, on_move, attached: list, cursor

@@ -407,15 +407,36 @@ def test_an_engine_step_with_admissions_keeps_the_store_pre_check(monkeypatch):
     assert spy.calls == 12 and spy.kept < spy.rows // 2
 
 
-def test_a_block_moved_under_another_key_clears_the_store_hints():
-    """A referenced block can leave its position one way: another holder stores it under a
-    shorter key (request a's speculative tokens were stored, then rewound, and a stores its
-    block as a partial one when it leaves). Request b, which matched that block, loses its
-    cursor's position, so its next store must put the block back under b's key, even in a
-    step where b completed no block and the call takes the store-hint pre-check."""
+def test_a_run_keeps_its_longer_last_block_when_its_holder_offers_fewer_tokens():
+    """The same along a run: a's blocks [5, 6] and [100, 1] were stored as one run, then a's
+    rejected drafts leave it with three materialised tokens. Leaving, it offers [5, 6] and the
+    partial [100]: the run is not split, and [100, 1] is still reused in full."""
+    m = KVCacheManager(make_config(tokens_per_block=2, primary_blocks=16, max_seq_len=16))
+    m.add_sequence(Request("a", [5, 6, 100, 1], max_new_tokens=6, num_draft_tokens=2))
+    for t in (0, 2):  # drafts: the verify forward writes [100, 1] and [0]
+        m.add_token("a", t)
+    m.store_new_block("a")
+    m.rewind("a", 2)  # rejected: a is [5, 6, 100, 1] again
+    second = m.block_ids("a")[0][1]
+    before = m.inspector.tree_size()
+    m.remove_sequence("a")
+    assert [k.tokens for k in m.inspector.cached_path(second)] == [(5, 6), (100, 1)]
+    assert m.inspector.tree_size() == before  # no split, no new position
+    assert m.add_sequence(Request("b", [5, 6, 100, 1, 9], max_new_tokens=1)) == 4
+    m.verify_integrity()
+
+
+def test_a_shared_block_keeps_its_longer_key_when_a_holder_offers_fewer_tokens():
+    """Request a's speculative tokens were stored, then rewound: a holds its first block, full
+    and cached, but has materialised only one of its tokens. Request b matched that block in
+    full. When a leaves it offers the block as the partial [100]: the block stays under
+    [100, 1] (its KV never changed, so the longer key is true), b's cursor and store hint stay
+    valid, and a later request still reuses the whole block. Before, the block moved under the
+    shorter key and the tree forgot token 1 until b stored it again (a Removed and a Stored
+    event each way)."""
     ledgers = []
     for batched in (True, False):
-        m = KVCacheManager(make_config(tokens_per_block=2, primary_blocks=16, max_seq_len=16))
+        m = KVCacheManager(make_config(tokens_per_block=2, primary_blocks=16, max_seq_len=16, event_buffer_max_size=64))
         m.add_sequence(Request("a", [100, 1], max_new_tokens=6, num_draft_tokens=3))
         for t in (0, 2, 3):  # drafts: their forward writes [100, 1] and [0, 2]
             m.add_token("a", t)
@@ -424,8 +445,13 @@ def test_a_block_moved_under_another_key_clears_the_store_hints():
         m.add_sequence(Request("b", [100, 1, 0], max_new_tokens=4))  # matches [100, 1]
         m.add_sequence(Request("c", [50, 51, 52, 53], max_new_tokens=4))
         b0 = m.block_ids("b")[0][0]
-        m.remove_sequence("a")  # stores its block as the partial [100] (token 1 has no KV for a)
-        assert [k.tokens for k in m.inspector.cached_path(b0)] == [(100,)]
+        m.flush_iteration_events()
+        m.get_latest_events()
+        m.remove_sequence("a")  # offers its block as the partial [100] (token 1 has no KV for a)
+        assert [k.tokens for k in m.inspector.cached_path(b0)] == [(100, 1)]
+        m.flush_iteration_events()
+        assert [e for e in m.get_latest_events() if e.data.__class__.__name__ != "UpdatedData"] == []
+        m.verify_integrity()
         m.add_tokens(["b", "c"], [7, 54])  # b appends in its block; c starts one
         if batched:
             m.store_new_blocks(["b", "c"])
@@ -433,6 +459,8 @@ def test_a_block_moved_under_another_key_clears_the_store_hints():
             m.store_new_block("b")
             m.store_new_block("c")
         assert [k.tokens for k in m.inspector.cached_path(b0)] == [(100, 1)]
+        assert m.add_sequence(Request("d", [100, 1, 5], max_new_tokens=1)) == 2  # the whole block
+        assert m.block_ids("d")[0][0] == b0
         m.verify_integrity()
         ledgers.append(m)
     assert ledgers[0].snapshot() == ledgers[1].snapshot()
