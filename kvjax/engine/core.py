@@ -363,9 +363,13 @@ class EngineCore:
             [(r.request_id, r.admissions[-1].reused, len(r.context)) for r in admitted],
             [(w, led.num_free_blocks(w), led.num_free_secondary_blocks(w)) for w in led.windows],
         )
-        for r in sorted(self.running.values(), key=lambda r: r.order):
+        # every running request's block table, one gather per window (the slots are what the
+        # step's forwards write through)
+        ids = [r.request_id for r in sorted(self.running.values(), key=lambda r: r.order)]
+        d.update(ids)
+        if ids:
             for w in led.windows:
-                d.update(r.request_id, np.asarray(led.block_ids(r.request_id, w)))
+                d.update(led.block_table(ids, w))
         d.check(self.step_index)
 
     def _apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> tuple[list[tuple[LiveRequest, int]], int]:
