@@ -21,8 +21,12 @@ from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
 
 
-# a matched prefix up to this long has its token types read directly (cheaper than numpy there)
-_SHORT_PREFIX = 64
+# `_bool_in_prefix`: the byte of a native int32 holding its low 8 bits, a table mapping a
+# low byte of 0 or 1 (a bool's value) to 0 and any other to 1, and how many such tokens a
+# matched prefix may hold before numpy searches it instead
+_LOW_BYTE = 0 if NATIVE_LITTLE else 3
+_ZERO_IF_0_OR_1 = bytes(int(v > 1) for v in range(256))
+_FEW_CANDIDATES = 32
 
 
 def check_window(window: object) -> None:
@@ -196,13 +200,22 @@ def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None 
 
 def _bool_in_prefix(tokens: list, end: int, path: TokenPath | None) -> bool:
     """Is one of `tokens[:end]` a bool? They are the tokens the tree walk matched: equal to
-    cached ints, so a bool among them can only sit where a 0 or a 1 is cached. A long plain
-    prefix is searched for those values in its encoding first (one numpy pass); only the
-    positions found have their types read."""
-    if end <= _SHORT_PREFIX or path is None or path.base != 0 or path.unit != PLAIN_UNIT or end > path.num_tokens:
+    cached ints, so a bool among them can only sit where a 0 or a 1 is cached. In a plain
+    prefix's encoding, the tokens whose low byte is 0 or 1 are found with byte operations (a
+    strided slice, one `translate`, `find`; a random token id is one in 128), and only those
+    have their types read; a prefix with many of them is searched with numpy instead."""
+    if path is None or path.base != 0 or path.unit != PLAIN_UNIT or end > path.num_tokens:
         return bool in set(map(type, tokens[:end]))
-    small = np.flatnonzero(np.frombuffer(path.content, dtype=np.int32, count=end) <= 1)  # native int32 units
-    return any(type(tokens[i]) is bool for i in small.tolist())
+    low = path.content[_LOW_BYTE : end * PLAIN_UNIT : PLAIN_UNIT].translate(_ZERO_IF_0_OR_1)  # [end]
+    if low.count(0) > _FEW_CANDIDATES:
+        small = np.flatnonzero(np.frombuffer(path.content, dtype=np.int32, count=end) <= 1)  # native int32 units
+        return any(type(tokens[i]) is bool for i in small.tolist())
+    i = low.find(0)
+    while i >= 0:
+        if type(tokens[i]) is bool:
+            return True
+        i = low.find(0, i + 1)
+    return False
 
 
 def check_beam_token(seq: TrackedSequence, token: object) -> int:

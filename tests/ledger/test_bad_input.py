@@ -360,18 +360,26 @@ def test_numpy_integers_are_accepted_as_ints():
     assert a.snapshot() == b.snapshot()
 
 
-@pytest.mark.parametrize("length", [9, 200])  # a short prefix reads types; a long one searches its encoding first
+@pytest.mark.parametrize("length", [9, 200])
 @pytest.mark.parametrize("where", ["first", "middle", "last matched"])
-def test_a_bool_token_is_refused_even_where_the_tree_matched(length, where):
+@pytest.mark.parametrize("style", ["dense", "sparse"])
+def test_a_bool_token_is_refused_even_where_the_tree_matched(length, where, style):
     """A cached prefix proves the matched tokens' values, not their types: True equals the
     cached 1, so a prompt with a bool where a 0 or 1 is cached must still be refused (the
-    unmatched rest always was), and the ledger left as it was."""
+    unmatched rest always was), and the ledger left as it was. Dense: every token a 0 or a 1
+    (the numpy search); sparse: a few among large ids, some of which share their low byte
+    (256, 65536: the byte search's candidates)."""
     m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=128, max_seq_len=512))
-    prompt = [(7 * i) % 2 for i in range(length)]  # 0s and 1s: every position could hold a bool
+    pos = {"first": 0, "middle": length // 2, "last matched": length - 2}[where]
+    if style == "dense":
+        prompt = [(7 * i) % 2 for i in range(length)]  # 0s and 1s: every position could hold a bool
+    else:
+        prompt = [(256, 65536)[i % 2] if i % 25 == 3 else 5002 + 3 * i for i in range(length)]
+        prompt = [t + 2 if 0 < t & 0xFF < 2 else t for t in prompt]
+        prompt[pos] = 1
     m.add_sequence(Request("a", prompt, max_new_tokens=1))
     m.store_context_blocks("a")
     m.remove_sequence("a")
-    pos = {"first": 0, "middle": length // 2, "last matched": length - 2}[where]
     bad = list(prompt)
     bad[pos] = bool(bad[pos])
     before = m.snapshot()
