@@ -188,8 +188,11 @@ def remaining_blocks_to_completion_many(m: KVCacheManager, request_ids: object, 
     prompt = int_array([s.prompt_len for s in seqs])  # [n]
     final = prompt + int_array([s.max_new_tokens for s in seqs])  # [n]
     beam = int_array([s.beam_width for s in seqs])  # [n]
-    rows = m._rows_of(ids, wm)  # one slot-table row per request unless some request has beams
-    if len(rows) == len(ids):  # a row's length is its beam-0 block count: no walk to the arrays
+    try:
+        rows = m._rows_of(ids, wm)  # one slot-table row per request unless some request has beams
+    except DuplicateRequestError:  # a block table takes each id once; a query may ask twice
+        rows = None
+    if rows is not None and len(rows) == len(ids):  # a row's length is its beam-0 block count: no walk
         alloc = wm.slot_table.lengths[rows].astype(np.int64)  # [n]
     else:
         alloc = int_array([len(s.windows[widx].blocks[0]) for s in seqs])  # [n]

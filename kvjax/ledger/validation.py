@@ -171,7 +171,9 @@ def validate_request(
 
 
 def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None = None) -> None:
-    """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids).
+    """Token ids from `start` on must be ints in [0, 2**31) (bools are not token ids); the
+    first `start` (the ones the tree walk matched, so their values are cached ones) must not
+    be bools.
 
     `path`: the prompt's first `path.num_tokens` tokens as admission encoded them (from block
     0): encoding proved them int32, so only their sign bytes are read (one C-level test

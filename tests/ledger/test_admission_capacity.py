@@ -254,7 +254,8 @@ def test_batched_queries_answer_as_the_scalar_ones_over_random_states():
     scheduler asks of every running request each step) against one scalar query per id, after
     every operation of seeded random traffic: reuse on and off, sliding and variable windows,
     beams, drafts, chunked prefills part-way through, sink tokens and a chunk budget (the
-    temporary window), requests holding no block yet. A bad id list changes nothing."""
+    temporary window), requests holding no block yet, an id asked twice. A bad id list
+    changes nothing."""
     rng = random.Random(20261201)
     checked = 0
     for c in range(40):
@@ -276,6 +277,8 @@ def test_batched_queries_answer_as_the_scalar_ones_over_random_states():
                     pass
             ids = list(live)
             rng.shuffle(ids)
+            if ids and rng.random() < 0.3:  # a scheduler may ask of one request twice
+                ids.append(rng.choice(ids))
             for w in cfg.windows:
                 many = m.remaining_blocks_to_completion_many(ids, w)
                 assert many.dtype == np.int64 and many.shape == (len(ids),)
