@@ -702,7 +702,8 @@ class RadixTree:
         `n_blocks`, starting after position `start` (the one at depth `path.base - 1`), creating
         the positions that do not exist. A position already holding a block of `w` keeps it,
         and placeholders (negative ids) attach nowhere. A block cached elsewhere (a partial
-        block that grew) is reported to `on_move(depth, block)` and moved. Returns the (depth, block) pairs
+        block that grew) is reported to `on_move(depth, block)` and moved, except a partial last
+        block already cached right there under a longer key (`_holds_longer`), which stays. Returns the (depth, block) pairs
         attached, in order, and (node, position id) of the position at depth `n_full - 1` if
         the walk passed it."""
         bb = path.block_bytes

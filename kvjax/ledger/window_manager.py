@@ -279,8 +279,9 @@ class WindowBlockManager:
         private: a duplicate) can lose its position to an eviction, after which the sequence
         stores its own block there; a sliding window releases old blocks. Those, and no
         cursor, file 0 (always check). The one way a referenced block leaves its position is
-        a store that moves it under another key (a sharer storing it as a partial block, or a
-        partial block that grew): `store` then clears every hint of the window."""
+        a store that moves it under another key (a partial block that grew; a block offered
+        with fewer tokens than its cached key stays, `RadixTree._holds_longer`): `store` then
+        clears every hint of the window."""
         sw.cursor = cursor
         due = (cursor[2] + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
         self.slot_table.set_store_due(sw, due)
