@@ -464,3 +464,33 @@ def test_a_shared_block_keeps_its_longer_key_when_a_holder_offers_fewer_tokens()
         m.verify_integrity()
         ledgers.append(m)
     assert ledgers[0].snapshot() == ledgers[1].snapshot()
+
+
+@pytest.mark.parametrize("windows", [(3,), (64, 3)])
+@pytest.mark.parametrize("store", ["batched", "one", "removal"])
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_window_narrower_than_a_block_stores_past_its_released_blocks(windows, store, every):
+    """A sliding window narrower than a block releases a sequence's newest full block before
+    that block is stored (3 tokens of window, 4 per block: once 3 more tokens follow a block,
+    nothing can see it). Storing then walks a run that ends in placeholders, which the tree
+    prunes; the store used to index the pruned position for the sequence's cursor and raise
+    `IndexError` (storing every third step). Every prompt length and decode length here, storing
+    every step or every third one, stores without an error and leaves a consistent ledger."""
+    cases = 0
+    for prompt_len in range(1, 14):
+        for steps in range(8):
+            m = KVCacheManager(make_config(attention_windows=windows, num_layers=len(windows), primary_blocks=8))
+            m.add_sequence(Request("a", list(range(100, 100 + prompt_len))))
+            m.store_new_blocks(["a"])
+            for t in range(steps):
+                m.add_token("a", t)
+                if t % every == every - 1:  # a store every step, or every other one
+                    if store == "batched":
+                        m.store_new_blocks(["a"])
+                    elif store == "one":
+                        m.store_new_block("a")
+                m.verify_integrity()
+            m.remove_sequence("a", store_for_reuse=True)
+            m.verify_integrity()
+            cases += 1
+    assert cases == 13 * 8
