@@ -26,8 +26,9 @@ memory and GC targets to mean much, they only keep the script honest):
   calls (a twin ledger, steps interleaved, checked to end identical) and the bare loop of B
   no-op method calls; and, outside the target figure, what storing the blocks the step's
   forward completed costs (`store_new_blocks` of the B ids against B `store_new_block` calls),
-  and a scheduler's per-step question of every running request
-  (`remaining_blocks_to_completion_many` against one call per request).
+  and a scheduler's per-step questions of every running request
+  (`remaining_blocks_to_completion_many` and `needed_blocks_one_step_many`, each against one call
+  per request, and both with an id list that changes every step).
 - events: microseconds per stored block that publishing KV events adds (same workload run with
   events on and off, interleaved, best of 3; the consumer's `get_latest_events` included);
   beside it the same with the events converted to vLLM's wire events too (`LedgerEventAdapter`,
@@ -314,14 +315,25 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
     batched.verify_integrity()
     # a scheduler's per-step question of every running request, batched and one call each
     window = batched.windows[0]
-    many = one_each = 0.0
-    for _ in range(3):
+    many = one_each = needed = needed_one_each = changing = 0.0
+    for k in range(1, 4):
         t0 = clock()
         total = int(batched.remaining_blocks_to_completion_many(ids, window).sum())
         t1 = clock()
         if total != sum(batched.remaining_blocks_to_completion(i, window) for i in ids):
             raise AssertionError("the batched and per-request scheduler queries disagree")
-        many, one_each = many + t1 - t0, one_each + clock() - t1
+        t2 = clock()
+        need = batched.needed_blocks_one_step_many(ids, False, window).tolist()
+        t3 = clock()
+        if need != [batched.needed_blocks_one_step(i, False, window) for i in ids]:
+            raise AssertionError("the batched and per-request needed-blocks queries disagree")
+        t4 = clock()
+        order = ids[k:] + ids[:k]  # another list: requests finished and joined since the last step
+        batched.remaining_blocks_to_completion_many(order, window)
+        batched.needed_blocks_one_step_many(order, False, window)
+        changing += clock() - t4
+        many, one_each = many + t1 - t0, one_each + t2 - t1
+        needed, needed_one_each = needed + t3 - t2, needed_one_each + t4 - t3
     noop = _Noop().add_token
     t0 = clock()
     for _ in range(steps):
@@ -340,6 +352,9 @@ def measure_decode(batch: int, seed: int, steps: int = 48, ctx: int = 1024) -> d
         changing_batch_store_us=churn_store / churn_steps * 1e6,
         scheduler_query_us=many / 3 * 1e6,
         per_call_scheduler_query_us=one_each / 3 * 1e6,
+        needed_query_us=needed / 3 * 1e6,
+        per_call_needed_query_us=needed_one_each / 3 * 1e6,
+        changing_batch_queries_us=changing / 3 * 1e6,
         per_call_step_us=(loop_add + loop_table + loop_take) * us,
         per_call_add_token_us=loop_add * us,
         store_new_blocks_us=store * us,
@@ -453,6 +468,9 @@ def report(results: dict, out: Callable[[str], None] = print) -> None:
         ("decode", "changing_batch_store_us", "  (us of store_new_blocks, id list new every step)"),
         ("decode", "scheduler_query_us", "  (us of remaining_blocks_to_completion_many, B ids)"),
         ("decode", "per_call_scheduler_query_us", "  (us of the same as B calls)"),
+        ("decode", "needed_query_us", "  (us of needed_blocks_one_step_many, B ids)"),
+        ("decode", "per_call_needed_query_us", "  (us of the same as B calls)"),
+        ("decode", "changing_batch_queries_us", "  (us of both, id list new every step)"),
         ("events", "events_with_wire_us_per_stored_block", "  (us/stored block with vLLM wire events made too)"),
         ("events", "sha256_us_per_block", "  (us of one block's SHA-256 here)"),
     ]

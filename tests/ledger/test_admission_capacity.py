@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -299,3 +300,97 @@ def test_batched_queries_answer_as_the_scalar_ones_over_random_states():
         assert m.snapshot() == before
         m.verify_integrity()
     assert checked > 2000
+
+
+def _beam_token(m, cfg, rng, rid):
+    beams = len(m.block_ids(rid, cfg.windows[0]))
+    return rng.randrange(4) if beams == 1 else [rng.randrange(4)] * beams
+
+
+def _fail_plan(m, ids, plan, some, seen):
+    """Report the plan's ops (`some` of them, or all) as failed, as an engine would."""
+    if not len(plan.kind):
+        return
+    failure = m.transfers_failed(plan, some)
+    seen["cut"] += len(failure.recompute_from)
+    for r in failure.readmit:  # as the failure says (the driver admits it again later)
+        m.remove_sequence(r, store_for_reuse=False)
+        ids.remove(r)
+
+
+def test_batched_queries_follow_rewinds_failed_transfers_and_returning_ids():
+    """The batched queries against the scalar ones under what moves their inputs: rewinds and
+    failed transfer plans (both move context positions and token counts back; a failure also
+    sends requests to be admitted again), `set_context_position`, `add_tokens`, removals, and
+    ids admitted again right after they left (another sequence, maybe another slot-table row,
+    under the same id). The scheduler keeps one id list object for the whole run and edits it
+    in place, as an engine does, so the queries see the same list unchanged (cached rows),
+    reordered and changed. After every operation the answers agree and `verify_integrity`
+    holds. (This driver found the narrow-window store crash in test_store_paths.py.)"""
+    rng = random.Random(20261202)
+    seen: Counter = Counter()
+    for c in range(40):
+        cfg = _random_config(rng)
+        m = KVCacheManager(cfg)
+        ids: list = []  # the scheduler's list: one object, edited in place
+        names = [f"{c}-{i}" for i in range(6)]  # few names, so ids come back after removal
+        for _ in range(70):
+            op = rng.random()
+            try:
+                if op < 0.2:
+                    free = [r for r in names if r not in ids]
+                    if free:
+                        rid = rng.choice(free)
+                        m.add_sequence(_random_request(rng, rid, cfg))
+                        ids.append(rid)
+                        seen["admit"] += 1
+                        if rng.random() < 0.5:  # its copies and onboards fail before the forward
+                            _fail_plan(m, ids, m.take_transfers(), None, seen)
+                elif op < 0.32 and ids:
+                    m.remove_sequence(ids.pop(rng.randrange(len(ids))), store_for_reuse=rng.random() < 0.8)
+                    seen["remove"] += 1
+                elif op < 0.5 and ids:
+                    m.add_tokens(ids, [_beam_token(m, cfg, rng, r) for r in ids])
+                    seen["add_tokens"] += 1
+                elif op < 0.62 and ids:
+                    m.add_token(r := rng.choice(ids), _beam_token(m, cfg, rng, r))
+                    if rng.random() < 0.4:  # every token computed (a recompute reported up to the end)
+                        m.set_context_position(r, m._seq(r).num_tokens)
+                    m.rewind(r, rng.randrange(1, 3))
+                    seen["rewind"] += 1
+                elif op < 0.66 and ids:  # the scheduler reorders its list in place: no ledger change
+                    rng.shuffle(ids)
+                elif op < 0.7 and len(ids) >= 2:  # two requests leave and come back before it asks again
+                    pair = rng.sample(ids, 2)
+                    for r in pair:
+                        m.remove_sequence(r, store_for_reuse=rng.random() < 0.5)
+                    for r in pair:
+                        try:
+                            m.add_sequence(_random_request(rng, r, cfg))
+                        except (OutOfBlocksError, InvalidRequestError):
+                            ids.remove(r)
+                    seen["returned"] += 1
+                elif op < 0.78 and ids:
+                    m.set_context_position(rng.choice(ids), rng.randrange(8))
+                    seen["context"] += 1
+                elif op < 0.9:
+                    plan = m.take_transfers()
+                    if len(plan.kind) and rng.random() < 0.8:
+                        _fail_plan(m, ids, plan, None if rng.random() < 0.5 else [rng.randrange(len(plan.kind))], seen)
+                else:
+                    m.store_new_blocks(ids)
+            except (OutOfBlocksError, InvalidRequestError):  # a full pool, max_seq_len, a rewind past the drafts
+                pass
+            for w in cfg.windows:
+                assert m.remaining_blocks_to_completion_many(ids, w).tolist() == [
+                    m.remaining_blocks_to_completion(r, w) for r in ids
+                ], (cfg, w)
+                for look in (False, True):
+                    assert m.needed_blocks_one_step_many(ids, look, w).tolist() == [
+                        m.needed_blocks_one_step(r, look, w) for r in ids
+                    ], (cfg, w, look)
+            seen["checked"] += len(ids)
+            m.verify_integrity()
+    # every kind of change happened, failed transfers cut live requests back
+    assert min(seen[k] for k in ("admit", "remove", "add_tokens", "rewind", "context", "returned")) > 40, seen
+    assert seen["cut"] > 5 and seen["checked"] > 3000, seen
