@@ -116,6 +116,10 @@ class SlotModel:
         store = self.secondary if TransferKind(kind) is TransferKind.OFFLOAD else self.primary
         store[pool][dst] = [garbage] * n + list(store[pool][dst][n:])
 
+    def null_slot(self, window: int) -> int:
+        """The window's null slot (every pool of a window has the same)."""
+        return next(p.null_slot for p in self.config.pools if p.window == window)
+
     def write(self, window: int, slot: int, offset: int, value) -> None:
         for p in self.config.pools:
             if p.window == window:

@@ -3,8 +3,10 @@
 Random operation sequences (add, add batch, chunked prefill, add token, speculative steps with
 draft tokens and rejections, rewind, store, remove, pin/unpin, refresh with a fake clock,
 take_transfers, scheduler queries) run against pools of 6-12 blocks (tokens_per_block 2 or 4,
-0-4 secondary blocks, optionally a second, sliding window and beam width 2), so eviction,
-offload, onboard, partial reuse, copies, sliding-window detach and rewinds happen all the time.
+0-4 secondary blocks, optionally a sliding window and beam width 2), so eviction, offload,
+onboard, partial reuse, copies, sliding-window detach and rewinds happen all the time. The
+sliding window sits next to a full-attention one or alone, and is wider than two blocks, one
+block wide, or narrower than a block (a block then leaves the window before it is stored).
 
 After every step: `verify_integrity()`, count and table invariants, and a data check. The test
 keeps a model of every memory slot's content (one tag per token position, a tag naming the
@@ -92,6 +94,7 @@ class LedgerMachine(RuleBasedStateMachine):
             swa=data.draw(st.sampled_from(f["swa"]), label="swa"),
             beams=data.draw(st.sampled_from(f["beams"]), label="beams"),
             event_hash=data.draw(st.sampled_from(f.get("event_hash", ["sha256"])), label="event hash"),
+            window=data.draw(st.sampled_from(f.get("windows", ["wide"])), label="sliding window"),
             policy=data.draw(
                 st.sampled_from(
                     [
@@ -105,7 +108,7 @@ class LedgerMachine(RuleBasedStateMachine):
             ),
         )
 
-    def setup(self, tpb, primary, secondary, swa, beams, policy, event_hash="sha256"):
+    def setup(self, tpb, primary, secondary, swa, beams, policy, event_hash="sha256", window="wide"):
         self.tpb = tpb
         self.max_seq_len = 8 * tpb
         kw = dict(
@@ -119,7 +122,13 @@ class LedgerMachine(RuleBasedStateMachine):
             **policy,
         )
         if swa:  # a full-attention layer and a sliding-window layer (window not a multiple of tpb)
-            kw.update(num_layers=2, attention_windows=(self.max_seq_len, 2 * tpb + 1))
+            # "narrow": narrower than a block, so a block leaves the window before it is stored;
+            # "block": exactly one block; "solo": the sliding layer alone, no full attention
+            width = dict(wide=2 * tpb + 1, narrow=tpb - 1, block=tpb, solo=tpb + 1)[window]
+            if window == "solo":
+                kw.update(attention_windows=(width,))
+            else:
+                kw.update(num_layers=2, attention_windows=(self.max_seq_len, width))
         elif self.FAMILY.get("two_pools"):  # two pools in one window: one plan entry per pool
             kw.update(num_layers=2, num_kv_heads=(1, 2))
         self.config = make_config(**kw)
@@ -132,7 +141,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.router: dict = {}  # window -> {block hash: cache level}, rebuilt from events only
         self.multi = len(self.config.windows) > 1
-        event(f"config: tpb {tpb}, secondary {secondary}, swa {swa}, beams {beams}, hash {event_hash}")
+        event(f"config: tpb {tpb}, secondary {secondary}, swa {swa} ({window}), beams {beams}, hash {event_hash}")
 
     # ------------------------------------------------------------------ model helpers
     def _engine_step(self):
@@ -147,14 +156,25 @@ class LedgerMachine(RuleBasedStateMachine):
     def _rows(self, rid, window):
         return self.m.block_ids(rid, window if self.multi else None)
 
-    def _write(self, rid, positions):
+    def _write(self, rid, positions, oldest_query=None):
+        """A forward writes the KV of `positions`. `oldest_query`: the oldest query the ledger
+        was told of, when a request speculated more drafts than it declared. A position no
+        query from there on can see (before its window, in a sliding window) may then have
+        left that window already: its block table entry is the null slot and the write is
+        skipped (the device refuses a numpy slot mapping into the null block and drops a
+        traced one: docs/device.md)."""
         info = self.live[rid]
         tpb = self.tpb
         for w in self.config.windows:
             table = self.m.block_table([rid], w if self.multi else None)
+            gone = -1 if oldest_query is None or w >= self.max_seq_len else oldest_query - w + 1
+            null = self.model.null_slot(w)
             for b, toks in enumerate(info["beams"]):
                 for i in positions:
                     slot = int(table[b, i // tpb])
+                    if slot == null and i < gone:
+                        event("speculate: an undeclared draft's write left the window")
+                        continue
                     self.model.write(w, slot, i % tpb, tag(info["lora"], info["salt"], toks, i, info["extra"]))
 
     def _unwritten(self, rid, positions):
@@ -430,7 +450,8 @@ class LedgerMachine(RuleBasedStateMachine):
         self._check_seq_content(rid, first - 1)
         last = first + added - 1
         self._check_query_windows(rid, max(first - 1, last - info["drafts"]), last)
-        self._write(rid, range(first - 1, first + added))  # inputs: the newest token and every draft
+        oldest = last - info["drafts"] if added > info["drafts"] else None  # the ledger's oldest query
+        self._write(rid, range(first - 1, first + added), oldest)  # inputs: the newest token and every draft
         if op == "new":
             self.m.store_new_block(rid)
         elif op != "none":
@@ -679,13 +700,13 @@ class OffloadMachine(LedgerMachine):
 class SlidingWindowMachine(LedgerMachine):
     """A full-attention window plus a sliding window: detach, placeholders, safe prefixes."""
 
-    FAMILY = dict(tpb=[2, 4], secondary=[0, 2], swa=[True], beams=[False])
+    FAMILY = dict(tpb=[2, 4], secondary=[0, 2], swa=[True], beams=[False], windows=["wide", "narrow", "block", "solo"])
 
 
 class BeamMachine(LedgerMachine):
     """Beam width 2 next to single-beam requests."""
 
-    FAMILY = dict(tpb=[4, 2], secondary=[0, 2], swa=[False, True], beams=[True])
+    FAMILY = dict(tpb=[4, 2], secondary=[0, 2], swa=[False, True], beams=[True], windows=["wide", "narrow", "solo"])
 
 
 _settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
