@@ -8,6 +8,7 @@ rows, prefill chunks of 16 / 32 / 64 tokens one row at a time: a handful of exec
 """
 from kvjax.engine import Engine, EngineConfig, ModelRunner, SchedulerConfig, SchedulerPolicy, cache_config
 from kvjax.engine.batching import Buckets
+from kvjax.model_spec import ModelSpec
 from kvjax.models import Transformer, dense_greedy, jit_dense_forward
 
 TPB = 8
@@ -31,7 +32,7 @@ def cache(model, *, primary=ROOMY, secondary=SECONDARY, reuse=True, **kw):
 class Served:
     """A model with its shared runner; `engine(policy)` builds engines on that runner."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str | ModelSpec):
         self.model = Transformer.from_spec(name, seed=0)
         self.runner = ModelRunner(self.model)
         self.dense_forward = jit_dense_forward(self.model)

@@ -144,6 +144,22 @@ def test_sliding_window_model(micro_swa):
     check_accounting(off)
 
 
+def test_a_window_narrower_than_a_block(micro_narrow):
+    """Layer 0 sees 5 tokens, fewer than a block holds (8): the ledger releases each of its
+    blocks a few tokens after it fills. With reuse on and off the tokens equal the dense
+    oracle's."""
+    items = dataclasses.replace(CHAT, users=3, seed=9).build(micro_narrow.model.spec.vocab_size)
+    engine = micro_narrow.engine()
+    on = engine.run(items, cache(micro_narrow.model))
+    off = engine.run(items, cache(micro_narrow.model, reuse=False))
+    assert on.ledger.windows == (5, 256)
+    assert_same_tokens(on.outputs, off.outputs)
+    assert_same_tokens(on.outputs, micro_narrow.dense(on))
+    assert on.metrics.summary()["prefill_reused_tokens"] > 0
+    check_accounting(on)
+    check_accounting(off)
+
+
 def test_eos_and_beam_width_one(micro):
     """A request stops at its EOS token (included); the ledger sees beam width 1 requests."""
     vocab = micro.model.spec.vocab_size
