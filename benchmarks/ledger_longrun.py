@@ -8,8 +8,9 @@ fake clock, offload and onboard through small secondary tiers, sliding and varia
 pins and unpins, removals with and without storing, scheduling dry runs and queries, failed
 transfers (whole plans or some ops, reported late enough that later ops read what they lost)
 and bad calls that must raise a typed error and change nothing. Configurations rotate per
-episode (full attention, one sliding window, a full plus a sliding window, two pools per
-window, no secondary tier, reuse off, no onboarding, tokens per block 2 or 4, beams) on pools of 8
+episode (full attention, one sliding window, a full plus a sliding window, a full plus a
+sliding window narrower than a block, two pools per window, no secondary tier, reuse off, no
+onboarding, tokens per block 2 or 4, beams) on pools of 8
 to 24 blocks, and one busy cache (up to 96 live requests on 640 blocks); now and then the prefix
 cache is reset.
 
@@ -169,6 +170,18 @@ def families(tpb: int) -> list[Family]:
                 "num_layers": 2,
                 "attention_windows": (L, 3 * tpb - 1),
                 "primary_blocks": {L: 16, 3 * tpb - 1: 12},
+                "secondary_blocks": 2,
+            },
+        ),
+        # a sliding window narrower than a block: a block leaves it a few tokens after it fills,
+        # often before it is stored
+        Family(
+            "narrow-vswa",
+            {
+                **base,
+                "num_layers": 2,
+                "attention_windows": (L, tpb - 1),
+                "primary_blocks": {L: 16, tpb - 1: 10},
                 "secondary_blocks": 2,
             },
         ),

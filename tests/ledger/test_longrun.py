@@ -12,7 +12,7 @@ import ledger_longrun  # noqa: E402
 
 def test_long_run_slice_has_no_violations():
     run = ledger_longrun.LongRun(seed=1, fail_rate=0.1)
-    run.run(12000, episode_ops=1000)
+    run.run(1000 * len(ledger_longrun.families(4)), episode_ops=1000)
     assert dict(run.violations) == {}, run.examples
     assert run.episodes >= len(ledger_longrun.families(4))  # every configuration family ran
     assert run.failures > 10 and run.bad_calls > 100 and run.recomputed > 0
