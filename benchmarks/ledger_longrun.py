@@ -10,7 +10,7 @@ transfers (whole plans or some ops, reported late enough that later ops read wha
 and bad calls that must raise a typed error and change nothing. Configurations rotate per
 episode (full attention, one sliding window, a full plus a sliding window, a full plus a
 sliding window narrower than a block, two pools per window, no secondary tier, reuse off, no
-onboarding, tokens per block 2 or 4, beams) on pools of 8
+onboarding, tokens per block 1, 2, 4 or 8, beams) on pools of 8
 to 24 blocks, and one busy cache (up to 96 live requests on 640 blocks); now and then the prefix
 cache is reset.
 
@@ -173,15 +173,15 @@ def families(tpb: int) -> list[Family]:
                 "secondary_blocks": 2,
             },
         ),
-        # a sliding window narrower than a block: a block leaves it a few tokens after it fills,
-        # often before it is stored
+        # a sliding window narrower than a block (one token wide with one token per block): a
+        # block leaves it a few tokens after it fills, often before it is stored
         Family(
             "narrow-vswa",
             {
                 **base,
                 "num_layers": 2,
-                "attention_windows": (L, tpb - 1),
-                "primary_blocks": {L: 16, tpb - 1: 10},
+                "attention_windows": (L, max(1, tpb - 1)),
+                "primary_blocks": {L: 16, max(1, tpb - 1): 10},
                 "secondary_blocks": 2,
             },
         ),
@@ -458,7 +458,7 @@ class Episode:
         rng, tpb = self.rng, self.tpb
         self.next_id += 1
         base = rng.choice(self.bases)
-        cut = rng.choice([1, tpb - 1, tpb, tpb + 1, 2 * tpb - 1, 2 * tpb + 1, 3 * tpb, 4 * tpb + 2, 6 * tpb + 1, 9 * tpb])
+        cut = max(1, rng.choice([1, tpb - 1, tpb, tpb + 1, 2 * tpb - 1, 2 * tpb + 1, 3 * tpb, 4 * tpb + 2, 6 * tpb + 1, 9 * tpb]))
         max_new = rng.choice([0, tpb, 2 * tpb, 3 * tpb])
         prompt = (base[:cut] + [rng.randrange(3) for _ in range(rng.randrange(3))])[: self.L - max_new]
         item = None  # a multimodal item: its positions hold the placeholder token
@@ -882,7 +882,7 @@ class LongRun:
     def run(self, total_ops: int, episode_ops: int = 3000, check_every: int = 400, on_episode=None) -> None:
         rng = random.Random(self.seed)
         while self.ops < total_ops:
-            fams = families(rng.choice([4, 4, 2]))
+            fams = families(rng.choice([4, 4, 2, 8, 1]))
             fam = fams[self.episodes % len(fams)]
             ep = Episode(self, fam, rng.randrange(2**32))
             self.episodes += 1
