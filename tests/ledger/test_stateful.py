@@ -121,9 +121,9 @@ class LedgerMachine(RuleBasedStateMachine):
             event_hash=event_hash,
             **policy,
         )
-        if swa:  # a full-attention layer and a sliding-window layer (window not a multiple of tpb)
-            # "narrow": narrower than a block, so a block leaves the window before it is stored;
-            # "block": exactly one block; "solo": the sliding layer alone, no full attention
+        if swa:  # a sliding-window layer beside a full-attention one, or alone ("solo")
+            # "wide": two blocks and a token; "narrow": narrower than a block, so a block leaves
+            # the window before it is stored; "block": exactly one block
             width = dict(wide=2 * tpb + 1, narrow=tpb - 1, block=tpb, solo=tpb + 1)[window]
             if window == "solo":
                 kw.update(attention_windows=(width,))
@@ -698,7 +698,7 @@ class OffloadMachine(LedgerMachine):
 
 
 class SlidingWindowMachine(LedgerMachine):
-    """A full-attention window plus a sliding window: detach, placeholders, safe prefixes."""
+    """A sliding window (beside full attention, or alone): detach, placeholders, safe prefixes."""
 
     FAMILY = dict(tpb=[2, 4], secondary=[0, 2], swa=[True], beams=[False], windows=["wide", "narrow", "block", "solo"])
 
