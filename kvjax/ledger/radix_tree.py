@@ -705,7 +705,8 @@ class RadixTree:
         block that grew) is reported to `on_move(depth, block)` and moved, except a partial last
         block already cached right there under a longer key (`_holds_longer`), which stays. Returns the (depth, block) pairs
         attached, in order, and (node, position id) of the position at depth `n_full - 1` if
-        the walk passed it."""
+        the walk passed it and it is still there (a trailing run of placeholders the walk
+        created is pruned before returning)."""
         bb = path.block_bytes
         P = path.content
         base = path.base
@@ -860,6 +861,10 @@ class RadixTree:
             d = end
         if placeholders:
             self.prune(last)  # a trailing run of placeholders holds nothing
+            if cursor is not None and not self.pid[cursor[0]] <= cursor[1] < self.pid[cursor[0]] + self.length[cursor[0]]:
+                # it named one of them (a window narrower than a block released the request's
+                # newest full block): the walk passed no position there that still exists
+                cursor = None
         return cursor
 
     def locate(self, node: int, pid: int) -> tuple[int, int] | None:

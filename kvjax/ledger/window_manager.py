@@ -333,15 +333,9 @@ class WindowBlockManager:
                 self.slot_table.clear_store_hints()
             if cursor is not None:
                 node, pid = cursor
-                tree = self.tree
-                o = pid - tree.pid[node]
-                if 0 <= o < tree.length[node]:
-                    row = tree.values[self.index][node]  # None: the node holds nothing of this window
-                    own = row is not None and row[o] == sw.blocks[0][n_full - 1]
-                    self.set_cursor(sw, (node, pid, n_full), own)
-                else:  # the position is gone: a window narrower than a block released the block
-                    # there, and the run of placeholders it ended was pruned as the walk finished
-                    self.set_cursor(sw, None, own=False)
+                row = self.tree.values[self.index][node]  # None: the node holds nothing of this window
+                own = row is not None and row[pid - self.tree.pid[node]] == sw.blocks[0][n_full - 1]
+                self.set_cursor(sw, (node, pid, n_full), own)
             if not attached:
                 return 0
         queues = self.queues
