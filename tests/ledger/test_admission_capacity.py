@@ -166,6 +166,12 @@ def _random_config(rng):
     return make_config(**kw)
 
 
+def _beam_token(m, cfg, rng, rid):
+    """A random token for each of the request's beams (one int for a one-beam request)."""
+    beams = len(m.block_ids(rid, cfg.windows[0]))
+    return rng.randrange(4) if beams == 1 else [rng.randrange(4)] * beams
+
+
 def _history_step(rng, m, cfg, live, pins, rid):
     """One random operation of ordinary traffic: tokens, stores, removals (stored or not),
     pins and unpins, taking the transfer plan."""
@@ -173,8 +179,7 @@ def _history_step(rng, m, cfg, live, pins, rid):
     try:
         if op < 0.4 and live:
             r = rng.choice(live)
-            beams = len(m.block_ids(r, cfg.windows[0]))
-            m.add_token(r, rng.randrange(4) if beams == 1 else [rng.randrange(4)] * beams)
+            m.add_token(r, _beam_token(m, cfg, rng, r))
         elif op < 0.5 and live:
             m.store_context_blocks(rng.choice(live))
         elif op < 0.8 and live:
@@ -300,11 +305,6 @@ def test_batched_queries_answer_as_the_scalar_ones_over_random_states():
         assert m.snapshot() == before
         m.verify_integrity()
     assert checked > 2000
-
-
-def _beam_token(m, cfg, rng, rid):
-    beams = len(m.block_ids(rid, cfg.windows[0]))
-    return rng.randrange(4) if beams == 1 else [rng.randrange(4)] * beams
 
 
 def _fail_plan(m, ids, plan, some, seen):
