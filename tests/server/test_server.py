@@ -139,26 +139,86 @@ def test_concurrent_clients_share_a_system_prompt(stack, server, client):
     assert metric(after, "kvjax_inter_token_latency_seconds_count") > 0
 
 
-def test_disconnect_aborts_and_frees(server, client):
+class StepGate:
+    """Holds the engine thread before each step until the test grants it: a client's
+    disconnect, or a shutdown's timeout, then reaches the engine while its request still runs,
+    however fast the machine (ungated, a fast machine finished 200 tokens inside a 0.5 s
+    client timeout)."""
+
+    def __init__(self, monkeypatch, loop):
+        self.loop = loop
+        self.permits = threading.Semaphore(0)
+        self.free = False  # steps run without a grant
+        self.aborted = threading.Event()
+        engine = loop.engine
+        step, abort = engine.step, loop.abort
+
+        def gated_step():
+            if not self.free and not self.permits.acquire(timeout=30):
+                raise AssertionError("the test never granted the engine a step")
+            return step()
+
+        def recorded_abort(request_id):
+            abort(request_id)
+            self.aborted.set()
+
+        monkeypatch.setattr(engine, "step", gated_step)
+        monkeypatch.setattr(loop, "abort", recorded_abort)
+
+    def allow(self, steps):
+        self.permits.release(steps)
+
+    def open_when(self, ready, what, timeout=20.0):
+        """Wait for `ready()`, then let the engine run freely."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+        self.free = True
+        self.allow(1)  # wakes a step already waiting
+
+    def open_after_abort(self):
+        """Open once the server has queued the abort, and wait for the aborted request to
+        finish (the metrics' gauges are stale while a step waits)."""
+        self.open_when(self.aborted.is_set, "the server to abort the request")
+        self.aborted.clear()
+        deadline = time.monotonic() + 20
+        while self.loop.pending:
+            assert time.monotonic() < deadline, "the aborted request never finished"
+            time.sleep(0.01)
+
+    def close(self):
+        """Gate the steps again (call while the engine is idle: no step is waiting)."""
+        self.free = False
+        self.permits = threading.Semaphore(0)
+
+
+def test_disconnect_aborts_and_frees(server, client, monkeypatch):
     before = wait_idle(server.url)
+    gate = StepGate(monkeypatch, server.engine_loop)
+    gate.allow(4)  # enough for two streamed tokens; the rest wait for the disconnect
     stream = client.completions.create(model=MODEL, prompt="Talk for a long time", max_tokens=200, temperature=0,
                                        stream=True, extra_body=LONG)
     it = iter(stream)
     next(it), next(it)
     stream.close()  # the client goes away mid-stream
+    gate.open_after_abort()
     after = wait_idle(server.url)
     assert metric(after, "kvjax_requests_finished_total", finish_reason="abort") == \
         metric(before, "kvjax_requests_finished_total", finish_reason="abort") + 1
     generated = metric(after, "kvjax_generation_tokens_total") - metric(before, "kvjax_generation_tokens_total")
     assert 2 <= generated < 200
     assert metric(after, "kvjax_kv_blocks_used", tier="primary") == 0
-    # a non-streaming client that times out is aborted too
+    # a non-streaming client that times out is aborted too: no step runs before its timeout
+    gate.close()
     with pytest.raises(httpx.TimeoutException):
         _HTTP.post(server.url + "/v1/completions", timeout=0.5,
                    json={"model": MODEL, "prompt": "Wait for me", "max_tokens": 200, "temperature": 0, **LONG})
+    gate.open_after_abort()
     after2 = wait_idle(server.url)
     assert metric(after2, "kvjax_requests_finished_total", finish_reason="abort") == \
         metric(after, "kvjax_requests_finished_total", finish_reason="abort") + 1
+    assert metric(after2, "kvjax_generation_tokens_total") - metric(after, "kvjax_generation_tokens_total") < 200
     assert metric(after2, "kvjax_kv_blocks_used", tier="primary") == 0
     server.engine_loop.engine.core.verify_idle()  # the engine thread is idle: its ledger is at rest
 
@@ -272,11 +332,15 @@ def _read_stream(url, body, into: list):
         into.append(e)
 
 
-def test_queue_full_then_graceful_shutdown(stack):
+def test_queue_full_then_graceful_shutdown(stack, monkeypatch):
     """max_pending=1: a second request gets 429. Shutdown then gives the in-flight stream
     `shutdown_timeout` seconds, aborts it (its stream still ends normally), refuses new
-    requests with 503, and leaves the ledger empty."""
+    requests with 503, and leaves the ledger empty. The engine's steps are gated, so the
+    stream is still running when the drain gives up on it, on any machine."""
     srv = stack.server(max_pending=1, shutdown_timeout=0.5).start()
+    loop = srv.engine_loop
+    gate = StepGate(monkeypatch, loop)
+    gate.allow(3)  # the first streamed tokens; the rest wait for the drain's timeout
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         chunks: list = []
@@ -294,23 +358,26 @@ def test_queue_full_then_graceful_shutdown(stack):
     finally:
         stopper = threading.Thread(target=srv.stop)
         stopper.start()
-        time.sleep(0.1)
         refused = None
-        try:  # while draining, the socket is still open: new requests are refused with 503
+        try:
+            deadline = time.monotonic() + 20
+            while loop.accepting and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # draining (it waits out its timeout: no step runs), so the socket is still open
             refused = _HTTP.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "late"}, timeout=5)
-        except httpx.HTTPError:
-            pass  # the drain already finished and the socket closed
-        stopper.join(60)
-        reader.join(60)
+        finally:
+            # the drain queues its abort once its timeout has passed: then the engine may run
+            gate.open_when(lambda: loop._commands.qsize() > 0, "the drain to abort the stream")
+            stopper.join(60)
+            reader.join(60)
     assert not stopper.is_alive() and not reader.is_alive()
-    if refused is not None:
-        assert refused.status_code == 503
+    assert refused is not None and refused.status_code == 503
     assert chunks[-1] == "[DONE]"
     finals = [ch["choices"][0]["finish_reason"] for ch in chunks[:-1] if ch["choices"][0]["finish_reason"]]
     assert finals == ["abort"]
-    core = srv.engine_loop.engine.core
+    core = loop.engine.core
     core.verify_idle()
-    assert core.counters.finished["abort"] == 1 and srv.engine_loop.error is None
+    assert core.counters.finished["abort"] == 1 and loop.error is None
 
 
 def test_shutdown_lets_short_requests_finish(stack):
