@@ -29,11 +29,28 @@ class BlockManager:
             WindowBlockManager(i, w, config, self.tree, self.recorder, self.events, clock) for i, w in enumerate(config.windows)
         ]
         self.window_index = {wm.window: wm.index for wm in self.windows}
+        self.has_swa = any(wm.is_swa for wm in self.windows)
         self.is_cross = config.cache_type == "cross"
         # TensorRT-LLM disables reuse when sink tokens leave a bubble before generation starts.
         self.reuse = config.enable_block_reuse and not self.is_cross and config.sink_bubble_length == 0
 
     # ------------------------------------------------------------------ growth
+    def fast_limit(self, seq: TrackedSequence) -> int:
+        """The token count below which `add_token` only stores its token: the count from which
+        the next token starts a block (or passes `max_seq_len`), or slides a block out of a
+        window; 0 (always the slow path) for beams, cross caches and extra ids, whose tokens
+        take checks only the slow path makes."""
+        if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
+            return 0
+        tpb = self.tokens_per_block
+        limit = min(len(seq.windows[0].blocks[0]) * tpb, self.config.max_seq_len)
+        if self.has_swa:
+            for wm in self.windows:
+                if wm.is_swa:  # the count at which the next front block may leave the window
+                    front = seq.windows[wm.index].num_front_removed + 1
+                    limit = min(limit, wm.window + seq.num_draft_tokens + front * tpb - 1)
+        return max(limit, 0)
+
     def grow(self, seq: TrackedSequence, index: int) -> None:
         """Allocate block `index`, which the sequence's next token starts (one per beam when
         beams diverge). Capacity is checked in every window before anything is allocated."""

@@ -5,21 +5,23 @@ runs before the first change, in row order, so a failure raises what the first f
 `add_token` would have raised (capacity included: free blocks are counted down row by row,
 and blocks that sliding-window detaches would free are counted back), and changes nothing.
 
-Speed: the manager keeps the last batch (`DecodeBatch`: its sequences, their token lists and
-how many more tokens each can append before it must allocate or detach a block), dropped by
-every other change to a sequence's tokens or `slow_at` and by every removal (`add_tokens` keeps
-the batch it runs current itself; an admission keeps it: a new sequence is in no cached batch).
-A step whose requests start no block is then a vectorised check of the tokens plus one C-level
-`list.append` per request. Requests that start a block (one in `tokens_per_block`) share one
-claim of victims per window (`take_fresh`) and one slot-table write; the others that need more
-(beams, cross caches, extra ids, a sliding-window detach) run `add_token`'s own slow path, in
-row order. A small step (at most `SMALL_BATCH` rows) whose every row only appends skips the
-batch: its rows are checked and appended one by one, which up to about 64 rows costs less
-than the batch's numpy calls.
+Speed: tokens, token counts and each sequence's limit (the count from which its next token
+needs more than being stored) are columns of the manager's `TokenStore`, indexed by the
+sequence's row, and the rows of an id list come from the store's directory (a dict lookup per
+id; the manager keeps the last list's rows, `DecodeBatch`, until a sequence leaves, since a row
+handed back may be handed out again). A step whose requests start no block is then a
+vectorised check of the tokens and the limits plus one scatter of the tokens: no sequence
+object is read. Sequences still holding their tokens as a list (every sequence until its
+first batched step) move into the store first. Requests that start a block (one
+in `tokens_per_block`) share one claim of victims per window (`take_fresh`) and one slot-table
+write; the others that need more (beams, cross caches, extra ids, a sliding-window detach) run
+`add_token`'s own slow path, in row order. A small step (at most `SMALL_BATCH` rows) whose
+every row only appends skips the batch: its rows are checked and appended one by one, which up
+to about 64 rows costs less than the batch's numpy calls.
 
 The batch also serves the step's `store_new_blocks` (same id list): `store_candidates` picks the
-rows that may have completed a block from its token counts and the slot table's store hints,
-so the others are never read.
+rows that may have completed a block from their token counts and the slot table's store
+hints, so the others are never read.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import struct
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -39,25 +41,22 @@ if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
     from kvjax.ledger.sequence import TrackedSequence
 
-_PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: list append, batched growth, add_token's slow path
+_PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: store the token, batched growth, add_token's slow path
 # At most this many rows, a step whose every row only appends is checked and appended row by
-# row: below it the cached batch's numpy bookkeeping (a few µs per array operation) costs more
-# than the rows themselves
+# row: below it the batch's numpy bookkeeping (a few µs per array operation) costs more than
+# the rows themselves
 SMALL_BATCH = 64
 
 
 class DecodeBatch:
-    """The sequences of one `add_tokens` id list, and per row how many more tokens it can
-    append without allocating or detaching (`left`; <= 0: the next one needs the slow path)."""
+    """One `add_tokens` id list (distinct, live) and its rows of the token store."""
 
-    __slots__ = ("ids", "seqs", "token_lists", "left", "num_tokens")
+    __slots__ = ("ids", "rows")
 
-    def __init__(self, ids: list | tuple, seqs: list[TrackedSequence]) -> None:
+    def __init__(self, ids: list | tuple, rows: np.ndarray) -> None:
         self.ids = ids
-        self.seqs = seqs
-        self.token_lists: list[list[int]] = [s.tokens for s in seqs]
-        self.num_tokens = int_array([len(t) for t in self.token_lists])  # [n]
-        self.left = int_array([s.slow_at for s in seqs]) - 1 - self.num_tokens  # [n]
+        self.rows = rows  # [n]
+        rows.flags.writeable = False
 
 
 _SIGNED_CODES = {4: "i", 8: "q"}  # struct codes of native signed ints by size
@@ -81,46 +80,70 @@ def same_ids(cached: Sequence[Hashable], ids: Sequence[Hashable]) -> bool:
         return False
 
 
-def batch_tokens(tokens: object, n: int) -> tuple[list, np.ndarray | None]:
-    """The tokens as a list, and a bool mask `[n]` of rows whose token is not a plain int in
-    [0, 2**31) (None when there are none): those rows take `add_token`'s checks one by one."""
+def batch_tokens(tokens: object, n: int) -> tuple[np.ndarray, list | None, np.ndarray | None]:
+    """The step's tokens as an integer array `[n]` (0 where a row's token is not a plain int in
+    [0, 2**31)); the tokens as given, as a list, when some row's is not (else None: they are
+    the array's); and a bool mask `[n]` of those rows (None when there are none): they take
+    `add_token`'s checks one by one."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise InvalidArgumentError(f"tokens must be one-dimensional, got shape {tokens.shape}")
-        vals = tokens.tolist()
+        if len(tokens) != n:
+            raise InvalidArgumentError(f"add_tokens got {n} request ids and {len(tokens)} tokens")
         if tokens.dtype.kind in "iu":
-            bad = (tokens < 0) | (tokens > INT32_MAX) if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX) else None
-        else:  # floats, bools, objects: each row's token is checked as add_token would
-            bad = np.ones(len(vals), dtype=bool)
-    else:
-        vals = check_id_list("tokens", tokens)
-        if not vals or (set(map(type, vals)) == {int} and min(vals) >= 0 and max(vals) <= INT32_MAX):
-            bad = None
-        else:
-            bad = np.array([not (type(t) is int and 0 <= t <= INT32_MAX) for t in vals], dtype=bool)
+            narrow = tokens.dtype.itemsize < 4 or (tokens.dtype.itemsize == 4 and tokens.dtype.kind == "i")
+            if not tokens.size or (tokens.min() >= 0 and (narrow or tokens.max() <= INT32_MAX)):
+                return tokens, None, None
+            bad = (tokens < 0) | (tokens > INT32_MAX)  # [n]
+            return np.where(bad, 0, tokens), tokens.tolist(), bad
+        # floats, bools, objects: each row's token is checked as add_token would
+        return np.zeros(n, dtype=np.int64), tokens.tolist(), np.ones(n, dtype=bool)
+    vals = check_id_list("tokens", tokens)
     if len(vals) != n:
         raise InvalidArgumentError(f"add_tokens got {n} request ids and {len(vals)} tokens")
-    return vals, bad
+    if not vals or (set(map(type, vals)) == {int} and min(vals) >= 0 and max(vals) <= INT32_MAX):
+        return int_array(vals), None, None
+    bad = np.array([not (type(t) is int and 0 <= t <= INT32_MAX) for t in vals], dtype=bool)  # [n]
+    return int_array([0 if b else t for t, b in zip(vals, bad.tolist(), strict=True)]), list(vals), bad
 
 
 def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
-    """The batch of `ids` (the cached one while still valid); None when an id is unknown or
-    repeated (the ordered check then reports it)."""
+    """The batch of `ids` (the cached one while still valid); None when an id is unknown,
+    unhashable or repeated (the ordered check then reports it)."""
     b = m._batch
     if b is not None and same_ids(b.ids, ids):
         return b
-    seqs = distinct_live(m, ids)
-    if seqs is None:
+    move_to_store(m)  # before the rows are looked up: a new sequence has none yet
+    m._new_in_store = True  # the next admissions go straight to the store
+    directory = m._tok.row_of_id
+    try:
+        rows = itemgetter(*ids)(directory) if len(ids) > 1 else tuple(directory[r] for r in ids)
+    except (KeyError, TypeError):
         return None
-    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, seqs)
+    if len(set(ids)) != len(ids):
+        return None
+    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, int_array(rows, np.intp))
     return b
+
+
+def move_to_store(m: KVCacheManager) -> None:
+    """Move every token list into the token store (`TrackedSequence.to_store`): the batched
+    paths read and write the store's columns only. In an engine's step these are the
+    sequences admitted since the last one."""
+    listed = m._listed
+    if listed:
+        for seq in listed.values():
+            seq.to_store()
+        listed.clear()
 
 
 def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
     """`store_new_blocks`' pre-check without a walk through the batch's sequences: when `ids`
     is the cached batch's id list in a ledger of one full-attention window, and every row is a
     one-beam request, the sequences (in row order) that may hold a full block not yet stored;
-    None otherwise (the caller checks every row).
+    None otherwise (the caller checks every row). The batch's rows hold all their tokens in
+    the store: `add_tokens` moved them there, and a single `add_token` that moves one of them
+    back to a list drops the batch.
 
     A row is left out when its token count minus one (the newest token's KV is never
     materialised, so this bounds what is) is below its row's store hint, which promises
@@ -135,18 +158,9 @@ def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequen
     rows = m._rows_of(ids, wm)  # [n] one per request, unless some request has beams
     if len(rows) != len(ids):
         return None
-    maybe = b.num_tokens - 1 >= wm.slot_table.store_due[rows]  # [n]
-    return list(compress(b.seqs, maybe.tolist()))
-
-
-def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
-    """The live sequences of `ids`, in order; None when an id is unknown, unhashable or repeated."""
+    maybe = m._tok.count[b.rows] - 1 >= wm.slot_table.store_due[rows]  # [n]
     live = m._seqs
-    try:
-        seqs = [live[r] for r in ids]
-    except (KeyError, TypeError):
-        return None
-    return seqs if len(set(ids)) == len(ids) else None
+    return [live[r] for r in compress(b.ids, maybe.tolist())]
 
 
 def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: object) -> bool:
@@ -155,28 +169,28 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
     ids = check_id_list("request_ids", request_ids)
     if len(ids) <= SMALL_BATCH and append_small(m, ids, tokens):
         return False
-    vals, bad = batch_tokens(tokens, len(ids))
+    arr, given, bad = batch_tokens(tokens, len(ids))
     batch = cached_batch(m, ids)
     if batch is None:  # an unknown or repeated id: find the first failing row, as add_token would
-        plan_rows(m, ids, None, vals, range(len(ids)))
+        plan_rows(m, ids, arr.tolist() if given is None else given, range(len(ids)), checked=False)
         raise AssertionError("plan_rows accepted a batch with an unknown or repeated id")
-    left = batch.left
-    event = left <= 0  # [n] rows that allocate, detach or need add_token's slow checks
+    tok = m._tok
+    rows = batch.rows
+    counts = tok.count[rows]  # [n]
+    event = counts >= tok.limit[rows]  # [n] rows that allocate, detach or need add_token's slow checks
     if bad is not None:
         event |= bad
-    if not event.any():  # the common step: every row appends
-        list(map(list.append, batch.token_lists, vals))
-        left -= 1
-        batch.num_tokens += 1
+    if not event.any():  # the common step: every row only stores its token
+        tok.append_rows(rows, counts, arr)
         return False
-    if bad is None and not m._has_swa and grow_batched(m, batch, vals, np.flatnonzero(event)):
+    at = np.flatnonzero(event)  # [k]
+    if bad is None and not m._has_swa and grow_batched(m, batch, counts, arr, at):
         return True
-    rows = np.flatnonzero(event).tolist()
-    plans = plan_rows(m, ids, batch.seqs, vals, rows)  # raises before any change
+    vals = arr.tolist() if given is None else given
+    plans = plan_rows(m, ids, vals, at.tolist(), checked=True)  # raises before any change
     plain = ~event  # [n]
-    list(map(list.append, compress(batch.token_lists, plain.tolist()), compress(vals, plain.tolist())))
-    left[plain] -= 1
-    batch.num_tokens[plain] += 1
+    tok.append_rows(rows[plain], counts[plain], arr[plain])
+    live = m._seqs
     changed = False
     i = 0
     while i < len(plans):
@@ -185,30 +199,25 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
             j = i + 1
             while j < len(plans) and plans[j][1] == _GROW:
                 j += 1
-            grow_rows(m, [(batch.seqs[r], tok) for r, _, tok in plans[i:j]])
+            grow_rows(m, [(live[ids[r]], t) for r, _, t in plans[i:j]])
             changed = True
             i = j
             continue
-        r, _, tok = plans[i]
-        seq = batch.seqs[r]
+        r, _, t = plans[i]
+        seq = live[ids[r]]
         if kind == _PLAIN:
-            seq.tokens.append(tok)
+            tok.append(seq.row, t)
         else:
-            m._add_token_slow(seq, tok, len(seq.tokens) + 1)
+            m._add_token_slow(seq, t, seq.num_tokens + 1)
             changed = True
         i += 1
-    num_tokens = batch.num_tokens
-    for r in rows:
-        seq = batch.seqs[r]
-        num_tokens[r] = n = len(seq.tokens)
-        left[r] = seq.slow_at - 1 - n
-    m._batch = batch  # the slow paths dropped it; it is current again
     return changed
 
 
 def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
     """A small step whose every row is `add_token`'s fast path (a plain int token in range,
-    below the sequence's `slow_at`, ids known and distinct): checked in full, then appended.
+    below the sequence's limit, ids known and distinct): checked in full, then appended (to
+    the tail list, or to the store for a sequence whose tokens a batched step moved there).
     False, with nothing changed, for anything else (the general path then decides, and raises
     what it must)."""
     if type(tokens) is list or type(tokens) is tuple:
@@ -217,29 +226,43 @@ def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
         vals = tokens.tolist()
     else:
         return False
-    seqs = distinct_live(m, ids) if len(vals) == len(ids) else None
-    if seqs is None:
+    live = m._seqs
+    try:
+        seqs = [live[r] for r in ids]
+    except (KeyError, TypeError):
         return False
+    if len(vals) != len(ids) or len(set(ids)) != len(ids):
+        return False
+    tok = m._tok
+    count_of, limit_of = tok.count_of, tok.limit_of
     for seq, t in zip(seqs, vals, strict=True):
-        if type(t) is not int or not 0 <= t <= INT32_MAX or len(seq.tokens) + 1 >= seq.slow_at:
+        if type(t) is not int or not 0 <= t <= INT32_MAX:
             return False
+        tokens = seq.tokens
+        if len(tokens) >= seq.limit if tokens is not None else count_of[seq.row] >= limit_of[seq.row]:
+            return False
+    append = tok.append
     for seq, t in zip(seqs, vals, strict=True):
-        seq.tokens.append(t)
-    m._batch = None  # it counted these sequences' tokens
+        tokens = seq.tokens
+        if tokens is not None:
+            tokens.append(t)
+        else:
+            append(seq.row, t)
     return True
 
 
-def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.ndarray) -> bool:
+def grow_batched(m: KVCacheManager, batch: DecodeBatch, counts: np.ndarray, tokens: np.ndarray, event: np.ndarray) -> bool:
     """The usual step of one full-attention window: the `event` rows (ascending) all start a
-    block, one beam each, within `max_seq_len` and the free blocks. Appends every row's token
+    block, one beam each, within `max_seq_len` and the free blocks. Stores every row's token
     and grows those rows in one pass; False (nothing done) when a row needs more than that."""
     tpb = m._tpb
     if len(m._bm.windows) != 1:
         return False
-    seqs = itemgetter_list(batch.seqs, event.tolist())
+    live = m._seqs
+    seqs = [live[r] for r in itemgetter_list(batch.ids, event.tolist())]
     if not all([s.batchable for s in seqs]):
         return False
-    n = batch.num_tokens[event] + 1  # [k] each row's token count once its token is in
+    n = counts[event] + 1  # [k] each row's token count once its token is in
     wm = m._bm.windows[0]
     k = len(event)
     if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
@@ -248,55 +271,51 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, vals: list, event: np.nd
     held = [sw.rows for sw in windows]
     if None in held:  # a first block hands a slot-table row out: the general path does that
         return False
-    list(map(list.append, batch.token_lists, vals))
+    slot_rows = int_array([r[0] for r in cast("list[list[int]]", held)], np.intp)  # [k]
+    tok = m._tok
+    tok.append_rows(batch.rows, counts, tokens)
     blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
     for sw, b in zip(windows, blocks, strict=True):
         sw.blocks[0].append(b)
-    rows = int_array([r[0] for r in held], np.intp)  # [k]
-    wm.slot_table.append_rows(rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
+    wm.slot_table.append_rows(slot_rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
-    # `_update_slow_at` of one full-attention window: the block after the new one starts at n + tpb
-    slow_at = np.minimum(n + tpb, m._max_seq_len + 1)  # [k]
-    for s, at in zip(seqs, slow_at.tolist(), strict=True):
-        s.slow_at = at
-    batch.num_tokens += 1
-    batch.left -= 1
-    batch.left[event] = slow_at - 1 - n
+    # `BlockManager.fast_limit` of one full-attention window: the next block starts at n - 1 + tpb
+    tok.limit[batch.rows[event]] = np.minimum(n - 1 + tpb, m._max_seq_len)
     return True
 
 
-def itemgetter_list(items: list, index: list[int]) -> list:
+def itemgetter_list(items: Sequence, index: list[int]) -> list:
     """`[items[i] for i in index]` in one C call."""
     if len(index) == 1:
         return [items[index[0]]]
     return list(itemgetter(*index)(items)) if index else []
 
 
-def plan_rows(
-    m: KVCacheManager, ids: Sequence[Hashable], seqs: list[TrackedSequence] | None, vals: list, rows
-) -> list[tuple[int, int, int]]:
+def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, checked: bool) -> list[tuple[int, int, int]]:
     """Check `rows` (ascending) as `add_token` would, one after the other: the first failure
-    raises. Without `seqs`, ids are looked up here (unknown and repeated ids raise). Free
-    blocks are counted down per window as rows allocate, and up as sliding-window detaches
-    release a block's last reference. Returns (row, how it commits, checked token) per row."""
+    raises. Unless the ids are `checked` (live and distinct), unknown and repeated ids raise
+    here. Free blocks are counted down per window as rows allocate, and up as sliding-window
+    detaches release a block's last reference. Returns (row, how it commits, checked token)
+    per row."""
     bm = m._bm
     windows = bm.windows
     tpb = m._tpb
+    live = m._seqs
     free: list[int] | None = None
     pending: list[dict[int, int]] = [{} for _ in windows]  # window -> block -> references dropped
     seen: set = set()
     out = []
     for r in rows:
         rid, token = ids[r], vals[r]
-        if seqs is None:
+        if checked:
+            seq = live[rid]
+        else:
             seq = m._seq(rid)
             if rid in seen:
                 raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
             seen.add(rid)
-        else:
-            seq = seqs[r]
         n = seq.num_tokens + 1
-        if n < seq.slow_at and type(token) is int and 0 <= token <= INT32_MAX:
+        if n <= m._tok.limit[seq.row] and type(token) is int and 0 <= token <= INT32_MAX:
             out.append((r, _PLAIN, token))
             continue
         token = m._checked_token(seq, token, n)
@@ -342,7 +361,7 @@ def grow_rows(m: KVCacheManager, run: list[tuple[TrackedSequence, int]]) -> None
     k = len(run)
     retention = None
     if any(seq.retention is not None for seq, _ in run):
-        retention = [seq.block_priority(len(seq.tokens) // tpb, tpb) for seq, _ in run]
+        retention = [seq.block_priority(seq.num_tokens // tpb, tpb) for seq, _ in run]
     for wm in m._bm.windows:
         widx = wm.index
         blocks = wm.take_fresh(k, retention)  # capacity checked by plan_rows
@@ -355,5 +374,5 @@ def grow_rows(m: KVCacheManager, run: list[tuple[TrackedSequence, int]]) -> None
         table.append_rows(np.array(rows, dtype=np.intp), np.array([slot[b] for b in blocks], dtype=np.int32))
         wm.counters.gen_alloc += k
     for seq, token in run:
-        seq.tokens.append(token)
-        m._update_slow_at(seq)
+        seq.append(token)
+        m._set_limit(seq)

@@ -18,14 +18,29 @@ from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
+    from kvjax.ledger.token_store import TokenStore
 
 
 def _fail(msg: str) -> None:
     raise IntegrityError(msg)
 
 
-def verify_ledger(bm: BlockManager, seqs: dict) -> None:
+def verify_ledger(bm: BlockManager, seqs: dict, tokens: TokenStore, listed: dict) -> None:
     tpb = bm.tokens_per_block
+    tokens.verify({rid: seq.row for rid, seq in seqs.items() if seq.tokens is None})
+    if listed.keys() != {rid for rid, seq in seqs.items() if seq.tokens is not None} or not all(
+        seqs.get(rid) is seq for rid, seq in listed.items()
+    ):
+        _fail("the sequences keeping their tokens as a list are not the ones the manager files")
+    for rid, seq in seqs.items():
+        limit = bm.fast_limit(seq)
+        if seq.tokens is not None:
+            if seq.limit != limit or seq.row != -1:
+                _fail(f"request {rid!r}: its token list has a stale limit, or it also holds a token-store row")
+        elif seq.limit != 0 or tokens.limit[seq.row] != limit:
+            _fail(f"request {rid!r}: its token-store row has a stale limit")
+        if not seq.is_cross and seq.num_tokens < seq.prompt_len:
+            _fail(f"request {rid!r} holds fewer tokens than its prompt")
     for wm in bm.windows:
         w = wm.window
         refs: Counter = Counter()
@@ -311,7 +326,7 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
     sequences = tuple(
         (
             repr(rid),
-            tuple(seq.tokens),
+            tuple(seq.token_list()),
             seq.num_tokens,
             seq.context_position,
             tuple(

@@ -37,6 +37,7 @@ from kvjax.ledger.reset import reset_prefix_cache
 from kvjax.ledger.scheduler_queries import DryRun, PrefixReuseSummary
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats, cache_stats, counter_totals, hit_rate, iteration_stats
+from kvjax.ledger.token_store import TokenStore
 from kvjax.ledger.transfer_failures import APPLIED, FAILED, TransferFailure, TransferLog, apply_failure
 from kvjax.ledger.validation import (
     check_beam_token,
@@ -84,12 +85,19 @@ class KVCacheManager:
         self.clock = clock
         self._bm = BlockManager(config, clock)
         self._seqs: dict[Hashable, TrackedSequence] = {}
+        # the tokens of the sequences a batched step grew, as columns (`TokenStore`); the
+        # others keep theirs as a list, and are filed here (the next batched step moves them)
+        self._tok = TokenStore()
+        self._listed: dict[Hashable, TrackedSequence] = {}
+        # where admission puts a new sequence's tokens: in the store once a batched step ran
+        # (the sequence would move there at its first step anyway), back in a list once a
+        # single `add_token` found its sequence in the store
+        self._new_in_store = False
         self._tpb = config.tokens_per_block
         self._max_seq_len = config.max_seq_len
         self._has_swa = any(wm.is_swa for wm in self._bm.windows)
         self._iter_base = counter_totals(self._bm.windows)
-        # the last `add_tokens` batch (see `DecodeBatch`), dropped whenever a live sequence's
-        # tokens or `slow_at`, or the set of live sequences, changes elsewhere
+        # the last `add_tokens` batch (see `DecodeBatch`), dropped whenever a sequence leaves
         self._batch: DecodeBatch | None = None
         self._table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
 
@@ -154,7 +162,7 @@ class KVCacheManager:
 
     def _validate(self, request: Request, batch_ids: set | None = None, live_ok: bool = False) -> TrackedSequence:
         bm = self._bm
-        return validate_request(request, self.config, len(bm.windows), bm.is_cross, self._seqs, batch_ids, live_ok)
+        return validate_request(request, self.config, len(bm.windows), bm.is_cross, self._seqs, batch_ids, live_ok, self._tok)
 
     # ------------------------------------------------------------------ admission
     @writer
@@ -188,7 +196,11 @@ class KVCacheManager:
             seq = plan.seq
             seq.admit_counts = plan.deltas
             seq.prompt_path = plan.path
-            self._set_slow_at(seq)  # a new sequence is in no cached batch: the batch stays
+            if self._new_in_store:  # straight into the token store, while its cache lines are warm
+                seq.to_store()
+            else:
+                self._listed[seq.request_id] = seq
+            self._set_limit(seq)
             self._seqs[seq.request_id] = seq
             out.append(plan.prepopulated)
         return out
@@ -201,15 +213,21 @@ class KVCacheManager:
             seq = self._seqs[request_id]
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
-        n = len(seq.tokens) + 1  # `num_tokens + 1` (a cross cache's `slow_at` is 0: it never takes this path)
-        if n < seq.slow_at and type(token) is int and 0 <= token <= INT32_MAX:
-            seq.tokens.append(token)  # nothing to allocate or detach before `slow_at`
-            self._batch = None  # the cached `add_tokens` batch counted this sequence's tokens
+        tokens = seq.tokens
+        # below its limit (a cross cache's is 0: it never takes this path), the token is only
+        # appended: nothing to allocate or detach
+        if tokens is not None and len(tokens) < seq.limit and type(token) is int and 0 <= token <= INT32_MAX:
+            tokens.append(token)
             return
         lock = self._lock  # the fast path above takes no lock (kvjax/ledger/concurrency.py)
         lock.acquire()
         try:
-            self._add_token_slow(seq, token, n)
+            if tokens is None:  # a batched step moved them into the store: a list again
+                seq.to_list()
+                self._listed[request_id] = seq
+                self._batch = None  # it holds the sequence's row
+                self._new_in_store = False
+            self._add_token_slow(seq, token, seq.num_tokens + 1)
             self._version += 1
         finally:
             lock.release()
@@ -246,32 +264,22 @@ class KVCacheManager:
         token = self._checked_token(seq, token, n)
         if (n - 1) % self._tpb == 0:
             self._bm.grow(seq, (n - 1) // self._tpb)
-        seq.tokens.append(token)
+        seq.append(token)
         if seq.extra_ids is not None:
             seq.extra_ids.append(0)
         if self._has_swa:
             self._bm.detach_out_of_window(seq)
-        self._update_slow_at(seq)
+        self._set_limit(seq)
 
-    def _update_slow_at(self, seq: TrackedSequence) -> None:
-        """Next token count at which `add_token` must allocate or detach a block (a live
-        sequence's: the cached batch, which may hold it, goes)."""
-        self._batch = None  # its counts of tokens left before `slow_at` go stale
-        self._set_slow_at(seq)
-
-    def _set_slow_at(self, seq: TrackedSequence) -> None:
-        if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
-            seq.slow_at = 0
-            return
-        tpb = self._tpb
-        at = min(len(seq.windows[0].blocks[0]) * tpb + 1, self._max_seq_len + 1)
-        if not self._has_swa:
-            seq.slow_at = at
-            return
-        for wm in self._bm.windows:
-            if wm.is_swa:  # the token count at which the next front block may leave the window
-                at = min(at, wm.window + seq.num_draft_tokens + (seq.windows[wm.index].num_front_removed + 1) * tpb)
-        seq.slow_at = at
+    def _set_limit(self, seq: TrackedSequence) -> None:
+        """File the sequence's limit (`BlockManager.fast_limit`: `add_token` only appends
+        below it) with its tokens, list or store row; called after every change to its
+        blocks, windows or tokens on a locked path."""
+        limit = self._bm.fast_limit(seq)
+        if seq.tokens is not None:
+            seq.limit = limit
+        else:
+            self._tok.limit_of[seq.row] = limit
 
     @writer
     def rewind(self, request_id: Hashable, n: int) -> None:
@@ -287,7 +295,7 @@ class KVCacheManager:
         rewind.check_rewind(self._bm, seq, n)
         if n:
             rewind.rewind(self._bm, seq, n)
-            self._update_slow_at(seq)
+            self._set_limit(seq)
 
     @writer
     def set_context_position(self, request_id: Hashable, position: int) -> None:
@@ -369,7 +377,7 @@ class KVCacheManager:
         if self._kv_valid:
             counts = [self._materialised(s) for s in seqs]
         else:  # `_materialised` of each (no failed transfer pending), in one pass
-            counts = [s.context_position if s.context_position < s.prompt_len else len(s.tokens) - 1 for s in seqs]
+            counts = [s.context_position if s.context_position < s.prompt_len else s.num_tokens - 1 for s in seqs]
         rows = bm.with_unstored_blocks(seqs, counts)
         if rows:
             bm.store_new_full_blocks([seqs[i] for i in rows], [counts[i] for i in rows])
@@ -436,9 +444,11 @@ class KVCacheManager:
         if pin:
             self._pin(seq)
         self._bm.release(seq)
-        self._batch = None  # it may hold this sequence: let it go
+        self._batch = None  # it may hold this sequence, whose token row goes back now
         for wm in self._bm.windows:
             wm.slot_table.release(seq.windows[wm.index])
+        seq.release()
+        self._listed.pop(request_id, None)
         del self._seqs[request_id]
         self._kv_valid.pop(request_id, None)
 
@@ -700,29 +710,29 @@ class KVCacheManager:
         taken = self._bm.recorder.taken
         failed = check_op_indices(op_indices, len(taken[0]))
         result = apply_failure(self, seq, list(zip(*taken, strict=True)), failed)
-        self._batch = None  # sequences were cut back
         self._transfers.status = FAILED
         return result
 
     @reader
     def verify_integrity(self) -> None:
         """Raise `IntegrityError` if any ledger invariant is broken."""
-        verify_ledger(self._bm, self._seqs)
+        verify_ledger(self._bm, self._seqs, self._tok, self._listed)
 
     @reader
     def snapshot(self) -> tuple:
         """A hashable picture of the whole ledger state (tests compare it around failed calls).
         Thread-safe: `add_token`'s unlocked fast path is switched off while it reads (every
-        sequence's next token takes the locked path, which waits); that path is one list
-        append (`num_tokens` is the token list's length), so no sequence is ever seen half-way
-        through it. It is switched back on before returning, so a snapshot leaves no trace:
-        the calls a test makes between two snapshots take the paths they would without them."""
+        token list's limit is set to 0, so every sequence's next token takes the locked path,
+        which waits); that path is one list append (a listed sequence's length is its list's
+        length), so no sequence is ever seen half-way through it. It is switched back on
+        before returning, so a snapshot leaves no trace: the calls a test makes between two
+        snapshots take the paths they would without them."""
         seqs = self._seqs
-        self._batch = None  # its counts of tokens left before `slow_at` go stale below
-        for seq in seqs.values():
-            seq.slow_at = 0
-        state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
-        out = ledger_snapshot(self._bm, seqs) + state
-        for seq in seqs.values():
-            self._update_slow_at(seq)  # a function of the sequence's blocks, which did not move
-        return out
+        for seq in self._listed.values():
+            seq.limit = 0
+        try:
+            state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
+            return ledger_snapshot(self._bm, seqs) + state
+        finally:
+            for seq in seqs.values():
+                self._set_limit(seq)  # a function of the sequence's blocks, which did not move

@@ -75,7 +75,7 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
                 wm.drop_cached(b, evicted=False)
         if sw.cursor is not None and sw.cursor[2] > last:
             wm.set_cursor(sw, None, own=False)
-    del seq.tokens[new_n:]  # `seq.num_tokens` follows
+    seq.truncate(new_n)
     if seq.extra_ids is not None:
         del seq.extra_ids[new_n:]
     seq.context_position = min(seq.context_position, new_n)

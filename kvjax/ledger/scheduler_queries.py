@@ -213,7 +213,7 @@ def needed_blocks_one_step_many(
     ids, seqs = _live_rows(m, request_ids)
     wm = m._window_manager(window)
     tpb = m._bm.tokens_per_block
-    cur = int_array([s.prompt_len if s.is_cross else len(s.tokens) for s in seqs])  # [n]
+    cur = int_array([s.num_tokens for s in seqs])  # [n]
     prompt = int_array([s.prompt_len for s in seqs])  # [n]
     idle = np.array([s.is_cross or s.context_position < s.prompt_len for s in seqs], dtype=bool)  # [n]
     steps = 2 if two_steps_lookahead else 1

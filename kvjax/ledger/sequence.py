@@ -1,10 +1,13 @@
 """`TrackedSequence`: the ledger's record of one live request (TensorRT-LLM's `GenerationRequest`).
 
-Holds the tokens (beam 0: what keys are built from), and per window the block ids of every beam
-as int arrays plus the rows of the window's `SlotTable` that mirror their primary slots. A
-referenced block never changes slot (only free blocks are offloaded, onboards happen before a
-block joins a sequence), so the slot rows are kept incrementally and block tables are gathered
-from them directly.
+Holds beam 0's tokens (what keys are built from) in one of two places: a Python list (the
+prompt at admission, then every token single `add_token` calls append, one list append each)
+or a row of the manager's `TokenStore` (columns, which the batched `add_tokens` writes for
+many sequences at once; it moves a sequence there on its first batched step). And per window
+the block ids of every beam as int arrays plus the rows of the window's `SlotTable` that mirror
+their primary slots. A referenced block never changes slot (only free blocks are offloaded,
+onboards happen before a block joins a sequence), so the slot rows are kept incrementally and
+block tables are gathered from them directly.
 """
 from __future__ import annotations
 
@@ -13,9 +16,9 @@ from collections.abc import Hashable, Sequence
 
 from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
-from kvjax.ledger.token_path import TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
+from kvjax.ledger.token_path import PLAIN_UNIT, TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
+from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request
-
 
 
 class SequenceWindow:
@@ -57,6 +60,9 @@ class TrackedSequence:
         "request",
         "prompt_len",
         "tokens",
+        "store",
+        "row",
+        "limit",
         "extra_ids",
         "beam_width",
         "lora_task_id",
@@ -72,16 +78,23 @@ class TrackedSequence:
         "is_cross",
         "windows",
         "admit_counts",
-        "slow_at",
         "batchable",
         "prompt_path",
     )
 
-    def __init__(self, request: Request, num_windows: int, is_cross: bool, tokens: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, request: Request, num_windows: int, is_cross: bool, store: TokenStore, tokens: Sequence[int] | None = None
+    ) -> None:
         self.request_id: Hashable = request.request_id
         self.request = request
         self.is_cross = is_cross
-        self.tokens: list[int] = list(request.prompt if tokens is None else tokens)
+        # its tokens as a list (None: they are in row `row` of `store`; see `to_store`)
+        self.tokens: list[int] | None = list(request.prompt if tokens is None else tokens)
+        self.store = store
+        self.row = -1
+        # while the tokens are a list: the count below which `add_token` only appends (the
+        # manager sets it, `BlockManager.fast_limit`; 0 switches the lock-free append off)
+        self.limit = 0
         self.extra_ids: list[int] | None = None if request.extra_ids is None else list(request.extra_ids)
         if is_cross:
             assert request.encoder_len is not None  # validation requires it of a cross cache's request
@@ -106,9 +119,6 @@ class TrackedSequence:
         # (reused, missed, alloc_total, alloc_new) blocks of its admission (`request_stats`)
         self.admit_counts: list[int] = [0, 0, 0, 0]
         self.context_retention: list[tuple[int | None, float | None]] | None = None
-        # `add_token` takes its fast path (append only) while the new token count stays below
-        # this; 0 forces the slow path (beams, cross caches, extra ids). Set by the manager.
-        self.slow_at = 0
         # `add_tokens` may grow it in a batch with others (one beam, no extra ids,
         # no retention, not a cross cache)
         self.batchable = self.beam_width == 1 and self.extra_ids is None and not is_cross and self.retention is None
@@ -118,9 +128,70 @@ class TrackedSequence:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens so far: the token list's length, so appending a token is one list append
-        (a cross cache never grows: its encoder length)."""
-        return self.prompt_len if self.is_cross else len(self.tokens)
+        """Tokens so far (a cross cache never grows: its encoder length)."""
+        tokens = self.tokens
+        if self.is_cross:
+            return self.prompt_len
+        return len(tokens) if tokens is not None else self.store.count_of[self.row]
+
+    def to_store(self) -> None:
+        """Move the token list into a new row of the token store (a batched step writes the
+        store only); the prompt's encoding from admission's walk is reused."""
+        tokens = self.tokens
+        assert tokens is not None  # in the list
+        path = self.prompt_path
+        if path is not None and path.base == 0 and path.unit == PLAIN_UNIT and path.num_tokens <= len(tokens):
+            prefix, rest = path.content, tokens[path.num_tokens :]  # the walk's bytes, shared
+        else:
+            prefix, rest = encode_tokens(tokens), []
+        store = self.store
+        r = self.row = store.admit(self.request_id, prefix, self.prompt_len + self.max_new_tokens)
+        store.extend(r, rest)
+        store.limit_of[r] = self.limit  # the limit moves with the tokens
+        self.tokens = None
+        self.limit = 0
+
+    def to_list(self) -> None:
+        """Move the tokens out of the store into a list again (single `add_token` calls)."""
+        assert self.tokens is None  # in the store
+        store, r = self.store, self.row
+        self.tokens = store.tokens(r, 0, store.count_of[r])
+        self.limit = store.limit_of[r]
+        store.release(self.request_id, r)
+        self.row = -1
+
+    def release(self) -> None:
+        """The sequence leaves: its row of the store, if any, goes back."""
+        if self.tokens is None:
+            self.store.release(self.request_id, self.row)
+            self.row = -1
+
+    def append(self, token: int) -> None:
+        """One checked token (on a locked path)."""
+        if self.tokens is not None:
+            self.tokens.append(token)
+        else:
+            self.store.append(self.row, token)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` tokens (a rewind)."""
+        if self.tokens is not None:
+            del self.tokens[n:]
+        else:
+            self.store.truncate(self.row, n)
+
+    def token_list(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Beam 0's tokens `[start, end)` (to the last one by default), as ints."""
+        if self.tokens is not None:
+            return self.tokens[start:end]
+        store, r = self.store, self.row
+        return store.tokens(r, start, store.count_of[r] if end is None else end)
+
+    def units(self, start: int, end: int) -> bytes:
+        """Beam 0's tokens `[start, end)` as native int32 bytes (what the tree compares)."""
+        if self.tokens is not None:
+            return encode_tokens(self.tokens[start:end])
+        return self.store.units(self.row, start, end)
 
     # ------------------------------------------------------------------ keys
     def token_path(self, first_block: int, end_token: int, tokens_per_block: int) -> TokenPath:
@@ -131,10 +202,10 @@ class TrackedSequence:
             o = first_block * cached.block_bytes  # the same path from `first_block` (one C-level copy)
             return TokenPath(cached.content[o:], first_block, self.signature, tokens_per_block, end_token, cached.mm)
         start = first_block * tokens_per_block
-        if self.extra_ids is None:
-            content = encode_tokens(self.tokens[start:end_token])
+        if self.extra_ids is not None:
+            content = encode_with_extra(self.token_list(start, end_token), self.extra_ids[start:end_token])
         else:
-            content = encode_with_extra(self.tokens[start:end_token], self.extra_ids[start:end_token])
+            content = self.units(start, end_token)
         mm = mm_keys_by_block(self.mm_items, tokens_per_block, first_block, end_token) if self.mm_items else None
         return TokenPath(content, first_block, self.signature, tokens_per_block, end_token, mm)
 

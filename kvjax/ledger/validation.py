@@ -17,6 +17,7 @@ from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.token_path import EXTRA_UNIT, NATIVE_LITTLE, PLAIN_UNIT, TokenPath
+from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
 
@@ -124,7 +125,14 @@ def check_op_indices(op_indices: object, num_ops: int) -> set[int]:
 
 # ---------------------------------------------------------------------------- requests and tokens
 def validate_request(
-    request: object, config: CacheConfig, num_windows: int, is_cross: bool, live: dict, batch_ids: set | None, live_ok: bool
+    request: object,
+    config: CacheConfig,
+    num_windows: int,
+    is_cross: bool,
+    live: dict,
+    batch_ids: set | None,
+    live_ok: bool,
+    store: TokenStore,
 ) -> TrackedSequence:
     """A `Request` checked as admission needs it (its fields again: a Request is mutable),
     returned as the sequence admission would build. Token *values* are checked later, on the
@@ -167,7 +175,7 @@ def validate_request(
         tokens = [int(t) for t in prompt]
     if request.extra_ids is not None and len(request.extra_ids) != len(request.prompt):
         raise InvalidRequestError(f"request {rid!r}: extra_ids needs one id per prompt token")
-    return TrackedSequence(request, num_windows, is_cross, tokens)
+    return TrackedSequence(request, num_windows, is_cross, store, tokens)
 
 
 def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None = None) -> None:
@@ -179,6 +187,7 @@ def check_token_values(seq: TrackedSequence, start: int, path: TokenPath | None 
     0): encoding proved them int32, so only their sign bytes are read (one C-level test
     instead of a `min` and a `max` over Python ints)."""
     tokens = seq.tokens
+    assert tokens is not None  # checked before admission commits: still the prompt list
     if start and _bool_in_prefix(tokens, start, path):
         raise InvalidRequestError(f"request {seq.request_id!r}: prompt tokens must be ints in [0, 2**31)")
     rest = tokens[start:] if start else tokens

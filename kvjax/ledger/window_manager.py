@@ -21,7 +21,6 @@ from kvjax.ledger.events import add_stored_blocks
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
-from kvjax.ledger.token_path import encode_tokens
 from kvjax.ledger.stats import Counters
 from kvjax.ledger.transfer_recorder import TransferRecorder
 from kvjax.transfer_plan import TransferKind
@@ -349,7 +348,7 @@ class WindowBlockManager:
             else:
                 queues.set_retention_each([b for _, b in attached], [retention[d - first] for d, _ in attached])
         if events is not None:
-            self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq.tokens, num_tokens)
+            self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq, num_tokens)
         return len(attached)
 
     def _extend_own_leaf(self, seq: TrackedSequence, sw: SequenceWindow, pos: tuple[int, int], depth: int) -> int:
@@ -363,7 +362,7 @@ class WindowBlockManager:
         tpb, tree = self.tokens_per_block, self.tree
         node, o = pos
         b = sw.blocks[0][depth]
-        content = encode_tokens(seq.tokens[depth * tpb : (depth + 1) * tpb])
+        content = seq.units(depth * tpb, (depth + 1) * tpb)
         if not tree.extend_leaf(self.index, node, o, seq.signature, content, b):
             return NO_BLOCK
         self.set_cursor(sw, (node, tree.pid[node] + o + 1, depth + 1), own=True)
@@ -397,21 +396,23 @@ class WindowBlockManager:
         if done:
             self.queues.set_default_retention(done)
 
-    def _emit_stored(self, attached: list[tuple[int, int]], moves: list, tokens: list[int] | None, num_tokens: int) -> None:
+    def _emit_stored(
+        self, attached: list[tuple[int, int]], moves: list, seq: TrackedSequence | None, num_tokens: int
+    ) -> None:
         """Stored events, one per run of consecutive newly stored depths under one parent; a
         moved block's Removed comes before the run that stores it again (as it happened).
-        A run is hashed and built node by node (one pass per node). `tokens`: the sequence's
-        token ids when its blocks carry no extra ids: the usual events take each block's
-        tokens from them (a slice sharing the ints) instead of decoding the tree's bytes."""
+        A run is hashed and built node by node (one pass per node). `seq`: the sequence when
+        its blocks carry no extra ids: the usual events take each block's tokens from it (its
+        list, or its row of the token store) instead of decoding the tree's bytes."""
         tree, events = self.tree, self.events
         assert events is not None  # called only with events on
         tpb = self.tokens_per_block
         if len(attached) == 1 and not moves:  # a decode block
             d, b = attached[0]
             n = self.block_node[b]
-            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], tokens is None)
-            if tokens is not None:
-                block_tokens = tuple(tokens[d * tpb : min(d * tpb + tpb, num_tokens)])
+            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], seq is None)
+            if seq is not None:
+                block_tokens = tuple(seq.token_list(d * tpb, min(d * tpb + tpb, num_tokens)))
             assert block_tokens is not None
             events.stored_one(
                 self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b],
@@ -424,12 +425,13 @@ class WindowBlockManager:
         if not moves and d1 - d0 == len(attached) - 1 and bnode[b1] == n and boff[b1] - o == d1 - d0:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
-            parent, hashes, run_tokens = tree.event_run(n, o, len(attached), tokens is None)
-            if tokens is not None:  # each block's tuple cut by zip (one C-level pass)
+            parent, hashes, run_tokens = tree.event_run(n, o, len(attached), seq is None)
+            if seq is not None:  # each block's tuple cut by zip (one C-level pass)
                 end = min(num_tokens, (d1 + 1) * tpb)
-                run_tokens = list(zip(*[iter(tokens[d0 * tpb : end])] * tpb, strict=False))  # a partial tail is cut off here
+                tokens = seq.token_list(d0 * tpb, end)
+                run_tokens = list(zip(*[iter(tokens)] * tpb, strict=False))  # a partial tail is cut off here
                 if end < (d1 + 1) * tpb:  # a partial last block ends at the stored length
-                    run_tokens.append(tuple(tokens[d1 * tpb : end]))
+                    run_tokens.append(tuple(tokens[(d1 - d0) * tpb :]))
             assert run_tokens is not None
             blocks: list = []
             add_stored_blocks(

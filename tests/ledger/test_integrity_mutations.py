@@ -93,6 +93,39 @@ def multimodal() -> KVCacheManager:
     return m
 
 
+def batched() -> KVCacheManager:
+    """An engine's ledger after batched decode steps: 70 requests (above `add_tokens`'
+    row-by-row threshold) whose tokens the first `add_tokens` moved into the token store, one
+    of them 300 tokens long (two pages); "gone" left (a free row, free pages), "n" was admitted
+    after the step (straight into the store), and a single `add_token` moved "z" back to a
+    token list."""
+    m = KVCacheManager(_config(primary_blocks=400, max_seq_len=600))
+    ids = [f"r{i}" for i in range(68)] + ["gone", "z"]
+    m.add_sequences([Request(i, [7 + k % 50 for k in range(5 + len(i))], max_new_tokens=8) for i in ids])
+    m.add_sequence(Request("long", list(range(300)), max_new_tokens=8))
+    m.add_tokens([*ids, "long"], [9] * 71)
+    m.remove_sequence("gone")
+    m.add_sequence(Request("n", [1, 2, 3, 4, 5], max_new_tokens=8))
+    m.add_token("z", 11)
+    m.verify_integrity()
+    tok = m._tok
+    assert tok.free_rows and tok.free_pages and m._listed.keys() == {"z"} and m._seqs["n"].tokens is None
+    assert len(tok.row_pages[m._seqs["long"].row]) == 1 and tok.base[m._seqs["long"].row] == 299
+    return m
+
+
+def _trow(m: KVCacheManager, rid: str) -> int:
+    return m._seqs[rid].row
+
+
+def pages_shared(m: KVCacheManager) -> None:
+    """Row r1's last page replaced by r2's (its tail moved with it): one page, two rows."""
+    tok = m._tok
+    a, b = _trow(m, "r1"), _trow(m, "r2")
+    tok.row_pages[a][-1] = tok.row_pages[b][-1]
+    tok.tail[a] = tok.tail[b]
+
+
 # --------------------------------------------------------------------------- finders
 def _wm(m: KVCacheManager, window: int | None = None):
     return m._bm.windows[0 if window is None else m._bm.window_index[window]]
@@ -284,6 +317,45 @@ def cursor_on_foreign_block(m: KVCacheManager) -> None:
 
 
 CASES: list[Case] = [
+    # ---------------------------------------------------------------- TokenStore.verify
+    # a row filed under an id nobody has
+    ("tok-directory", batched, lambda m: m._tok.row_of_id.__setitem__("ghost", m._tok.free_rows[0]),
+     r"token store: the rows in use are not the sequences' rows"),
+    # a free row listed twice
+    ("tok-free-row-twice", batched, lambda m: m._tok.free_rows.append(m._tok.free_rows[0]),
+     r"token store: a free row is in use, listed twice, or lost"),
+    # a prefix shorter than its length says
+    ("tok-prefix-length", batched, lambda m: m._tok.prefix.__setitem__(_trow(m, "r3"), m._tok.prefix[_trow(m, "r3")][:-4]),
+     r"token store: row \d+ has a prefix of \d+ bytes for \d+ tokens"),
+    # a page more than the tokens need
+    ("tok-extra-page", batched, lambda m: m._tok.row_pages[_trow(m, "r4")].insert(0, m._tok.free_pages.pop()),
+     r"token store: row \d+ holds 2 pages for \d+ tokens, or a stale tail"),
+    # a tail naming another page
+    ("tok-stale-tail", batched, lambda m: m._tok.tail.__setitem__(_trow(m, "r4"), m._tok.tail[_trow(m, "r4")] + 256),
+     r"token store: row \d+ holds 1 pages for \d+ tokens, or a stale tail"),
+    # one page held by two rows
+    ("tok-page-twice", batched, pages_shared, r"token store: a page of row \d+ is held twice"),
+    # a free page lost
+    ("tok-free-page-lost", batched, lambda m: m._tok.free_pages.pop(), r"token store: a free page is in use, listed twice, or lost"),
+    # a reservation out of step with its row
+    ("tok-reservation", batched, lambda m: m._tok.row_reserve.__setitem__(_trow(m, "r5"), m._tok.row_reserve[_trow(m, "r5")] + 1),
+     r"token store: the page reservations are not the live rows'"),
+    # a free row with a count
+    ("tok-free-row-count", batched, lambda m: m._tok.count.__setitem__(m._tok.free_rows[0], 3),
+     r"token store: a free row has a count, a prefix, a tail or a limit, or a limit is negative"),
+    # ---------------------------------------------------------------- token lists and limits
+    # a sequence keeping a list that the manager does not file
+    ("seq-list-unfiled", batched, lambda m: m._listed.pop("z"),
+     r"the sequences keeping their tokens as a list are not the ones the manager files"),
+    # a token list's fast-path limit one token too far
+    ("seq-list-limit", batched, lambda m: setattr(m._seqs["z"], "limit", m._seqs["z"].limit + 1),
+     r"request 'z': its token list has a stale limit"),
+    # a token-store row's limit one token too far
+    ("seq-store-limit", batched, lambda m: m._tok.limit.__setitem__(_trow(m, "r6"), m._tok.limit[_trow(m, "r6")] + 1),
+     r"request 'r6': its token-store row has a stale limit"),
+    # a row cut below its prompt
+    ("seq-fewer-than-prompt", batched, lambda m: m._tok.truncate(_trow(m, "r7"), 2),
+     r"request 'r7' holds fewer tokens than its prompt"),
     # ---------------------------------------------------------------- SlotTable.verify
     # more rows handed out than the table has
     ("slots-rows-beyond-table", rich, lambda m: setattr(_wm(m).slot_table, "next_row", _wm(m).slot_table.table.shape[0] + 1),
