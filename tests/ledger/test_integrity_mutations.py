@@ -336,7 +336,8 @@ CASES: list[Case] = [
     # one page held by two rows
     ("tok-page-twice", batched, pages_shared, r"token store: a page of row \d+ is held twice"),
     # a free page lost
-    ("tok-free-page-lost", batched, lambda m: m._tok.free_pages.pop(), r"token store: a free page is in use, listed twice, or lost"),
+    ("tok-free-page-lost", batched, lambda m: m._tok.free_pages.pop(),
+     r"token store: a free page is in use, listed twice, or lost"),
     # a reservation out of step with its row
     ("tok-reservation", batched, lambda m: m._tok.row_reserve.__setitem__(_trow(m, "r5"), m._tok.row_reserve[_trow(m, "r5")] + 1),
      r"token store: the page reservations are not the live rows'"),
