@@ -258,20 +258,20 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, counts: np.ndarray, toke
     tpb = m._tpb
     if len(m._bm.windows) != 1:
         return False
+    wm = m._bm.windows[0]
+    all_rows = m._rows_of(batch.ids, wm)  # [n] the slot-table rows (cached per id list)
+    if len(all_rows) != len(batch.ids):  # some request has beams
+        return False
+    slot_rows = all_rows[event]  # [k]
     live = m._seqs
     seqs = [live[r] for r in itemgetter_list(batch.ids, event.tolist())]
     if not all([s.batchable for s in seqs]):
         return False
-    n = counts[event] + 1  # [k] each row's token count once its token is in
-    wm = m._bm.windows[0]
+    n = counts[event]  # [k] each row's token count before its token
     k = len(event)
-    if k > wm.num_free_primary or ((n - 1) % tpb).any() or n.max() > m._max_seq_len:
-        return False
+    if k > wm.num_free_primary or (n % tpb).any() or n.max() >= m._max_seq_len or not slot_rows.all():
+        return False  # (slot-table row 0: a request holding no block here yet, `EMPTY_ROW`)
     windows = [s.windows[0] for s in seqs]
-    held = [sw.rows for sw in windows]
-    if None in held:  # a first block hands a slot-table row out: the general path does that
-        return False
-    slot_rows = int_array([r[0] for r in cast("list[list[int]]", held)], np.intp)  # [k]
     tok = m._tok
     tok.append_rows(batch.rows, counts, tokens)
     blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
@@ -279,8 +279,8 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, counts: np.ndarray, toke
         sw.blocks[0].append(b)
     wm.slot_table.append_rows(slot_rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
-    # `BlockManager.fast_limit` of one full-attention window: the next block starts at n - 1 + tpb
-    tok.limit[batch.rows[event]] = np.minimum(n - 1 + tpb, m._max_seq_len)
+    # `BlockManager.fast_limit` of one full-attention window: the next block starts at n + tpb
+    tok.limit[batch.rows[event]] = np.minimum(n + tpb, m._max_seq_len)
     return True
 
 

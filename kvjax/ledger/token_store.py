@@ -207,6 +207,10 @@ class TokenStore:
         base = self.base_of[r]
         if end <= base:  # within the prefix (a prompt block)
             return self.prefix[r][start * _UNIT : end * _UNIT]
+        lo = start - base
+        if lo >= 0 and lo // PAGE == (end - base - 1) // PAGE:  # within one page (a decode block)
+            o = (pages[lo // PAGE] * PAGE + (lo & MASK)) * _UNIT
+            return self.raw[o : o + (end - start) * _UNIT].tobytes()
         parts: list[bytes | memoryview] = [self.prefix[r][start * _UNIT :]] if start < base else []
         raw = self.raw
         lo = max(start, base) - base  # page-relative token range [lo, hi)
