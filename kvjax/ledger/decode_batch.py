@@ -29,7 +29,7 @@ import struct
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress
 from operator import itemgetter
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
