@@ -113,28 +113,41 @@ def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
     b = m._batch
     if b is not None and same_ids(b.ids, ids):
         return b
-    move_to_store(m)  # before the rows are looked up: a new sequence has none yet
-    m._new_in_store = True  # the next admissions go straight to the store
     directory = m._tok.row_of_id
     try:
-        rows = itemgetter(*ids)(directory) if len(ids) > 1 else tuple(directory[r] for r in ids)
-    except (KeyError, TypeError):
-        return None
+        rows = _rows(directory, ids)
+    except (KeyError, TypeError):  # an id unknown, or a sequence still keeping a token list
+        if not move_to_store(m, ids):
+            return None
+        rows = _rows(directory, ids)
     if len(set(ids)) != len(ids):
         return None
+    m._new_in_store = True  # the next admissions go straight to the store
     b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, int_array(rows, np.intp))
     return b
 
 
-def move_to_store(m: KVCacheManager) -> None:
-    """Move every token list into the token store (`TrackedSequence.to_store`): the batched
-    paths read and write the store's columns only. In an engine's step these are the
-    sequences admitted since the last one."""
+def _rows(directory: dict, ids: list | tuple) -> tuple:
+    return itemgetter(*ids)(directory) if len(ids) > 1 else tuple(directory[r] for r in ids)
+
+
+def move_to_store(m: KVCacheManager, ids: list | tuple) -> bool:
+    """Move the token lists of `ids`' sequences into the token store
+    (`TrackedSequence.to_store`): the batched paths read and write the store's columns only.
+    False, with nothing moved, when an id is unknown, unhashable or repeated."""
+    live = m._seqs
+    try:
+        seqs = [live[r] for r in ids]
+    except (KeyError, TypeError):
+        return False
+    if len(set(ids)) != len(ids):
+        return False
     listed = m._listed
-    if listed:
-        for seq in listed.values():
+    for seq in seqs:
+        if seq.tokens is not None:
             seq.to_store()
-        listed.clear()
+            del listed[seq.request_id]
+    return True
 
 
 def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
@@ -217,7 +230,7 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
 def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
     """A small step whose every row is `add_token`'s fast path (a plain int token in range,
     below the sequence's limit, ids known and distinct): checked in full, then appended (to
-    the tail list, or to the store for a sequence whose tokens a batched step moved there).
+    the token list, or to the store for a sequence whose tokens a batched step moved there).
     False, with nothing changed, for anything else (the general path then decides, and raises
     what it must)."""
     if type(tokens) is list or type(tokens) is tuple:
@@ -280,7 +293,7 @@ def grow_batched(m: KVCacheManager, batch: DecodeBatch, counts: np.ndarray, toke
     wm.slot_table.append_rows(slot_rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
     # `BlockManager.fast_limit` of one full-attention window: the next block starts at n + tpb
-    tok.limit[batch.rows[event]] = np.minimum(n + tpb, m._max_seq_len)
+    tok.set_limits(batch.rows[event], np.minimum(n + tpb, m._max_seq_len))
     return True
 
 
@@ -315,7 +328,7 @@ def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, chec
                 raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
             seen.add(rid)
         n = seq.num_tokens + 1
-        if n <= m._tok.limit[seq.row] and type(token) is int and 0 <= token <= INT32_MAX:
+        if n <= m._limit_of(seq) and type(token) is int and 0 <= token <= INT32_MAX:
             out.append((r, _PLAIN, token))
             continue
         token = m._checked_token(seq, token, n)

@@ -279,7 +279,11 @@ class KVCacheManager:
         if seq.tokens is not None:
             seq.limit = limit
         else:
-            self._tok.limit_of[seq.row] = limit
+            self._tok.set_limit(seq.row, limit)
+
+    def _limit_of(self, seq: TrackedSequence) -> int:
+        """The limit `_set_limit` filed, wherever the sequence's tokens are."""
+        return seq.limit if seq.tokens is not None else self._tok.limit_of[seq.row]
 
     @writer
     def rewind(self, request_id: Hashable, n: int) -> None:

@@ -147,7 +147,7 @@ class TrackedSequence:
         store = self.store
         r = self.row = store.admit(self.request_id, prefix, self.prompt_len + self.max_new_tokens)
         store.extend(r, rest)
-        store.limit_of[r] = self.limit  # the limit moves with the tokens
+        store.set_limit(r, self.limit)  # the limit moves with the tokens
         self.tokens = None
         self.limit = 0
 

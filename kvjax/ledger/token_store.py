@@ -155,6 +155,12 @@ class TokenStore:
         self.free_rows.append(r)
 
     # ------------------------------------------------------------------ writers (under the lock)
+    def set_limit(self, r: int, limit: int) -> None:
+        self.limit_of[r] = limit
+
+    def set_limits(self, rows: np.ndarray, limits: np.ndarray) -> None:
+        self.limit[rows] = limits
+
     def append(self, r: int, token: int) -> None:
         """One token at the end of row `r` (a page is added at a page boundary)."""
         n = self.count_of[r]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvjax import KVCacheManager, Request
+from kvjax.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
 from kvjax.ledger.decode_batch import SMALL_BATCH
 from kvjax.ledger.token_store import PAGE, TokenStore
 from ledger_helpers import make_config
@@ -157,3 +158,28 @@ def test_mixed_single_and_batched_steps_keep_every_token(seed):
         led.verify_integrity()
     twin.verify_integrity()
     assert led._tok.row_of_id and any(s.tokens is None for s in led._seqs.values())  # both homes were used
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_a_failing_batched_step_moves_no_tokens_and_fails_as_the_first_failing_row(many):
+    """An unknown id after a request that needs a block none is free for: `add_tokens` raises
+    what `add_token` of the first row would (`OutOfBlocksError`), whichever home the request's
+    tokens have, and moves no tokens into the store. With `many` rows it takes the batched
+    path (past the row-by-row threshold)."""
+    fillers = [f"f{i}" for i in range(SMALL_BATCH + 5)] if many else []
+    m = KVCacheManager(make_config(tokens_per_block=4, primary_blocks=len(fillers) + 4, max_seq_len=64))
+    m.add_sequence(Request("a", [1, 2, 3, 4], max_new_tokens=8))  # its next token starts a block
+    m.add_sequence(Request("b", list(range(10, 21)), max_new_tokens=8))  # takes the last free blocks, room for 1 more token
+    m.add_sequences([Request(f, [5, 6], max_new_tokens=1) for f in fillers])
+    assert m.num_free_blocks() == 0
+    m._tok.limit[-1] = 10**6  # a free row's column entry must never be read for a listed request
+    before = m.snapshot()
+    with pytest.raises(OutOfBlocksError):
+        m.add_tokens(["a", *fillers, "ghost"], [5] * (len(fillers) + 2))
+    with pytest.raises(UnknownRequestError):
+        m.add_tokens(["b", *fillers, "ghost"], [5] * (len(fillers) + 2))
+    with pytest.raises(DuplicateRequestError):
+        m.add_tokens(["b", *fillers, "b"], [5] * (len(fillers) + 2))
+    assert m.snapshot() == before and m._listed.keys() == {"a", "b", *fillers} and not m._new_in_store
+    m._tok.limit[-1] = 0
+    m.verify_integrity()
