@@ -32,6 +32,7 @@ from kvjax.errors import IntegrityError
 
 PAGE = 256  # tokens per page (a power of two: `(count - base) & MASK` is the offset in the last page)
 MASK = PAGE - 1
+RESERVE_PAGES = 4  # at most this many pages a new row reserves ahead of its tokens
 _UNIT = 4  # bytes per token (native int32)
 _COLUMNS = ("count", "base", "tail", "limit")
 
@@ -56,8 +57,9 @@ class TokenStore:
         self.free_rows: list[int] = []
         self.next_row = 0
         self.next_page = 0
-        # pages the rows will hold once their requests end (max_new_tokens each): the page
-        # matrix grows to this when a row is added, so decode steps rarely copy it
+        # pages the rows are expected to need (their requests' max_new_tokens, at most
+        # `RESERVE_PAGES` each): the page matrix grows to this when a row is added, so decode
+        # steps rarely copy it, and a request that may generate long reserves no more
         self.reserved = 0
         self.row_reserve: dict[int, int] = {}
         self._page_views()
@@ -131,7 +133,7 @@ class TokenStore:
         they are), expected to reach `expected` tokens; its limit is 0 (the manager sets it)."""
         r = self._new_row()
         n = len(prefix) // _UNIT
-        share = -(-max(expected - n, 0) // PAGE)
+        share = min(-(-max(expected - n, 0) // PAGE), RESERVE_PAGES)
         self.row_reserve[r] = share
         self.reserved += share
         self._fit(self.reserved)
