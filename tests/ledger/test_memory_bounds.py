@@ -6,6 +6,8 @@
 * The radix tree's node table recycles the ids of pruned nodes: it never holds more ids than
   the most nodes the tree ever had at once, and a freed id keeps nothing alive (its tokens,
   rows and child maps are dropped; `verify_integrity` checks that).
+* The token store recycles the rows and pages of requests that leave: it holds what the live
+  requests need, however many came before.
 (The steady-workload tracemalloc check is in benchmarks/ledger_longrun.py and its test slice.)
 """
 from __future__ import annotations
@@ -101,3 +103,31 @@ def test_decoding_requests_that_store_each_block_grow_one_node_each():
         m.remove_sequence(rid)
     assert m.inspector.tree_size().nodes == 3
     m.verify_integrity()
+
+
+def test_the_token_store_is_bounded_by_the_live_tokens():
+    """Waves of requests grown by batched steps (their tokens in the token store), with
+    rewinds, then removed: the store's rows and pages are recycled, so however many waves run
+    it never holds more than one wave needs at once (prompts stay in the bytes admission
+    encoded; the 60 generated tokens of a row fit in one page, plus a page where the prompt's
+    last token opened one), and its page matrix no more than that plus each row's reservation."""
+    from kvjax.ledger.decode_batch import SMALL_BATCH
+    from kvjax.ledger.token_store import RESERVE_PAGES
+
+    m = KVCacheManager(make_config(tokens_per_block=16, primary_blocks=3000, max_seq_len=600))
+    rng = random.Random(1)
+    rows = SMALL_BATCH + 6
+    for wave in range(30):
+        ids = [(wave, i) for i in range(rows)]
+        m.add_sequences([Request(r, [rng.randrange(50) for _ in range(rng.randrange(1, 300))], max_new_tokens=200) for r in ids])
+        for step in range(60):
+            m.add_tokens(ids, [rng.randrange(50) for _ in ids])
+            if step % 7 == 0:
+                m.rewind(ids[step % len(ids)], 1)
+        tok = m._tok
+        assert tok.next_row <= rows and tok.next_page <= 2 * rows
+        assert len(tok.pages) <= 2 * (2 + RESERVE_PAGES) * rows  # a doubling above the need
+        for r in ids:
+            m.remove_sequence(r)
+        m.verify_integrity()
+    assert m._tok.row_of_id == {} and m._tok.reserved == 0 and len(m._tok.free_pages) == m._tok.next_page
