@@ -9,7 +9,10 @@ import random
 import sys
 import threading
 
+import pytest
+
 from kvjax import KVCacheManager, OutOfBlocksError, Request, UnknownRequestError
+from kvjax.ledger import decode_batch
 from ledger_helpers import FakeClock, make_config
 
 TPB = 4
@@ -127,7 +130,12 @@ def reader_loop(m: KVCacheManager, kind: str, done: threading.Event, errors: lis
     counts[kind] = n
 
 
-def test_readers_never_see_a_torn_ledger():
+@pytest.mark.parametrize("row_by_row", [True, False], ids=["small-steps-row-by-row", "every-step-batched"])
+def test_readers_never_see_a_torn_ledger(monkeypatch, row_by_row):
+    """With `row_by_row` off, every `add_tokens` takes the batched path, so requests' tokens
+    move into the token store and (on a single `add_token`) back to a list, under the readers."""
+    if not row_by_row:
+        monkeypatch.setattr(decode_batch, "SMALL_BATCH", 0)
     clock = FakeClock()
     cfg = make_config(num_layers=2, attention_windows=(64, 12), primary_blocks=24, secondary_blocks=6, event_buffer_max_size=1000)
     m = KVCacheManager(cfg, clock=clock)
@@ -155,3 +163,5 @@ def test_readers_never_see_a_torn_ledger():
     assert errors == []
     assert all(counts.get(k, 0) > 5 for k in ("stats", "tables", "integrity", "router")), counts
     m.verify_integrity()
+    if not row_by_row:
+        assert m._tok.next_row > 0  # tokens did move into the store
