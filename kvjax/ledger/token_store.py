@@ -173,9 +173,25 @@ class TokenStore:
         self.count_of[r] = n + 1
 
     def extend(self, r: int, tokens: list[int]) -> None:
-        """Tokens at the end of row `r` (checked ints in [0, 2**31))."""
-        for t in tokens:
-            self.append(r, t)
+        """Tokens at the end of row `r` (checked ints in [0, 2**31)): one copy per page."""
+        if len(tokens) <= 2:
+            for t in tokens:
+                self.append(r, t)
+            return
+        n, base = self.count_of[r], self.base_of[r]
+        self._grow_pages(r, n + len(tokens))
+        pages = self.row_pages[r]
+        assert pages is not None  # a live row
+        src = memoryview(struct.pack(f"{len(tokens)}i", *tokens))
+        raw, done, at = self.raw, 0, n - base  # `at`: page-relative position of the next token
+        while done < len(src):
+            o = at & MASK
+            k = min((PAGE - o) * _UNIT, len(src) - done)
+            dst = (pages[at // PAGE] * PAGE + o) * _UNIT
+            raw[dst : dst + k] = src[done : done + k]
+            done += k
+            at += k // _UNIT
+        self.count_of[r] = n + len(tokens)
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
         """`append(rows[i], tokens[i])` for each i: distinct rows whose counts are `counts`."""
