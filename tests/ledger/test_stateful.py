@@ -46,7 +46,7 @@ from kvjax import (
     RetentionConfig,
     TokenRangeRetention,
 )
-from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData
+from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData, decode_batch
 from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
 
 # Shared prefixes: bases 0 and 1 share 8 tokens, so prompts cut from them meet at block
@@ -369,6 +369,51 @@ class LedgerMachine(RuleBasedStateMachine):
         self._engine_step()
         self._check_query_windows(rid, n, n)
         self._unwritten(rid, [n])  # its KV comes with the next forward
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), row_by_row=st.booleans())
+    def add_tokens(self, data, row_by_row):
+        """One decode step of several requests in one `add_tokens` call; without `row_by_row`
+        it takes the batched path whatever the step's size (its requests' tokens move into
+        the token store, and a later single `add_token` moves them back)."""
+        rids = data.draw(st.lists(st.sampled_from(self._decoding()), min_size=1, max_size=4, unique=True), label="rids")
+        rids = [r for r in rids if len(self.live[r]["beams"][0]) < self.max_seq_len]
+        if not rids:
+            return
+        steps = []
+        for rid in rids:
+            toks = [data.draw(st.integers(0, 3), label="token") for _ in self.live[rid]["beams"]]
+            if len(toks) > 1 and data.draw(st.booleans(), label="one int for every beam"):
+                toks = [toks[0]] * len(toks)
+            steps.append(toks)
+        self._engine_step()
+        lengths = {rid: len(self.live[rid]["beams"][0]) for rid in rids}
+        for rid in rids:
+            self._write(rid, [lengths[rid] - 1])
+        before = self.m.snapshot()
+        args = [t[0] if len(t) == 1 or len(set(t)) == 1 else t for t in steps]
+        small = decode_batch.SMALL_BATCH
+        decode_batch.SMALL_BATCH = small if row_by_row else 0
+        try:
+            self.m.add_tokens(rids, args)
+        except OutOfBlocksError:
+            assert self.m.snapshot() == before
+            return
+        finally:
+            decode_batch.SMALL_BATCH = small
+        event("add_tokens " + ("row by row" if row_by_row else "batched"))
+        for rid, toks in zip(rids, steps, strict=True):
+            info = self.live[rid]
+            for beam, t in zip(info["beams"], toks, strict=True):
+                beam.append(t)
+            info["longest"] = max(info["longest"], lengths[rid] + 1)
+            if info["extra"] is not None:
+                info["extra"].append(0)
+        self._engine_step()
+        for rid in rids:
+            n = lengths[rid]
+            self._check_query_windows(rid, n, n)
+            self._unwritten(rid, [n])
 
     @precondition(lambda self: any(i["prefilled"] < i["prompt_len"] for i in self.live.values()))
     @rule(data=st.data(), store=st.booleans())
