@@ -131,16 +131,22 @@ def _rows(directory: dict, ids: list | tuple) -> tuple:
     return itemgetter(*ids)(directory) if len(ids) > 1 else tuple(directory[r] for r in ids)
 
 
-def move_to_store(m: KVCacheManager, ids: list | tuple) -> bool:
-    """Move the token lists of `ids`' sequences into the token store
-    (`TrackedSequence.to_store`): the batched paths read and write the store's columns only.
-    False, with nothing moved, when an id is unknown, unhashable or repeated."""
+def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
+    """The live sequences of `ids`, in order; None when an id is unknown, unhashable or repeated."""
     live = m._seqs
     try:
         seqs = [live[r] for r in ids]
     except (KeyError, TypeError):
-        return False
-    if len(set(ids)) != len(ids):
+        return None
+    return seqs if len(set(ids)) == len(ids) else None
+
+
+def move_to_store(m: KVCacheManager, ids: list | tuple) -> bool:
+    """Move the token lists of `ids`' sequences into the token store
+    (`TrackedSequence.to_store`): the batched paths read and write the store's columns only.
+    False, with nothing moved, when an id is unknown, unhashable or repeated."""
+    seqs = distinct_live(m, ids)
+    if seqs is None:
         return False
     listed = m._listed
     for seq in seqs:
@@ -239,12 +245,8 @@ def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
         vals = tokens.tolist()
     else:
         return False
-    live = m._seqs
-    try:
-        seqs = [live[r] for r in ids]
-    except (KeyError, TypeError):
-        return False
-    if len(vals) != len(ids) or len(set(ids)) != len(ids):
+    seqs = distinct_live(m, ids) if len(vals) == len(ids) else None
+    if seqs is None:
         return False
     tok = m._tok
     count_of, limit_of = tok.count_of, tok.limit_of

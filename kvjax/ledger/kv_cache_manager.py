@@ -95,7 +95,7 @@ class KVCacheManager:
         self._new_in_store = False
         self._tpb = config.tokens_per_block
         self._max_seq_len = config.max_seq_len
-        self._has_swa = any(wm.is_swa for wm in self._bm.windows)
+        self._has_swa = self._bm.has_swa
         self._iter_base = counter_totals(self._bm.windows)
         # the last `add_tokens` batch (see `DecodeBatch`), dropped whenever a sequence leaves
         self._batch: DecodeBatch | None = None

@@ -174,23 +174,16 @@ class TokenStore:
 
     def extend(self, r: int, tokens: list[int]) -> None:
         """Tokens at the end of row `r` (checked ints in [0, 2**31)): one copy per page."""
-        if len(tokens) <= 2:
-            for t in tokens:
-                self.append(r, t)
+        if len(tokens) == 1:  # the usual move into the store: the prompt's last token
+            self.append(r, tokens[0])
             return
         n, base = self.count_of[r], self.base_of[r]
         self._grow_pages(r, n + len(tokens))
-        pages = self.row_pages[r]
-        assert pages is not None  # a live row
         src = memoryview(struct.pack(f"{len(tokens)}i", *tokens))
-        raw, done, at = self.raw, 0, n - base  # `at`: page-relative position of the next token
-        while done < len(src):
-            o = at & MASK
-            k = min((PAGE - o) * _UNIT, len(src) - done)
-            dst = (pages[at // PAGE] * PAGE + o) * _UNIT
-            raw[dst : dst + k] = src[done : done + k]
-            done += k
-            at += k // _UNIT
+        raw, done = self.raw, 0
+        for a, b in self._spans(r, n - base, n - base + len(tokens)):
+            raw[a:b] = src[done : done + b - a]
+            done += b - a
         self.count_of[r] = n + len(tokens)
 
     def append_rows(self, rows: np.ndarray, counts: np.ndarray, tokens: np.ndarray) -> None:
@@ -237,16 +230,22 @@ class TokenStore:
             return self.raw[o : o + (end - start) * _UNIT].tobytes()
         parts: list[bytes | memoryview] = [self.prefix[r][start * _UNIT :]] if start < base else []
         raw = self.raw
-        lo = max(start, base) - base  # page-relative token range [lo, hi)
-        hi = end - base
-        for i in range(lo // PAGE, (hi - 1) // PAGE + 1):
-            o = pages[i] * PAGE * _UNIT
-            a, b = max(lo, i * PAGE) - i * PAGE, min(hi, (i + 1) * PAGE) - i * PAGE
-            parts.append(raw[o + a * _UNIT : o + b * _UNIT])
+        parts += [raw[a:b] for a, b in self._spans(r, max(start, base) - base, end - base)]
         only = parts[0]
         if len(parts) == 1 and isinstance(only, memoryview):
             return only.tobytes()
         return b"".join(parts)
+
+    def _spans(self, r: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Byte ranges of `raw` holding row `r`'s page-relative tokens `[lo, hi)` (past its
+        prefix), one per page, in order (the pages exist)."""
+        pages = self.row_pages[r]
+        assert pages is not None  # a live row
+        out = []
+        for i in range(lo // PAGE, (hi - 1) // PAGE + 1) if hi > lo else ():
+            o = pages[i] * PAGE
+            out.append(((o + max(lo, i * PAGE) - i * PAGE) * _UNIT, (o + min(hi, (i + 1) * PAGE) - i * PAGE) * _UNIT))
+        return out
 
     def tokens(self, r: int, start: int, end: int) -> list[int]:
         """Tokens `[start, end)` of row `r`, as Python ints."""
