@@ -96,7 +96,7 @@ class KvjaxDriver:
             m.flush_iteration_events()
             for e in m.get_latest_events():
                 if isinstance(e.data, StoredData):
-                    self.stored_blocks += len(e.data.blocks)
+                    self.stored_blocks += e.data.num_blocks
         t3 = clock()
         self.t["admit"] += t1 - t0
         self.t["decode"] += t2 - t1

@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvjax import CacheConfig, KVCacheManager, Request  # noqa: E402
 from kvjax.kv_events.adapter import LedgerEventAdapter  # noqa: E402
+from kvjax.ledger import StoredData  # noqa: E402
 
 TPB = 16
 VOCAB = 128_000
@@ -415,9 +416,8 @@ def _store_run(events: bool, requests: int, seed: int, wire: bool = False) -> tu
         if adapter is not None:
             adapter.convert(latest)
         for e in latest:
-            blocks = getattr(e.data, "blocks", None)
-            if blocks is not None:
-                stored += len(blocks)
+            if isinstance(e.data, StoredData):
+                stored += e.data.num_blocks
     dt = time.perf_counter() - t0
     m.verify_integrity()
     return dt, stored

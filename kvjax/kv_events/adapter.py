@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from kvjax.config import CacheConfig
-from kvjax.ledger.events import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredData, UpdatedData
+from kvjax.ledger.events import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredColumns, StoredData, UpdatedData
 from kvjax.kv_events.wire import (
     KIND_FULL_ATTENTION,
     KIND_SLIDING_WINDOW,
@@ -161,6 +161,10 @@ class LedgerEventAdapter:
 
     def _stored(self, window: int, data: StoredData, out: list) -> None:
         parent = None if data.parent_hash is None else canonical_hash(data.parent_hash)
+        cols = data.columns
+        if cols is not None and not cols.mm_keys and cols.block_size == self.block_size and len(set(cols.cache_levels)) == 1:
+            self._stored_columns(window, parent, cols, out)
+            return
         known, block_size = self._known[window], self.block_size
         # the current run (one tier, one LoRA id): hashes, token ids, extra keys
         hashes: list = []
@@ -198,6 +202,24 @@ class LedgerEventAdapter:
             known[h] = _new_known((parent, toks, lora, extra, level))
             parent = h
         emit()
+
+    def _stored_columns(self, window: int, parent, cols: StoredColumns, out: list) -> None:
+        """`_stored` of a run the ledger built as columns, one tier and no multimodal keys:
+        one `BlockStored` of its full blocks, read from the columns without per-block records."""
+        bs = self.block_size
+        toks = cols.token_ids
+        hashes = [h if type(h) is bytes else canonical_hash(h) for h in cols.block_hashes]
+        n_full = len(toks) // bs  # only the last block may be partial: never announced
+        if n_full < len(hashes):
+            self._partial[window].add(hashes.pop())
+        if not hashes:
+            return
+        known, lora, level = self._known[window], cols.lora_id, cols.cache_levels[0]
+        first = parent
+        for i, h in enumerate(hashes):
+            known[h] = _new_known((parent, toks[i * bs : (i + 1) * bs], lora, None, level))
+            parent = h
+        out.append(self._stored_event(window, first, hashes, list(toks[: n_full * bs]), lora, level, None))
 
     def _removed(self, window: int, hashes, out: list) -> None:
         group = self._group.get(window)

@@ -20,6 +20,7 @@ from kvjax.ledger.events import (
     KVCacheEvent,
     RemovedData,
     StoredBlock,
+    StoredColumns,
     StoredData,
     UpdatedData,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "RemovedData",
     "RequestStats",
     "StoredBlock",
+    "StoredColumns",
     "StoredData",
     "TransferFailure",
     "TransferKind",

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvjax.ledger.block_key import MmKey
 
@@ -39,10 +40,99 @@ class StoredBlock:
     mm_keys: tuple[MmKey, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+class StoredColumns(NamedTuple):
+    """A Stored event's blocks as columns, oldest first: what the ledger builds (one record per
+    stored run instead of one per block) and what `StoredData.blocks` is made from when first
+    read. The wire publisher (`kvjax.kv_events.LedgerEventAdapter`) reads them directly."""
+
+    block_hashes: tuple[BlockHash, ...]
+    token_ids: tuple[int, ...]  # every block's tokens, in order; only the last block may be partial
+    block_size: int  # tokens per full block
+    lora_id: int | None
+    cache_levels: tuple[int, ...]  # per block
+    priorities: tuple[int, ...]  # per block
+    mm_keys: tuple[MmKey, ...]  # of every block (a block with multimodal keys is a run of its own)
+
+
+new_columns = functools.partial(tuple.__new__, StoredColumns)  # without the Python-level `__new__`
+
+
 class StoredData:
+    """Stored: consecutive new blocks under one parent (`parent_hash`, None at the root), as
+    `blocks`, one `StoredBlock` each. Immutable, compared and hashed by those two fields, like
+    the other records. The ledger makes it from `StoredColumns` (`columns`): its per-block
+    records are built when `blocks` is first read, so a consumer that reads the columns (the
+    wire publisher does) or only counts the blocks (`num_blocks`) never pays for them."""
+
+    __slots__ = ("parent_hash", "_blocks", "_columns")
+    __match_args__ = ("parent_hash", "blocks")
     parent_hash: BlockHash | None
-    blocks: tuple[StoredBlock, ...]
+    _blocks: tuple[StoredBlock, ...] | None  # None until first read
+    _columns: StoredColumns | None
+
+    def __init__(self, parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> None:
+        object.__setattr__(self, "parent_hash", parent_hash)
+        object.__setattr__(self, "_blocks", blocks)
+        object.__setattr__(self, "_columns", None)
+
+    @property
+    def blocks(self) -> tuple[StoredBlock, ...]:
+        b = self._blocks
+        if b is None:
+            c = self._columns
+            assert c is not None  # one of the two is always set
+            b = _blocks_of(c)
+            object.__setattr__(self, "_blocks", b)  # built once; equal however often
+        return b
+
+    @property
+    def columns(self) -> StoredColumns | None:
+        """The columns the ledger built this event from (None for one made from `blocks`)."""
+        return self._columns
+
+    @property
+    def num_blocks(self) -> int:
+        c = self._columns
+        return len(self.blocks) if c is None else len(c.block_hashes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not StoredData:
+            return NotImplemented
+        assert isinstance(other, StoredData)
+        return self.parent_hash == other.parent_hash and self.blocks == other.blocks
+
+    def __hash__(self) -> int:
+        return hash((self.parent_hash, self.blocks))
+
+    def __repr__(self) -> str:
+        return f"StoredData(parent_hash={self.parent_hash!r}, blocks={self.blocks!r})"
+
+    def __reduce__(self) -> tuple:
+        return StoredData, (self.parent_hash, self.blocks)
+
+
+def stored_data_from_columns(parent_hash: BlockHash | None, columns: StoredColumns) -> StoredData:
+    """The `StoredData` of `columns` (its `blocks` built on first read)."""
+    obj: Any = _StoredDataFields()
+    obj.parent_hash = parent_hash
+    obj._blocks = None
+    obj._columns = columns
+    obj.__class__ = StoredData
+    return obj
+
+
+def _blocks_of(c: StoredColumns) -> tuple[StoredBlock, ...]:
+    toks, bs, lora, mm = c.token_ids, c.block_size, c.lora_id, c.mm_keys
+    return tuple(
+        StoredBlock(h, toks[i * bs : (i + 1) * bs], lora, level, prio, mm)
+        for i, (h, level, prio) in enumerate(zip(c.block_hashes, c.cache_levels, c.priorities, strict=True))
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,14 +154,14 @@ class KVCacheEvent:
     data: CreatedData | StoredData | RemovedData | UpdatedData
 
 
-# Fast constructors. The frozen dataclasses' `__init__` sets each field with one
-# `object.__setattr__` call; the ledger builds one `StoredBlock` per stored block (and one
-# event per stored run) from values it already holds checked, so it fills a mutable twin with
-# the same slots (plain slot stores) and then makes it the frozen class (`__class__`
-# assignment between classes of one slot layout). Each constructor fills every field of its
-# class (tests compare the results with the dataclass constructors).
+# Fast constructors. The frozen records' `__init__` sets each field with one
+# `object.__setattr__` call; the ledger builds one event per stored run (and, where a run's
+# tokens are not plain ids, one `StoredBlock` per block) from values it already holds checked,
+# so it fills a mutable twin with the same slots (plain slot stores) and then makes it the
+# frozen class (`__class__` assignment between classes of one slot layout). Each constructor
+# fills every field of its class (tests compare the results with the public constructors).
 def _mutable_twin(cls: type) -> type:
-    slots = tuple(f.name for f in dataclasses.fields(cls))
+    slots = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else cls.__dict__["__slots__"]
     assert slots == cls.__dict__["__slots__"]  # the layout `__class__` assignment needs
     return type(f"_Mutable{cls.__name__}", (), {"__slots__": slots})
 
@@ -113,24 +203,9 @@ def add_stored_blocks(
 def _new_stored_data(parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> StoredData:
     obj: Any = _StoredDataFields()
     obj.parent_hash = parent_hash
-    obj.blocks = blocks
+    obj._blocks = blocks
+    obj._columns = None
     obj.__class__ = StoredData
-    return obj
-
-
-def _new_removed_data(block_hashes: tuple[BlockHash, ...]) -> RemovedData:
-    obj: Any = _RemovedDataFields()
-    obj.block_hashes = block_hashes
-    obj.__class__ = RemovedData
-    return obj
-
-
-def _new_event(event_id: int, window_size: int, data: CreatedData | StoredData | RemovedData | UpdatedData) -> KVCacheEvent:
-    obj: Any = _EventFields()
-    obj.event_id = event_id
-    obj.window_size = window_size
-    obj.data = data
-    obj.__class__ = KVCacheEvent
     return obj
 
 
@@ -145,9 +220,15 @@ class KVCacheEventManager:
         self.dropped = 0
 
     def _enqueue(self, window: int, data) -> None:
-        if len(self._pending) == self.max_size:
+        ev: Any = _EventFields()  # every record goes through here: built without the dataclass `__init__`
+        ev.event_id = next(self._ids)
+        ev.window_size = window
+        ev.data = data
+        ev.__class__ = KVCacheEvent
+        pending = self._pending
+        if len(pending) == self.max_size:
             self.dropped += 1
-        self._pending.append(_new_event(next(self._ids), window, data))
+        pending.append(ev)
 
     def created(self, window: int, num_primary: int, num_secondary: int) -> None:
         self._enqueue(window, CreatedData((num_primary, num_secondary)))
@@ -161,9 +242,8 @@ class KVCacheEventManager:
         self, window: int, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: tuple, lora_id: int | None,
         cache_level: int, priority: int, mm_keys: tuple[MmKey, ...],
     ) -> None:
-        """`stored` of one new block (a decode block: the most frequent Stored event), its
-        three records built in place (as `add_stored_blocks`, `_new_stored_data` and `_new_event` build
-        them)."""
+        """`stored` of one new block whose tokens are not plain ids (extra ids: pairs), its
+        `StoredBlock` built in place (as `add_stored_blocks` builds them)."""
         if self._removed:
             self._flush_removed(window)
         blk: Any = _StoredBlockFields()
@@ -174,19 +254,14 @@ class KVCacheEventManager:
         blk.priority = priority
         blk.mm_keys = mm_keys
         blk.__class__ = StoredBlock
-        data: Any = _StoredDataFields()
-        data.parent_hash = parent_hash
-        data.blocks = (blk,)
-        data.__class__ = StoredData
-        ev: Any = _EventFields()
-        ev.event_id = next(self._ids)
-        ev.window_size = window
-        ev.data = data
-        ev.__class__ = KVCacheEvent
-        pending = self._pending
-        if len(pending) == self.max_size:
-            self.dropped += 1
-        pending.append(ev)
+        self._enqueue(window, _new_stored_data(parent_hash, (blk,)))
+
+    def stored_columns(self, window: int, parent_hash: BlockHash | None, columns: StoredColumns) -> None:
+        """`stored` of the blocks `columns` describe (the ledger's usual Stored event: two
+        records per run, whatever its length)."""
+        if self._removed:
+            self._flush_removed(window)
+        self._enqueue(window, stored_data_from_columns(parent_hash, columns))
 
     def removed(self, window: int, block_hash: BlockHash) -> None:
         self._removed.setdefault(window, []).append(block_hash)
@@ -202,7 +277,10 @@ class KVCacheEventManager:
     def _flush_removed(self, window: int) -> None:
         hashes = self._removed.pop(window, None)
         if hashes:
-            self._enqueue(window, _new_removed_data(tuple(hashes)))
+            data: Any = _RemovedDataFields()
+            data.block_hashes = tuple(hashes)
+            data.__class__ = RemovedData
+            self._enqueue(window, data)
 
     def flush(self) -> None:
         """End of an iteration: publish pending removes and every pending event."""

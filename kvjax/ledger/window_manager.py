@@ -17,7 +17,7 @@ import numpy as np
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
-from kvjax.ledger.events import add_stored_blocks
+from kvjax.ledger.events import add_stored_blocks, new_columns
 from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
@@ -411,13 +411,14 @@ class WindowBlockManager:
             d, b = attached[0]
             n = self.block_node[b]
             parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], seq is None)
+            lora, mm = tree.signatures[tree.sig[n]][1], tree.mm.get(n, ())
+            level, prio = self.columns.level[b], self.queues.priority[b]
             if seq is not None:
-                block_tokens = tuple(seq.token_list(d * tpb, min(d * tpb + tpb, num_tokens)))
-            assert block_tokens is not None
-            events.stored_one(
-                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b],
-                self.queues.priority[b], tree.mm.get(n, ()),
-            )  # fmt: skip
+                tokens = tuple(seq.token_list(d * tpb, min(d * tpb + tpb, num_tokens)))
+                events.stored_columns(self.window, parent, new_columns(((h,), tokens, tpb, lora, (level,), (prio,), mm)))
+            else:
+                assert block_tokens is not None
+                events.stored_one(self.window, parent, h, block_tokens, lora, level, prio, mm)
             return
         bnode, boff = self.block_node, tree.block_offset[self.index]
         (d0, b0), (d1, b1) = attached[0], attached[-1]
@@ -426,12 +427,15 @@ class WindowBlockManager:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
             parent, hashes, run_tokens = tree.event_run(n, o, len(attached), seq is None)
-            if seq is not None:  # each block's tuple cut by zip (one C-level pass)
-                end = min(num_tokens, (d1 + 1) * tpb)
-                tokens = seq.token_list(d0 * tpb, end)
-                run_tokens = list(zip(*[iter(tokens)] * tpb, strict=False))  # a partial tail is cut off here
-                if end < (d1 + 1) * tpb:  # a partial last block ends at the stored length
-                    run_tokens.append(tuple(tokens[(d1 - d0) * tpb :]))
+            if seq is not None:  # columns: the run's tokens in one tuple (a partial last block ends the run)
+                levels, prios = self.columns.level, self.queues.priority
+                columns = new_columns((
+                    tuple(hashes), tuple(seq.token_list(d0 * tpb, min(num_tokens, (d1 + 1) * tpb))), tpb,
+                    tree.signatures[tree.sig[n]][1], tuple([levels[b] for _, b in attached]),
+                    tuple([prios[b] for _, b in attached]), tree.mm.get(n, ()),
+                ))  # fmt: skip
+                events.stored_columns(self.window, parent, columns)
+                return
             assert run_tokens is not None
             blocks: list = []
             add_stored_blocks(

@@ -8,6 +8,7 @@ test_block_key.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import struct
@@ -225,9 +226,8 @@ def test_sha256_hasher_keeps_no_memo():
 def test_fast_event_constructors_fill_every_field():
     """The ledger builds Stored events without the dataclasses' `__init__`; what it builds
     must equal (and hash like) what the public constructors build."""
-    from kvjax.ledger.events import (
-        KVCacheEvent, KVCacheEventManager, StoredBlock, StoredData, _new_event, _new_stored_data, add_stored_blocks,
-    )  # fmt: skip
+    from kvjax.ledger.events import KVCacheEvent, KVCacheEventManager, StoredBlock, StoredData
+    from kvjax.ledger.events import _new_stored_data, add_stored_blocks
 
     args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
     slow = StoredBlock(*args)
@@ -236,7 +236,6 @@ def test_fast_event_constructors_fill_every_field():
     (fast,) = built
     assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
     assert _new_stored_data(None, (fast,)) == StoredData(None, (slow,))
-    assert _new_event(3, 64, StoredData(b"p", ())) == KVCacheEvent(3, 64, StoredData(b"p", ()))
     events = KVCacheEventManager(8)
     events.removed(64, b"r")
     events.stored_one(64, b"p", *args)  # flushes the pending Removed first
@@ -245,3 +244,34 @@ def test_fast_event_constructors_fill_every_field():
     assert removed == KVCacheEvent(0, 64, RemovedData((b"r",)))
     assert stored == KVCacheEvent(1, 64, StoredData(b"p", (slow,)))
     assert hash(stored) == hash(KVCacheEvent(1, 64, StoredData(b"p", (slow,)))) and type(stored.data.blocks[0]) is StoredBlock
+
+
+def test_stored_data_from_columns_is_the_record_its_blocks_make():
+    """A Stored event the ledger builds as columns equals, hashes, prints and pickles like the
+    one built from its `StoredBlock`s; its blocks are made only when read, and it stays frozen."""
+    import pickle
+
+    from kvjax.ledger.events import StoredBlock, StoredColumns, StoredData, new_columns, stored_data_from_columns
+
+    tokens = tuple(range(100, 110))  # two full blocks of 4 and a partial one of 2
+    cols = new_columns(((b"a" * 32, b"b" * 32, b"c" * 32), tokens, 4, 7, (0, 0, 1), (35, 80, 35), ()))
+    assert cols == StoredColumns(*cols) and type(cols) is StoredColumns
+    lazy = stored_data_from_columns(b"p", cols)
+    assert lazy.num_blocks == 3 and lazy.columns is cols and lazy._blocks is None  # nothing built yet
+    eager = StoredData(b"p", (
+        StoredBlock(b"a" * 32, (100, 101, 102, 103), 7, 0, 35, ()),
+        StoredBlock(b"b" * 32, (104, 105, 106, 107), 7, 0, 80, ()),
+        StoredBlock(b"c" * 32, (108, 109), 7, 1, 35, ()),
+    ))  # fmt: skip
+    assert eager.columns is None and eager.num_blocks == 3
+    assert lazy == eager and eager == lazy and hash(lazy) == hash(eager) and repr(lazy) == repr(eager)
+    assert lazy.blocks is lazy.blocks and type(lazy.blocks[0]) is StoredBlock  # built once
+    assert pickle.loads(pickle.dumps(lazy)) == eager
+    assert StoredData(b"p", eager.blocks[:2]) != lazy and lazy != "not an event"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lazy.parent_hash = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del lazy.parent_hash
+    match lazy:
+        case StoredData(parent, blocks):
+            assert parent == b"p" and blocks == eager.blocks
