@@ -25,7 +25,6 @@ hints, so the others are never read.
 """
 from __future__ import annotations
 
-import struct
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress
 from operator import itemgetter
@@ -36,6 +35,7 @@ import numpy as np
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.validation import INT32_MAX, check_id_list
+from kvjax.ledger.packing import packer
 
 if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
@@ -69,7 +69,7 @@ def int_array(values: Iterable[int], dtype: type = np.int64) -> np.ndarray:
     `struct.error` for a value out of range."""
     vals = values if isinstance(values, list) else list(values)
     dt = np.dtype(dtype)
-    return np.frombuffer(bytearray(struct.pack(f"{len(vals)}{_SIGNED_CODES[dt.itemsize]}", *vals)), dtype=dt)
+    return np.frombuffer(bytearray(packer(len(vals), _SIGNED_CODES[dt.itemsize])(*vals)), dtype=dt)
 
 
 def same_ids(cached: Sequence[Hashable], ids: Sequence[Hashable]) -> bool:

@@ -14,6 +14,7 @@ import struct
 import sys
 
 from kvjax.ledger.block_key import BlockKey, MmKey
+from kvjax.ledger.packing import packer
 
 PLAIN_UNIT = 4
 EXTRA_UNIT = 12
@@ -25,7 +26,7 @@ _EXTRA_PAIR = struct.Struct("<iQ")
 def encode_tokens(tokens) -> bytes:
     """int32 units of token ids (a list or tuple of ints); `struct.error` for an id outside
     int32. (`struct.pack` converts a list about five times faster than `array`.)"""
-    return struct.pack(f"{len(tokens)}i", *tokens)
+    return packer(len(tokens))(*tokens)
 
 
 def encode_with_extra(tokens, extra_ids) -> bytes:

@@ -29,6 +29,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from kvjax.errors import IntegrityError
+from kvjax.ledger.packing import packer
 
 PAGE = 256  # tokens per page (a power of two: `(count - base) & MASK` is the offset in the last page)
 MASK = PAGE - 1
@@ -179,7 +180,7 @@ class TokenStore:
             return
         n, base = self.count_of[r], self.base_of[r]
         self._grow_pages(r, n + len(tokens))
-        src = memoryview(struct.pack(f"{len(tokens)}i", *tokens))
+        src = memoryview(packer(len(tokens))(*tokens))
         raw, done = self.raw, 0
         for a, b in self._spans(r, n - base, n - base + len(tokens)):
             raw[a:b] = src[done : done + b - a]

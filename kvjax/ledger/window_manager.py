@@ -8,7 +8,6 @@ movement it decides goes to the shared `TransferRecorder`.
 """
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY,
 from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.events import add_stored_blocks, new_columns
 from kvjax.ledger.free_queues import FreeQueues
+from kvjax.ledger.packing import packer
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
 from kvjax.ledger.stats import Counters
@@ -217,7 +217,7 @@ class WindowBlockManager:
         else:  # no host tier: every block keeps its own slot (no swaps); no placeholders either
             slots = blocks
         # an admitted row: one pack, then a byte copy (`array.extend` of a list converts int by int)
-        ids = struct.pack(f"{len(blocks)}i", *blocks) if len(blocks) >= _MANY_BLOCKS else None
+        ids = packer(len(blocks))(*blocks) if len(blocks) >= _MANY_BLOCKS else None
         if ids is not None and slots is blocks:  # the slots are those bytes too: no list conversion
             slots = np.frombuffer(ids, dtype=np.int32)
         for b in range(len(sw.blocks)) if beam is None else (beam,):
