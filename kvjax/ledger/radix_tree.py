@@ -1006,17 +1006,21 @@ class RadixTree:
         return parent, out, tokens
 
     def event_one(self, n: int, o: int, with_tokens: bool = True) -> tuple[bytes | int | None, bytes | int, tuple | None]:
-        """`event_run` of the single position `(n, o)` (a decode block): (parent hash, hash,
-        tokens or None). The usual case, a new full plain block after a hashed one, takes one
-        SHA-256."""
+        """`event_run` of the single position `(n, o)` (a decode block, or the partial block a
+        finished request stores): (parent hash, hash, tokens or None). The usual case, a new
+        plain block after a hashed one, takes one SHA-256."""
         hs = self.hashes[n]
         if o and hs is not None and self._fast_sha256 and self.sig[n] == 0 and hs[o] is None and n not in self.mm:
             parent: Any = hs[o - 1]  # SHA-256 chains bytes
             bb = self._plain_block_bytes
             blk = self.content[n][o * bb : (o + 1) * bb]
-            if parent is not None and len(blk) == bb:
-                hs[o] = h = _sha256(b"".join((parent, self._full_head, blk, _PLAIN_TAIL))).digest()
-                return parent, h, self._unpack_full(blk) if with_tokens else None
+            if parent is not None and blk:
+                if len(blk) == bb:
+                    hs[o] = h = _sha256(b"".join((parent, self._full_head, blk, _PLAIN_TAIL))).digest()
+                    return parent, h, self._unpack_full(blk) if with_tokens else None
+                # a partial block (the last position of its node), hashed as `event_run` does
+                hs[o] = h = _sha256(b"".join((parent, b"T" + _U32.pack(len(blk) >> 2), blk, _PLAIN_TAIL))).digest()
+                return parent, h, tuple(array.array("i", blk)) if with_tokens else None
         parent, hashes, tokens = self.event_run(n, o, 1, with_tokens)
         return parent, hashes[0], None if tokens is None else tokens[0]
 
