@@ -279,8 +279,8 @@ class EngineCore:
         for r in generation:
             assert r.pending is not None  # a scheduled generating request holds its sampled token
             if not generation_done:
-                try:
-                    led.add_token(r.request_id, r.pending)
+                try:  # a batch of one, not add_token: the tokens stay where the batched steps keep them
+                    led.add_tokens([r.request_id], [r.pending])
                 except OutOfBlocksError:  # the scheduler's accounting let this through: recover
                     self.accounting_misses += 1
                     self._pause(r)

@@ -193,3 +193,36 @@ def test_request_too_long_is_rejected(micro):
     wide = [WorkItem("y", tuple(range(1, 200)), 10)]
     with pytest.raises(ValueError, match=f"needs 27 blocks in window 256 but the cache has {TIGHT}"):
         micro.engine().run(wide, cache(micro.model, primary=TIGHT))
+
+
+def test_a_decode_batch_without_blocks_falls_back_row_by_row(micro, chat_runs, monkeypatch):
+    """When the step's batched `add_tokens` finds no block for some row (it changes nothing),
+    the engine adds the tokens row by row: same tokens, and the requests' tokens stay in the
+    ledger's token store (a per-row `add_token` would move each back to a list, and the next
+    batched step move it into the store again)."""
+    from kvjax import KVCacheManager
+    from kvjax.errors import OutOfBlocksError
+    from kvjax.ledger.sequence import TrackedSequence
+
+    items, on, _ = chat_runs
+    real_add_tokens, real_to_list = KVCacheManager.add_tokens, TrackedSequence.to_list
+    calls, forced, moved_back = [0], [0], []
+
+    def add_tokens(self, request_ids, tokens):
+        calls[0] += 1
+        if len(request_ids) > 1 and calls[0] % 3 == 0:
+            forced[0] += 1
+            raise OutOfBlocksError("forced by the test (nothing changed)")
+        return real_add_tokens(self, request_ids, tokens)
+
+    def to_list(self):
+        moved_back.append(self.request_id)
+        return real_to_list(self)
+
+    monkeypatch.setattr(KVCacheManager, "add_tokens", add_tokens)
+    monkeypatch.setattr(TrackedSequence, "to_list", to_list)
+    res = micro.engine().run(items, cache(micro.model, reuse=True))
+    assert forced[0] > 5
+    assert_same_tokens(res.outputs, on.outputs)
+    assert moved_back == []
+    check_accounting(res)
