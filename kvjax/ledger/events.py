@@ -128,11 +128,26 @@ def stored_data_from_columns(parent_hash: BlockHash | None, columns: StoredColum
 
 
 def _blocks_of(c: StoredColumns) -> tuple[StoredBlock, ...]:
-    toks, bs, lora, mm = c.token_ids, c.block_size, c.lora_id, c.mm_keys
-    return tuple(
-        StoredBlock(h, toks[i * bs : (i + 1) * bs], lora, level, prio, mm)
-        for i, (h, level, prio) in enumerate(zip(c.block_hashes, c.cache_levels, c.priorities, strict=True))
-    )
+    """The `StoredBlock`s of `columns` (built as `add_stored_blocks` builds them)."""
+    toks, bs = c.token_ids, c.block_size
+    per_block = list(zip(*[iter(toks)] * bs, strict=False))  # full blocks' tuples, one C-level pass
+    if len(per_block) < len(c.block_hashes):  # a partial last block
+        per_block.append(toks[len(per_block) * bs :])
+    lora, mm = c.lora_id, c.mm_keys
+    out: list = []
+    append = out.append
+    obj: Any
+    for h, t, level, prio in zip(c.block_hashes, per_block, c.cache_levels, c.priorities, strict=True):
+        obj = _StoredBlockFields()
+        obj.block_hash = h
+        obj.tokens = t
+        obj.lora_id = lora
+        obj.cache_level = level
+        obj.priority = prio
+        obj.mm_keys = mm
+        obj.__class__ = StoredBlock
+        append(obj)
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
