@@ -34,8 +34,8 @@ import numpy as np
 
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
-from kvjax.validation import INT32_MAX, check_id_list
 from kvjax.ledger.packing import packer
+from kvjax.validation import INT32_MAX, check_id_list
 
 if TYPE_CHECKING:
     from kvjax.ledger.kv_cache_manager import KVCacheManager
