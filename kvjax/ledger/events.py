@@ -18,6 +18,7 @@ import functools
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvjax.ledger.block_key import MmKey
@@ -119,12 +120,7 @@ class StoredData:
 
 def stored_data_from_columns(parent_hash: BlockHash | None, columns: StoredColumns) -> StoredData:
     """The `StoredData` of `columns` (its `blocks` built on first read)."""
-    obj: Any = _StoredDataFields()
-    obj.parent_hash = parent_hash
-    obj._blocks = None
-    obj._columns = columns
-    obj.__class__ = StoredData
-    return obj
+    return _new_stored_data(parent_hash, None, columns)
 
 
 def _blocks_of(c: StoredColumns) -> tuple[StoredBlock, ...]:
@@ -133,20 +129,8 @@ def _blocks_of(c: StoredColumns) -> tuple[StoredBlock, ...]:
     per_block = list(zip(*[iter(toks)] * bs, strict=False))  # full blocks' tuples, one C-level pass
     if len(per_block) < len(c.block_hashes):  # a partial last block
         per_block.append(toks[len(per_block) * bs :])
-    lora, mm = c.lora_id, c.mm_keys
-    out: list = []
-    append = out.append
-    obj: Any
-    for h, t, level, prio in zip(c.block_hashes, per_block, c.cache_levels, c.priorities, strict=True):
-        obj = _StoredBlockFields()
-        obj.block_hash = h
-        obj.tokens = t
-        obj.lora_id = lora
-        obj.cache_level = level
-        obj.priority = prio
-        obj.mm_keys = mm
-        obj.__class__ = StoredBlock
-        append(obj)
+    out: list[StoredBlock] = []
+    add_stored_blocks(out, c.block_hashes, per_block, c.lora_id, c.cache_levels, c.priorities, c.mm_keys)
     return tuple(out)
 
 
@@ -189,37 +173,38 @@ _EventFields = _mutable_twin(KVCacheEvent)
 
 def add_stored_blocks(
     out: list[StoredBlock],
-    hashes: list,
-    tokens: list[tuple],
+    hashes: Sequence[BlockHash],
+    tokens: Sequence[tuple],
     lora_id: int | None,
-    attached: list[tuple[int, int]],
-    levels,
-    priorities,
+    levels: Sequence[int],
+    priorities: Sequence[int],
     mm_keys: tuple[MmKey, ...],
 ) -> None:
-    """Append one `StoredBlock` per block of a run of one node (the frozen records,
-    built in one loop): `hashes[i]` and `tokens[i]` belong to the block of `attached[i]` (a
-    (depth, block id) pair), whose level and priority are read from the `levels` and
-    `priorities` columns."""
+    """Append one `StoredBlock` per block (the frozen records, built in one loop): block i
+    has `hashes[i]`, `tokens[i]`, `levels[i]` and `priorities[i]`; the LoRA id and multimodal
+    keys are the run's."""
     append = out.append
     obj: Any
-    for (_, b), h, t in zip(attached, hashes, tokens, strict=True):
+    for h, t, level, prio in zip(hashes, tokens, levels, priorities, strict=True):
         obj = _StoredBlockFields()
         obj.block_hash = h
         obj.tokens = t
         obj.lora_id = lora_id
-        obj.cache_level = levels[b]
-        obj.priority = priorities[b]
+        obj.cache_level = level
+        obj.priority = prio
         obj.mm_keys = mm_keys
         obj.__class__ = StoredBlock
         append(obj)
 
 
-def _new_stored_data(parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...]) -> StoredData:
+def _new_stored_data(
+    parent_hash: BlockHash | None, blocks: tuple[StoredBlock, ...] | None, columns: StoredColumns | None = None
+) -> StoredData:
+    """A `StoredData` of its records, or of its columns (`blocks` None)."""
     obj: Any = _StoredDataFields()
     obj.parent_hash = parent_hash
     obj._blocks = blocks
-    obj._columns = None
+    obj._columns = columns
     obj.__class__ = StoredData
     return obj
 
@@ -257,19 +242,10 @@ class KVCacheEventManager:
         self, window: int, parent_hash: BlockHash | None, block_hash: BlockHash, tokens: tuple, lora_id: int | None,
         cache_level: int, priority: int, mm_keys: tuple[MmKey, ...],
     ) -> None:
-        """`stored` of one new block whose tokens are not plain ids (extra ids: pairs), its
-        `StoredBlock` built in place (as `add_stored_blocks` builds them)."""
-        if self._removed:
-            self._flush_removed(window)
-        blk: Any = _StoredBlockFields()
-        blk.block_hash = block_hash
-        blk.tokens = tokens
-        blk.lora_id = lora_id
-        blk.cache_level = cache_level
-        blk.priority = priority
-        blk.mm_keys = mm_keys
-        blk.__class__ = StoredBlock
-        self._enqueue(window, _new_stored_data(parent_hash, (blk,)))
+        """`stored` of one new block whose tokens are not plain ids (extra ids: pairs)."""
+        blocks: list[StoredBlock] = []
+        add_stored_blocks(blocks, (block_hash,), (tokens,), lora_id, (cache_level,), (priority,), mm_keys)
+        self.stored(window, parent_hash, tuple(blocks))
 
     def stored_columns(self, window: int, parent_hash: BlockHash | None, columns: StoredColumns) -> None:
         """`stored` of the blocks `columns` describe (the ledger's usual Stored event: two

@@ -427,22 +427,18 @@ class WindowBlockManager:
             # the usual store (a new context): one run of consecutive positions of
             # one node (a path passes a node once, so its first and last block tell)
             parent, hashes, run_tokens = tree.event_run(n, o, len(attached), seq is None)
+            level_of, prio_of = self.columns.level, self.queues.priority
+            levels, prios = [level_of[b] for _, b in attached], [prio_of[b] for _, b in attached]
+            lora, mm = tree.signatures[tree.sig[n]][1], tree.mm.get(n, ())
             if seq is not None:  # columns: the run's tokens in one tuple (a partial last block ends the run)
-                levels, prios = self.columns.level, self.queues.priority
-                columns = new_columns((
-                    tuple(hashes), tuple(seq.token_list(d0 * tpb, min(num_tokens, (d1 + 1) * tpb))), tpb,
-                    tree.signatures[tree.sig[n]][1], tuple([levels[b] for _, b in attached]),
-                    tuple([prios[b] for _, b in attached]), tree.mm.get(n, ()),
-                ))  # fmt: skip
+                tokens = tuple(seq.token_list(d0 * tpb, min(num_tokens, (d1 + 1) * tpb)))
+                columns = new_columns((tuple(hashes), tokens, tpb, lora, tuple(levels), tuple(prios), mm))
                 events.stored_columns(self.window, parent, columns)
-                return
-            assert run_tokens is not None
-            blocks: list = []
-            add_stored_blocks(
-                blocks, hashes, run_tokens, tree.signatures[tree.sig[n]][1], attached,
-                self.columns.level, self.queues.priority, tree.mm.get(n, ()),
-            )  # fmt: skip
-            events.stored(self.window, parent, tuple(blocks))
+            else:  # (token, extra id) pairs: records
+                assert run_tokens is not None
+                blocks: list = []
+                add_stored_blocks(blocks, hashes, run_tokens, lora, levels, prios, mm)
+                events.stored(self.window, parent, tuple(blocks))
         else:
             self._emit_stored_runs(attached, moves)
 
@@ -475,7 +471,9 @@ class WindowBlockManager:
                 assert tokens is not None
                 if first:
                     parent_hash, first = parent, False
-                add_stored_blocks(blocks, hashes, tokens, signatures[sig[n]][1], attached[i:k], level, prio, mm.get(n, ()))
+                run = [b for _, b in attached[i:k]]
+                levels, prios = [level[b] for b in run], [prio[b] for b in run]
+                add_stored_blocks(blocks, hashes, tokens, signatures[sig[n]][1], levels, prios, mm.get(n, ()))
                 i = k
             events.stored(window, parent_hash, tuple(blocks))
         for _, h in pending_moves:

@@ -232,7 +232,7 @@ def test_fast_event_constructors_fill_every_field():
     args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
     slow = StoredBlock(*args)
     built: list = []
-    add_stored_blocks(built, [args[0]], [args[1]], 7, [(0, 5)], {5: 1}, {5: 80}, ())
+    add_stored_blocks(built, [args[0]], [args[1]], 7, [1], [80], ())
     (fast,) = built
     assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
     assert _new_stored_data(None, (fast,)) == StoredData(None, (slow,))
