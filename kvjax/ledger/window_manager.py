@@ -371,14 +371,12 @@ class WindowBlockManager:
     def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:
         """`store(seq, count, allow_partial=False)` of each, in order. A decode step's usual
         row (one new full block after its cursor, at the end of its own leaf run; no
-        retention wishes, events off) is attached here, and the rows' priorities are written
-        together; any other row goes through `store`."""
-        if self.events is not None:  # Stored events keep the calls' order: one by one
-            for seq, n in zip(seqs, counts, strict=True):
-                self.store(seq, seq.windows[self.index], n, False)
-            return
+        retention wishes) is attached here, and the rows' priorities are written together,
+        then their Stored events made in one loop, in row order; any other row goes through
+        `store`, after the events of the rows before it."""
         tpb, idx, locate = self.tokens_per_block, self.index, self.tree.locate
         done: list[int] = []  # blocks attached here, their default priority not yet written
+        emit: list[tuple[TrackedSequence, int, int, int]] | None = None if self.events is None else []
         for seq, n in zip(seqs, counts, strict=True):
             sw = seq.windows[idx]
             cur = sw.cursor
@@ -388,13 +386,23 @@ class WindowBlockManager:
                     b = self._extend_own_leaf(seq, sw, pos, cur[2])
                     if b >= 0:
                         done.append(b)
+                        if emit is not None:
+                            emit.append((seq, cur[2], b, n))
                         continue
             if done:
-                self.queues.set_default_retention(done)
+                self._settle_attached(done, emit)
                 done = []
             self.store(seq, sw, n, False)
         if done:
-            self.queues.set_default_retention(done)
+            self._settle_attached(done, emit)
+
+    def _settle_attached(self, blocks: list[int], emit: list | None) -> None:
+        """The default priority of blocks `store_new_full_blocks` attached, then their Stored
+        events (`emit` is emptied)."""
+        self.queues.set_default_retention(blocks)
+        if emit:
+            self._emit_decode_blocks(emit)
+            emit.clear()
 
     def _emit_stored(
         self, attached: list[tuple[int, int]], moves: list, seq: TrackedSequence | None, num_tokens: int
@@ -409,16 +417,16 @@ class WindowBlockManager:
         tpb = self.tokens_per_block
         if len(attached) == 1 and not moves:  # a decode block
             d, b = attached[0]
-            n = self.block_node[b]
-            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], seq is None)
-            lora, mm = tree.signatures[tree.sig[n]][1], tree.mm.get(n, ())
-            level, prio = self.columns.level[b], self.queues.priority[b]
             if seq is not None:
-                tokens = tuple(seq.token_list(d * tpb, min(d * tpb + tpb, num_tokens)))
-                events.stored_columns(self.window, parent, new_columns(((h,), tokens, tpb, lora, (level,), (prio,), mm)))
-            else:
-                assert block_tokens is not None
-                events.stored_one(self.window, parent, h, block_tokens, lora, level, prio, mm)
+                self._emit_decode_blocks([(seq, d, b, num_tokens)])
+                return
+            n = self.block_node[b]
+            parent, h, block_tokens = tree.event_one(n, tree.block_offset[self.index][b], True)
+            assert block_tokens is not None
+            events.stored_one(
+                self.window, parent, h, block_tokens, tree.signatures[tree.sig[n]][1], self.columns.level[b],
+                self.queues.priority[b], tree.mm.get(n, ()),
+            )  # fmt: skip
             return
         bnode, boff = self.block_node, tree.block_offset[self.index]
         (d0, b0), (d1, b1) = attached[0], attached[-1]
@@ -441,6 +449,25 @@ class WindowBlockManager:
                 events.stored(self.window, parent, tuple(blocks))
         else:
             self._emit_stored_runs(attached, moves)
+
+    def _emit_decode_blocks(self, rows: list[tuple[TrackedSequence, int, int, int]]) -> None:
+        """The Stored event of each row's one new block, in order: (sequence, depth, block,
+        the sequence's stored token count), the sequence's blocks carrying no extra ids (each
+        block's tokens come from it). One loop for a decode step's rows keeps the hashing
+        code warm between them."""
+        tree, events, window = self.tree, self.events, self.window
+        assert events is not None  # called only with events on
+        tpb = self.tokens_per_block
+        bnode, boff = self.block_node, tree.block_offset[self.index]
+        level, prio = self.columns.level, self.queues.priority
+        sig, signatures, mm = tree.sig, tree.signatures, tree.mm
+        event_one, stored = tree.event_one, events.stored_columns
+        for seq, d, b, num_tokens in rows:
+            n = bnode[b]
+            parent, h, _ = event_one(n, boff[b], False)
+            tokens = tuple(seq.token_list(d * tpb, min(d * tpb + tpb, num_tokens)))
+            lora = signatures[sig[n]][1]
+            stored(window, parent, new_columns(((h,), tokens, tpb, lora, (level[b],), (prio[b],), mm.get(n, ()))))
 
     def _emit_stored_runs(self, attached: list[tuple[int, int]], moves: list) -> None:
         """`_emit_stored` of several runs, or of runs over several nodes, or with moves."""
