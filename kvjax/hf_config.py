@@ -11,48 +11,139 @@ transformers default of its model type, as transformers itself would.
 
 Every field of a config is one of:
 - numeric: read into the spec, with its supported values (`NUMERIC_FIELDS` documents them);
-  an unsupported value raises `UnsupportedConfigError` naming the field;
-- known not to change the numbers (`NOT_NUMERIC`, each with the reason);
-- anything else raises `UnsupportedConfigError`: kvjax cannot tell whether it matters.
+  an unsupported value raises `UnsupportedConfigError` naming the field, the value and what
+  kvjax supports. That includes fields of other architectures that kvjax lacks
+  (`quantization_config`, `rope_interleaved: true`, biases or softcapping where the family
+  has none, ...), refused whenever their value would change the numbers;
+- known not to change the numbers (`NOT_NUMERIC` and `NOT_NUMERIC_SUFFIXES`, each with the
+  reason: provenance, token ids, generation defaults, training-only settings, tooling blocks):
+  ignored;
+- anything else is unknown: kvjax cannot tell whether it matters, so it reads the rest and
+  names every unknown field in one `UnknownConfigFieldWarning` (also logged on the `kvjax`
+  logger); with `strict=True` it raises `UnsupportedConfigError` instead.
 
 Pure Python (no JAX): `kvjax capacity --model PATH` reads checkpoints without it.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 
+log = logging.getLogger("kvjax")
+
+
 class UnsupportedConfigError(ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
+
+
+class UnknownConfigFieldWarning(UserWarning):
+    """`config.json` fields kvjax does not know: ignored, but named so that a user can check them
+    (`strict=True` / `strict_config=True` refuses them instead)."""
 
 
 #: Fields that never change a forward pass's numbers, and why.
 NOT_NUMERIC: dict[str, str] = {
     "architectures": "class names; model_type decides the architecture",
     "model_type": "read to pick the architecture",
+    # provenance and tooling
     "transformers_version": "provenance",
     "_name_or_path": "provenance",
-    "bos_token_id": "tokenizer / generation setting",
-    "eos_token_id": "generation setting (kvjax.Tokenizer reads generation_config.json)",
-    "pad_token_id": "padding id; kvjax never attends to padding",
+    "_model_name_or_path": "provenance (the model name transformers copies from a GGUF file)",
+    "_commit_hash": "provenance",
+    "is_llama_config": "nanotron's marker of a Llama-shaped config (SmolLM); model_type decides",
+    "transformers.js_config": "settings of the transformers.js ONNX runtime",
+    "tokenizer_class": "tokenizer setting",
+    # what transformers returns or which kernel it picks
     "use_cache": "transformers' generate() switch",
     "cache_implementation": "transformers' cache class choice",
-    "initializer_range": "training-time initialisation",
-    "attention_dropout": "training only (inference never drops)",
     "output_attentions": "what transformers returns, not what it computes",
     "output_hidden_states": "what transformers returns",
     "return_dict": "what transformers returns",
     "torchscript": "export switch",
-    "tokenizer_class": "tokenizer setting",
-    "pretraining_tp": "splits the same matmuls into slices during pretraining; same maths",
-    "max_window_layers": "read with use_sliding_window (Qwen); only matters when sliding is on",
     "_attn_implementation_autoset": "transformers' kernel choice",
+    "_attn_implementation": "transformers' kernel choice (eager/sdpa/flash compute the same maths)",
+    "_attn_implementation_internal": "transformers' kernel choice",
     "attn_implementation": "transformers' kernel choice (eager/sdpa/flash compute the same maths)",
+    "chunk_size_feed_forward": "runs the MLP over chunks of tokens; same maths",
+    "is_decoder": "the decoder-only families are causal whatever it says",
+    # training only
+    "initializer_range": "training-time initialisation",
+    "initializer_factor": "training-time initialisation",
+    "pretraining_tp": "splits the same matmuls into slices during pretraining; same maths",
+    "use_bfloat16": "legacy training switch; the weights' dtype comes from torch_dtype / dtype",
+    "tf_legacy_loss": "training loss",
+    "neftune_noise_alpha": "training-time embedding noise",
+    "gradient_checkpointing": "training memory switch",
+    # generation defaults (kvjax takes sampling settings per request)
+    **{
+        k: "generation default (kvjax takes sampling settings per request)"
+        for k in (
+            "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+            "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+            "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+            "num_return_sequences", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+            "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+        )
+    },
+    # task heads kvjax does not build (it serves the causal LM head)
+    **{
+        k: "task-head setting; kvjax serves the causal LM head"
+        for k in ("finetuning_task", "id2label", "label2id", "prefix", "task_specific_params", "problem_type")
+    },
+    "max_window_layers": "read with use_sliding_window (Qwen); only matters when sliding is on",
+}
+
+#: Name endings of fields that never change the numbers (any `*_token_id`, `*_dropout`, ...).
+NOT_NUMERIC_SUFFIXES: dict[str, str] = {
+    "_token_id": "a token id (tokenizer / generation setting)",
+    "_token_ids": "token ids (tokenizer / generation setting)",
+    "_dropout": "dropout: training only (inference never drops)",
+    "_pdrop": "dropout: training only (inference never drops)",
+}
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+#: Fields of other architectures (or other variants of a supported one) that would change the
+#: numbers and that kvjax lacks: refused unless their value is the one that changes nothing.
+#: A family that reads the field itself (Gemma 3's softcapping, Qwen's sliding window) checks it
+#: there instead. field -> (value accepted?, what kvjax supports).
+UNSUPPORTED_UNLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "quantization_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
+    "compression_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
+    "rope_interleaved": (lambda v: v in (False, None), "false (rotate-half RoPE, as transformers computes it)"),
+    "partial_rotary_factor": (lambda v: v in (1, 1.0, None), "1.0 (RoPE over the whole head)"),
+    "attn_logit_softcapping": (lambda v: v is None, "null (no attention logit softcapping)"),
+    "final_logit_softcapping": (lambda v: v is None, "null (no final logit softcapping)"),
+    "attention_bias": (lambda v: v in (False, None), "false for this model type (no attention biases)"),
+    "mlp_bias": (lambda v: v in (False, None), "false (no MLP biases)"),
+    "use_sliding_window": (lambda v: v in (False, None), "false for this model type (no sliding window)"),
+    "sliding_window": (lambda v: v is None, "null for this model type (no sliding window)"),
+    "use_bidirectional_attention": (lambda v: v in (False, None), "false (causal attention)"),
+    "use_qk_norm": (lambda v: v in (False, None), "false for this model type (no q/k norms)"),
+    "qk_layernorm": (lambda v: v in (False, None), "false for this model type (no q/k norms)"),
+    "attention_chunk_size": (lambda v: v is None, "null (no chunked attention)"),
+    "num_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "num_local_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "n_routed_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "embedding_multiplier": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled embeddings)"),
+    "residual_multiplier": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled residuals)"),
+    "attention_multiplier": (lambda v: v in (None,), "absent (attention scale head_dim ** -0.5)"),
+    "logits_scaling": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled logits)"),
+    "is_encoder_decoder": (lambda v: v in (False, None), "false (decoder-only models)"),
+    "add_cross_attention": (lambda v: v in (False, None), "false (no cross-attention)"),
+    "tie_encoder_decoder": (lambda v: v in (False, None), "false (decoder-only models)"),
+    "pruned_heads": (lambda v: v in ({}, None), "{} (no pruned heads)"),
 }
 
 #: Numeric fields, per model type, with the values kvjax supports (for docs and errors).
@@ -72,6 +163,7 @@ NUMERIC_FIELDS: dict[str, str] = {
     "attn_logit_softcapping, final_logit_softcapping (gemma3)": "null (Gemma 3 has none)",
     "use_bidirectional_attention (gemma3)": "false",
     "use_mrope (qwen2)": "false",
+    **{f"{k} (where the model type does not read it)": v[1] for k, v in UNSUPPORTED_UNLESS.items()},
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -170,15 +262,45 @@ class _Fields:
             raise self.error(field, f"value {v!r} is not supported (supported: {', '.join(map(repr, allowed))})")
         return v
 
-    def finish(self, extra_ignored: dict[str, str] | None = None) -> None:
+    def finish(self, extra_ignored: dict[str, str] | None = None, prefix: str = "") -> list[str]:
+        """Check the fields nothing read: refuse those that would change the numbers, ignore the
+        known harmless ones, and return the unknown ones (named with `prefix`)."""
         ignored = {**NOT_NUMERIC, **(extra_ignored or {})}
+        unknown = []
         for field in sorted(self.data):
-            if field not in self.used and field not in ignored:
-                raise self.error(
-                    field,
-                    f"not supported for model_type {self.model_type!r} (kvjax cannot tell whether it changes the "
-                    "model's numbers, so it refuses the checkpoint rather than ignore it)",
-                )
+            if field in self.used or field in ignored or field.endswith(tuple(NOT_NUMERIC_SUFFIXES)):
+                continue
+            if field in UNSUPPORTED_UNLESS:
+                accepted, supported = UNSUPPORTED_UNLESS[field]
+                value = self.data[field]
+                if not accepted(value):
+                    raise self.error(field, f"value {value!r} is not supported for model_type {self.model_type!r} "
+                                            f"(supported: {supported})")
+                continue
+            unknown.append(prefix + field)
+        return unknown
+
+
+def _unknown_fields(unknown: list[str], source: str, model_type: str, strict: bool) -> None:
+    """One warning (or, strict, one error) naming every unknown field of a config."""
+    if not unknown:
+        return
+    names = ", ".join(map(repr, unknown))
+    fields, they, change = ("fields", "they", "change") if len(unknown) > 1 else ("field", "it", "changes")
+    if strict:
+        raise UnsupportedConfigError(
+            f"{source}: config {fields} {names}: unknown for model_type {model_type!r}; kvjax cannot tell whether "
+            f"{they} {change} the model's numbers, and strict config checking refuses unknown fields (without it "
+            "they are ignored with a warning)"
+        )
+    message = (
+        f"{source}: kvjax ignores config {fields} {names}, unknown for model_type {model_type!r}: it cannot tell "
+        f"whether {they} {change} the model's numbers; check {'them' if len(unknown) > 1 else 'it'} against the "
+        "model's documentation, or refuse such checkpoints with strict_config=True (--strict-config on the command "
+        "line)"
+    )
+    log.warning("%s", message)
+    warnings.warn(message, UnknownConfigFieldWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------- pieces
@@ -276,6 +398,13 @@ def _layer_types(f: _Fields, layers: int, fallback: list[str]) -> list[str]:
     return list(types)
 
 
+def _same_layer_types(f: _Fields, implied: list[str]) -> None:
+    """`layer_types` of a family whose layers the other fields decide: it must agree with them."""
+    if f.has("layer_types") and f.get("layer_types", None) not in (None, implied):
+        raise f.error("layer_types", f"{f.data['layer_types']!r} disagrees with the model's other fields, which give "
+                                     f"{implied[0]!r} on every layer; refusing an ambiguous config")
+
+
 def _windows(types: list[str], window: int | None, max_seq_len: int) -> tuple[int, ...] | None:
     """Per-layer windows as the shortest cycle that reproduces them (None: all global)."""
     per_layer = [window if t == "sliding_attention" and window is not None else max_seq_len for t in types]
@@ -331,10 +460,12 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
     if kind == "llama":
         qkv_bias = out_bias = f.flag("attention_bias", False)
         f.require("mlp_bias", (False,), False)
+        _same_layer_types(f, ["full_attention"] * layers)
         windows = None
     elif kind == "mistral":
         qkv_bias = out_bias = False
         window = _sliding(f)
+        _same_layer_types(f, ["sliding_attention" if window is not None else "full_attention"] * layers)
         windows = _windows(["sliding_attention"] * layers, window, values["max_seq_len"])
     else:  # qwen2 / qwen3
         use = f.flag("use_sliding_window", False)
@@ -347,6 +478,7 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
         if kind == "qwen2":
             f.require("use_mrope", (False,), False)
             qkv_bias, out_bias = True, False  # Qwen2 always has q/k/v biases, never an output bias
+            f.used.add("attention_bias")  # transformers' Qwen2 ignores it (its biases are fixed)
         else:
             qkv_bias = out_bias = f.flag("attention_bias", False)
     return ModelSpec(
@@ -396,6 +528,11 @@ def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
         f.require(field, (None,), None)
     f.require("use_bidirectional_attention", (False, None), False)
     bias = f.flag("attention_bias", False)
+    activation = _activation(f, "hidden_activation")
+    if f.has("hidden_act") and f.get("hidden_act", None) not in (None, f.get("hidden_activation")):
+        raise f.error("hidden_act", f"{f.data['hidden_act']!r} disagrees with hidden_activation "
+                                    f"{f.get('hidden_activation')!r} (Gemma 3 reads hidden_activation); refusing an "
+                                    "ambiguous config")
     return ModelSpec(
         **values,
         attention_windows=_windows(types, window, values["max_seq_len"]),
@@ -410,13 +547,18 @@ def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
         out_bias=bias,
         qk_norm=True,
         query_pre_attn_scalar=f.number("query_pre_attn_scalar"),
-        mlp_activation=_activation(f, "hidden_activation"),
+        mlp_activation=activation,
     )
 
 
 # ---------------------------------------------------------------------- entry points
-def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str = "<config.json>") -> ModelSpec:
-    """The `ModelSpec` of a Hugging Face `config.json` (already parsed); see the module docstring."""
+def spec_from_hf_config(
+    config: dict, *, name: str = "checkpoint", source: str = "<config.json>", strict: bool = False
+) -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face `config.json` (already parsed); see the module docstring.
+
+    Unknown fields are named in one `UnknownConfigFieldWarning` and ignored; `strict=True`
+    raises `UnsupportedConfigError` for them instead."""
     if not isinstance(config, dict):
         raise UnsupportedConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
@@ -425,7 +567,7 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
         outer.used.update({"model_type", "text_config"})
         dtype = _dtype(outer, None) if any(config.get(k) for k in ("dtype", "torch_dtype")) else None
         outer.get("tie_word_embeddings", None)  # the text config's own value decides
-        outer.finish(_GEMMA3_MULTIMODAL)
+        unknown = outer.finish(_GEMMA3_MULTIMODAL)
         text = config.get("text_config")
         if not isinstance(text, dict):
             raise UnsupportedConfigError(f"{source}: config field 'text_config': expected a table, got {text!r}")
@@ -436,7 +578,8 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
             raise UnsupportedConfigError(f"{source}: text_config model_type {text.get('model_type')!r} is not gemma3_text")
         f = _Fields(text, f"{source} text_config", "gemma3_text")
         spec = _gemma3(f, name, source, dtype)
-        f.finish()
+        unknown += f.finish(prefix="text_config.")
+        _unknown_fields(unknown, source, model_type, strict)
         return spec
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
@@ -445,7 +588,7 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
         )
     f = _Fields(config, source, model_type)
     spec = _gemma3(f, name, source, None) if model_type == "gemma3_text" else _llama_like(f, name, source, None)
-    f.finish()
+    _unknown_fields(f.finish(), source, model_type, strict)
     return spec
 
 
@@ -463,9 +606,10 @@ def read_config(path: str | Path) -> dict:
         raise ValueError(f"{file}: invalid JSON ({e})") from None
 
 
-def spec_from_checkpoint(path: str | Path) -> ModelSpec:
-    """The `ModelSpec` of a checkpoint directory (reads only `config.json`)."""
+def spec_from_checkpoint(path: str | Path, *, strict: bool = False) -> ModelSpec:
+    """The `ModelSpec` of a checkpoint directory (reads only `config.json`); `strict` refuses
+    unknown config fields instead of warning about them."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     directory = file.parent
-    return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file))
+    return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file), strict=strict)

@@ -195,15 +195,16 @@ class ModelSpec:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def load(cls, name_or_path: str | Path) -> ModelSpec:
+    def load(cls, name_or_path: str | Path, *, strict_config: bool = False) -> ModelSpec:
         """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
-        checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
+        checkpoint directory (its `config.json`, read by `kvjax.hf_config`; `strict_config`
+        refuses config fields kvjax does not know instead of warning about them)."""
         text = str(name_or_path)
         path = Path(text)
         if checkpoint_dir(text) is not None:
             from kvjax.hf_config import spec_from_checkpoint
 
-            return spec_from_checkpoint(path)
+            return spec_from_checkpoint(path, strict=strict_config)
         if text.endswith(".toml") or path.parent != Path(".") or path.is_file():
             return cls.from_toml(path)
         candidate = MODELS_DIR / f"{text}.toml"
@@ -302,12 +303,12 @@ def checkpoint_dir(name_or_path: str | Path) -> Path | None:
     return None
 
 
-def servable_model(name_or_path: str | Path) -> tuple[ModelSpec, Path | None]:
+def servable_model(name_or_path: str | Path, *, strict_config: bool = False) -> tuple[ModelSpec, Path | None]:
     """(spec, checkpoint directory or None) of a model someone asked to serve.
 
     A built-in spec of a published model (`random_weights = false`) has no weights: refuse it
-    rather than build random parameters of its size."""
-    spec = ModelSpec.load(name_or_path)
+    rather than build random parameters of its size. `strict_config`: see `ModelSpec.load`."""
+    spec = ModelSpec.load(name_or_path, strict_config=strict_config)
     path = checkpoint_dir(name_or_path)
     if path is None and not spec.random_weights:
         demos = ", ".join(n for n in available_models() if ModelSpec.load(n).random_weights)
