@@ -114,6 +114,25 @@ def _never(v: Any) -> bool:
     return False
 
 
+def _one_of(*allowed: Any) -> Callable[[Any], bool]:
+    """Membership that keeps JSON's types apart: `true` is not 1, `0` is not false (a float
+    allowed matches the same number written as an int)."""
+
+    def accepted(v: Any) -> bool:
+        for a in allowed:
+            if a is None or isinstance(a, bool):
+                if v is a:
+                    return True
+            elif isinstance(a, float):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v == a:
+                    return True
+            elif type(v) is type(a) and v == a:
+                return True
+        return False
+
+    return accepted
+
+
 #: Fields of other architectures (or other variants of a supported one) that would change the
 #: numbers and that kvjax lacks: refused unless their value is the one that changes nothing.
 #: A family that reads the field itself (Gemma 3's softcapping, Qwen's sliding window) checks it
@@ -121,29 +140,29 @@ def _never(v: Any) -> bool:
 UNSUPPORTED_UNLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "quantization_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
     "compression_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
-    "rope_interleaved": (lambda v: v in (False, None), "false (rotate-half RoPE, as transformers computes it)"),
-    "partial_rotary_factor": (lambda v: v in (1, 1.0, None), "1.0 (RoPE over the whole head)"),
-    "attn_logit_softcapping": (lambda v: v is None, "null (no attention logit softcapping)"),
-    "final_logit_softcapping": (lambda v: v is None, "null (no final logit softcapping)"),
-    "attention_bias": (lambda v: v in (False, None), "false for this model type (no attention biases)"),
-    "mlp_bias": (lambda v: v in (False, None), "false (no MLP biases)"),
-    "use_sliding_window": (lambda v: v in (False, None), "false for this model type (no sliding window)"),
-    "sliding_window": (lambda v: v is None, "null for this model type (no sliding window)"),
-    "use_bidirectional_attention": (lambda v: v in (False, None), "false (causal attention)"),
-    "use_qk_norm": (lambda v: v in (False, None), "false for this model type (no q/k norms)"),
-    "qk_layernorm": (lambda v: v in (False, None), "false for this model type (no q/k norms)"),
-    "attention_chunk_size": (lambda v: v is None, "null (no chunked attention)"),
-    "num_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
-    "num_local_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
-    "n_routed_experts": (lambda v: v in (None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
-    "embedding_multiplier": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled embeddings)"),
-    "residual_multiplier": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled residuals)"),
-    "attention_multiplier": (lambda v: v in (None,), "absent (attention scale head_dim ** -0.5)"),
-    "logits_scaling": (lambda v: v in (None, 1, 1.0), "1.0 (unscaled logits)"),
-    "is_encoder_decoder": (lambda v: v in (False, None), "false (decoder-only models)"),
-    "add_cross_attention": (lambda v: v in (False, None), "false (no cross-attention)"),
-    "tie_encoder_decoder": (lambda v: v in (False, None), "false (decoder-only models)"),
-    "pruned_heads": (lambda v: v in ({}, None), "{} (no pruned heads)"),
+    "rope_interleaved": (_one_of(False, None), "false (rotate-half RoPE, as transformers computes it)"),
+    "partial_rotary_factor": (_one_of(1.0, None), "1.0 (RoPE over the whole head)"),
+    "attn_logit_softcapping": (_one_of(None), "null (no attention logit softcapping)"),
+    "final_logit_softcapping": (_one_of(None), "null (no final logit softcapping)"),
+    "attention_bias": (_one_of(False, None), "false for this model type (no attention biases)"),
+    "mlp_bias": (_one_of(False, None), "false (no MLP biases)"),
+    "use_sliding_window": (_one_of(False, None), "false for this model type (no sliding window)"),
+    "sliding_window": (_one_of(None), "null for this model type (no sliding window)"),
+    "use_bidirectional_attention": (_one_of(False, None), "false (causal attention)"),
+    "use_qk_norm": (_one_of(False, None), "false for this model type (no q/k norms)"),
+    "qk_layernorm": (_one_of(False, None), "false for this model type (no q/k norms)"),
+    "attention_chunk_size": (_one_of(None), "null (no chunked attention)"),
+    "num_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "num_local_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "n_routed_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "embedding_multiplier": (_one_of(None, 1.0), "1.0 (unscaled embeddings)"),
+    "residual_multiplier": (_one_of(None, 1.0), "1.0 (unscaled residuals)"),
+    "attention_multiplier": (_one_of(None), "absent (attention scale head_dim ** -0.5)"),
+    "logits_scaling": (_one_of(None, 1.0), "1.0 (unscaled logits)"),
+    "is_encoder_decoder": (_one_of(False, None), "false (decoder-only models)"),
+    "add_cross_attention": (_one_of(False, None), "false (no cross-attention)"),
+    "tie_encoder_decoder": (_one_of(False, None), "false (decoder-only models)"),
+    "pruned_heads": (_one_of({}, None), "{} (no pruned heads)"),
 }
 
 #: Numeric fields, per model type, with the values kvjax supports (for docs and errors).

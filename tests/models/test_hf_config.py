@@ -187,6 +187,8 @@ REFUSED = [
     (LLAMA_31_8B, "layer_types", {"layer_types": ["sliding_attention"] + ["full_attention"] * 31}),
     (LLAMA_31_8B, "is_encoder_decoder", {"is_encoder_decoder": True}),
     (LLAMA_31_8B, "embedding_multiplier", {"embedding_multiplier": 12.0}),
+    (LLAMA_31_8B, "rope_interleaved", {"rope_interleaved": 0}),  # JSON types kept apart: 0 is not false
+    (LLAMA_31_8B, "residual_multiplier", {"residual_multiplier": True}),
     (
         LLAMA_31_8B,
         "rope_scaling",
@@ -267,7 +269,8 @@ def test_unsupported_fields_at_their_harmless_values_are_accepted():
     """A field kvjax lacks is refused only at a value that would change the numbers."""
     harmless = {"rope_interleaved": False, "partial_rotary_factor": 1.0, "attn_logit_softcapping": None,
                 "mlp_bias": False, "use_bidirectional_attention": False, "num_experts": 0, "pruned_heads": {},
-                "is_encoder_decoder": False, "add_cross_attention": False, "attention_chunk_size": None}
+                "is_encoder_decoder": False, "add_cross_attention": False, "attention_chunk_size": None,
+                "embedding_multiplier": 1}
     assert set(harmless) <= set(UNSUPPORTED_UNLESS)
     spec = _quiet(_edit(QWEN3_06B, **harmless), strict=True)
     assert spec == spec_from_hf_config(QWEN3_06B)
