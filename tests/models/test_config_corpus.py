@@ -125,18 +125,24 @@ def test_real_config_features():
     assert gemma4b.rope_scaling is not None and gemma4b.rope_scaling.factor == 8.0
 
 
-def test_gguf_converted_config_loads():
+GGUF_OF = {  # GGUF-converted config -> the transformers-written config of the same model
+    "smollm2-135m-gguf": "smollm2-135m",
+    "qwen2.5-0.5b-instruct-gguf": "qwen2.5-0.5b",
+    "gemma-3-1b-it-gguf": "gemma-3-1b",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF_OF))
+def test_gguf_converted_configs_give_the_model_they_were_made_from(name):
     """transformers names a GGUF file's `general.name` `_model_name_or_path` and copies its token ids
-    (`unk_token_id`, ...): both are ignored, the geometry matches the model the GGUF was made from."""
-    path = CORPUS / "gguf" / "smollm2-135m-gguf.json"
-    raw = json.loads(path.read_text())
-    assert {"_model_name_or_path", "unk_token_id"} <= set(raw)
+    (`unk_token_id`, ...): both are ignored, and the spec is the model's, but for its norm epsilon
+    (the GGUF's float32) and its dtype (the config names none: kvjax's float32 default)."""
+    path = CORPUS / "gguf" / f"{name}.json"
+    assert "_model_name_or_path" in json.loads(path.read_text())
     gguf = _load(path)
-    ref = _load(CORPUS / "real" / "smollm2-135m.json")
-    for field in ("num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
-                  "max_seq_len", "rope_theta", "tie_embeddings", "qkv_bias", "mlp_activation"):
-        assert getattr(gguf, field) == getattr(ref, field), field
-    assert gguf.norm_eps == pytest.approx(1e-5, rel=1e-6)  # the GGUF stores it as float32
+    ref = _load(CORPUS / "transformers" / "5.24.0" / f"{GGUF_OF[name]}.json")
+    assert gguf.norm_eps == pytest.approx(ref.norm_eps, rel=1e-6) and gguf.dtype == "float32"
+    assert _architecture(dataclasses.replace(gguf, norm_eps=ref.norm_eps, dtype=ref.dtype)) == _architecture(ref)
 
 
 def test_corpus_configs_as_parsed_json_match_the_checkpoint_reader():
