@@ -60,6 +60,8 @@ NOT_NUMERIC: dict[str, str] = {
     "_commit_hash": "provenance",
     "is_llama_config": "nanotron's marker of a Llama-shaped config (SmolLM); model_type decides",
     "transformers.js_config": "settings of the transformers.js ONNX runtime",
+    "unsloth_version": "provenance (Unsloth records the version that fine-tuned or saved the model)",
+    "unsloth_fixed": "provenance (Unsloth's marker of a re-uploaded checkpoint with tokenizer / template fixes)",
     "tokenizer_class": "tokenizer setting",
     # what transformers returns or which kernel it picks
     "use_cache": "transformers' generate() switch",

@@ -1,5 +1,5 @@
 """Every config.json of the corpus (tests/fixtures/hf_configs, see its README.md) loads as published:
-configs written by transformers 4.40 to 5.24 for every family, one converted from GGUF by
+configs written by transformers 4.40 to 5.24 for every family, three converted from GGUF by
 transformers, and real configs of published models. The known-good ones load in strict mode,
 so none has a field kvjax does not know; the deliberately unsupported ones are refused by name."""
 import dataclasses
@@ -48,8 +48,8 @@ def test_the_corpus_covers_every_family_release_and_source():
     types = {json.loads(p.read_text())["model_type"] for p in GOOD}
     assert types == set(FAMILIES)
     releases = {p.parent.name for p in (CORPUS / "transformers").glob("*/*.json")}
-    assert {"4.40.2", "4.45.2", "4.50.3", "4.57.6", "5.0.0", "5.24.0"} <= releases
-    for release in ("4.57.6", "5.0.0", "5.24.0"):  # every family, written by each recent release
+    assert {"4.40.2", "4.45.2", "4.50.3", "4.51.3", "4.53.3", "4.55.4", "4.57.6", "5.0.0", "5.24.0"} <= releases
+    for release in ("4.51.3", "4.53.3", "4.55.4", "4.57.6", "5.0.0", "5.24.0"):  # every family, written by each recent release
         written = {json.loads(p.read_text())["model_type"] for p in (CORPUS / "transformers" / release).glob("*.json")}
         assert written == set(FAMILIES), release
     real = list((CORPUS / "real").glob("*.json"))
