@@ -231,12 +231,13 @@ _GEMMA3_MULTIMODAL = {
 
 
 class _Fields:
-    """A config being read: remembers which fields were used, refuses the rest at `finish`."""
+    """A config being read: remembers which fields were used and sorts the rest at `finish`."""
 
-    def __init__(self, data: dict, source: str, model_type: str):
+    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None):
         self.data = data
         self.source = source
         self.model_type = model_type
+        self.label = label or model_type  # the model_type errors name (gemma3's outer config reads as gemma3_text)
         self.defaults = _DEFAULTS[model_type]
         self.used: set[str] = set()
 
@@ -295,7 +296,7 @@ class _Fields:
                 accepted, supported = UNSUPPORTED_UNLESS[field]
                 value = self.data[field]
                 if not accepted(value):
-                    raise self.error(field, f"value {value!r} is not supported for model_type {self.model_type!r} "
+                    raise self.error(field, f"value {value!r} is not supported for model_type {self.label!r} "
                                             f"(supported: {supported})")
                 continue
             unknown.append(prefix + field)
@@ -584,7 +585,7 @@ def spec_from_hf_config(
         raise UnsupportedConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type == "gemma3":  # multimodal wrapper: serve its text model
-        outer = _Fields(config, source, "gemma3_text")
+        outer = _Fields(config, source, "gemma3_text", label="gemma3")
         outer.used.update({"model_type", "text_config"})
         dtype = _dtype(outer, None) if any(config.get(k) for k in ("dtype", "torch_dtype")) else None
         outer.get("tie_word_embeddings", None)  # the text config's own value decides
