@@ -180,6 +180,8 @@ NUMERIC_FIELDS: dict[str, str] = {
     "mlp_bias (llama)": "false",
     "sliding_window (mistral, gemma3; qwen2/3 with use_sliding_window)": "a positive int or null",
     "use_sliding_window, layer_types, sliding_window_pattern": "sliding_attention / full_attention layers",
+    "layer_types (llama, mistral)": "what the other fields give (full_attention; mistral: sliding_attention with a window)",
+    "hidden_act (gemma3)": "absent, null or equal to hidden_activation (which Gemma 3 reads)",
     "query_pre_attn_scalar (gemma3)": "any positive value",
     "attn_logit_softcapping, final_logit_softcapping (gemma3)": "null (Gemma 3 has none)",
     "use_bidirectional_attention (gemma3)": "false",
