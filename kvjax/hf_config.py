@@ -38,6 +38,7 @@ from kvjax.model_spec import ModelSpec, RopeScaling
 
 
 log = logging.getLogger("kvjax")
+_KVJAX_DIR = str(Path(__file__).parent)  # as frames name their files (no resolving)
 
 
 class UnsupportedConfigError(ValueError):
@@ -324,7 +325,8 @@ def _unknown_fields(unknown: list[str], source: str, model_type: str, strict: bo
         "line)"
     )
     log.warning("%s", message)
-    warnings.warn(message, UnknownConfigFieldWarning, stacklevel=4)
+    # attributed to the first caller outside kvjax (whichever kvjax entry point read the config)
+    warnings.warn(message, UnknownConfigFieldWarning, skip_file_prefixes=(_KVJAX_DIR,))
 
 
 # ---------------------------------------------------------------------- pieces

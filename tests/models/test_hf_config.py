@@ -285,6 +285,7 @@ def test_unknown_fields_warn_once_naming_all_of_them(caplog):
     with caplog.at_level(logging.WARNING, logger="kvjax"), pytest.warns(UnknownConfigFieldWarning) as record:
         spec = spec_from_hf_config(config, source="g/config.json")
     assert len(record) == 1
+    assert record[0].filename == __file__  # attributed to the caller, not to kvjax's internals
     message = str(record[0].message)
     assert "g/config.json" in message and "'audio_config', 'zeta', 'text_config.new_norm'" in message
     assert "strict_config=True" in message
