@@ -15,6 +15,7 @@ A bad flag or config file prints one line, `kvjax: error: ...`, and exits with s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -693,19 +694,21 @@ def kv_events_config(args):
                           topic=args.kv_events_topic, data_parallel_rank=args.data_parallel_rank)
 
 
-_LOG_HANDLER: logging.Handler | None = None
-
-
-def _configure_logging(level: str) -> None:
-    """One stderr handler on the `kvjax` logger (replaced, not stacked, when `main` runs again)."""
-    global _LOG_HANDLER
+@contextlib.contextmanager
+def _logging_to_stderr(level: str):
+    """A stderr handler on the `kvjax` logger at `level` while a command runs (removed after,
+    so repeated `main` calls in one process neither stack handlers nor keep the level)."""
     root = logging.getLogger("kvjax")
-    if _LOG_HANDLER is not None:
-        root.removeHandler(_LOG_HANDLER)
-    _LOG_HANDLER = logging.StreamHandler()
-    _LOG_HANDLER.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    root.addHandler(_LOG_HANDLER)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    old_level = root.level
+    root.addHandler(handler)
     root.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
 
 
 def serve_mesh(tensor_parallel_size: int):
@@ -720,6 +723,17 @@ def serve_mesh(tensor_parallel_size: int):
                          f"sees {len(devices)} ({devices[0].platform})")
     return jax.make_mesh((tensor_parallel_size,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=devices[:tensor_parallel_size])
+
+
+def _device_memory_stats(mesh) -> dict | None:
+    """JAX's memory figures of the (first) device the cache lives on; None on a CPU backend."""
+    import jax
+
+    if mesh is None:
+        device = jax.local_devices()[0]
+    else:
+        device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return device.memory_stats()
 
 
 def _serve_model(args, mesh):
@@ -764,12 +778,9 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
     geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
     sizing = None
     if "primary_blocks" not in cache_values:
-        import jax
-
-        devices = jax.local_devices() if mesh is None else list(mesh.devices.flat)
         reserve = C.activation_reserve_bytes(model.spec, max(max_num_tokens, engine_config.scheduler.max_batch_size))
         total, sizing = C.serving_kv_cache_bytes(
-            utilization=args.gpu_memory_utilization, activations=reserve, memory_stats=devices[0].memory_stats(),
+            utilization=args.gpu_memory_utilization, activations=reserve, memory_stats=_device_memory_stats(mesh),
             kv_cache_bytes=args.kv_cache_memory_bytes, num_devices=1 if mesh is None else mesh_size(mesh))
         sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block)
         geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
@@ -798,12 +809,18 @@ def cmd_serve(args) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     kv_events = kv_events_config(args)
-    from kvjax.server import serve
     from kvjax.server.auth import api_keys
-    from kvjax.server.stats_logger import log_startup
 
     api_keys(args.api_key)  # an empty key fails before the model loads
-    _configure_logging(args.log_level)
+    with _logging_to_stderr(args.log_level):
+        _run_server(args, options, kv_events)
+    return 0
+
+
+def _run_server(args, options, kv_events) -> None:
+    from kvjax.server import serve
+    from kvjax.server.stats_logger import log_startup
+
     mesh = serve_mesh(args.tensor_parallel_size)
     engine, sizing = serve_engine(args, options, kv_events, mesh)
     try:
@@ -820,7 +837,6 @@ def cmd_serve(args) -> int:
         serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()  # idempotent: the server's shutdown closed it already unless serving failed
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
