@@ -452,14 +452,21 @@ def serving_kv_cache_bytes(
 
 def check_max_seq_len_fits(config: CacheConfig) -> None:
     """Raise ValueError unless one request of `config.max_seq_len` tokens fits in the primary
-    pool of every window (as vLLM refuses a `max_model_len` its KV cache cannot hold)."""
+    pool of every window (as vLLM refuses a `max_model_len` its KV cache cannot hold). A
+    sliding window holds the whole prompt until decoding releases its front blocks, as the
+    engine's admission check counts it."""
     tpb = config.tokens_per_block
+    n = config.max_seq_len
+    short = []
     for w in config.windows:
-        need = max_block_requirements(config.max_seq_len, 0, config.sink_token_length, w, 1, tpb)
+        need = max(ceil_div(n, tpb), max_block_requirements(n, 0, config.sink_token_length, w, 1, tpb))
         have = config.primary_blocks_for(w)
         if have < need:
-            raise ValueError(
-                f"the KV cache holds {have} blocks of {tpb} tokens for window {w}, but one request of the maximum "
-                f"length {config.max_seq_len} (--max-model-len) needs {need}: lower --max-model-len or give the "
-                "cache more memory (--gpu-memory-utilization, --kv-cache-memory-bytes or --primary-blocks)"
-            )
+            short.append(f"window {w}: {have} blocks of {tpb} tokens, {need} needed")
+    if short:
+        fits = min(config.primary_blocks_for(w) for w in config.windows) * tpb
+        raise ValueError(
+            f"the KV cache cannot hold one request of the maximum length {n} (--max-model-len) ({'; '.join(short)}): "
+            f"lower --max-model-len (to at most {fits}) or give the cache more memory (--gpu-memory-utilization, "
+            "--kv-cache-memory-bytes or --primary-blocks)"
+        )

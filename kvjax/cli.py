@@ -258,9 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weights and activations dtype (default auto: the model's)")
     sv.add_argument("--strict-config", action="store_true",
                     help="refuse a checkpoint whose config.json has keys kvjax does not read")
-    sv.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+    sv.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
                     help="devices to shard weights and KV heads over (default 1)")
-    sv.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+    sv.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                     help="fraction of each device's memory (JAX's allocator limit) for weights, activations and KV "
                          "cache; the KV cache gets what is left (default 0.9). A CPU reports no device memory: "
                          "there the cache gets --kv-cache-memory-bytes (default 1GiB)")
@@ -269,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--primary-blocks", type=_positive_int,
                     help="KV cache blocks on the device, instead of sizing the cache from memory")
     sv.add_argument("--secondary-blocks", type=_nonneg_int, help="KV cache blocks in host memory (offload tier)")
-    sv.add_argument("--tokens-per-block", "--block-size", dest="tokens_per_block", type=_positive_int)
-    sv.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int,
+    sv.add_argument("--tokens-per-block", "--block-size", dest="tokens_per_block", type=_positive_int, metavar="N",
+                    help="tokens per KV block, a power of two (default 16)")
+    sv.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int, metavar="N",
                     help="longest prompt + output in tokens (default: the model's)")
     kv_dtypes = KV_CACHE_DTYPE_CHOICES + tuple(_VLLM_KV_CACHE_DTYPES)
     sv.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, metavar="{" + ",".join(kv_dtypes) + "}",
@@ -281,9 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
     sv.add_argument("--queue-policy", choices=["fcfs", "lpm"], help="waiting-queue order (default fcfs)")
     sv.add_argument("--max-wait-steps", type=_positive_int, help="lpm starvation guard (engine steps)")
-    sv.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int,
+    sv.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, metavar="N",
                     help="requests running at once (default 8)")
-    sv.add_argument("--max-num-batched-tokens", "--max-num-tokens", dest="max_num_tokens", type=_positive_int,
+    sv.add_argument("--max-num-batched-tokens", "--max-num-tokens", dest="max_num_tokens", type=_positive_int, metavar="N",
                     help="token budget per step (prefill chunk size; default 256)")
     sv.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="any other [cache] / [engine] option, e.g. --option min_chunk_bucket=32 (TOML value syntax)")

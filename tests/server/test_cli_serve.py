@@ -113,7 +113,7 @@ def test_serve_refuses_a_cache_too_small_for_max_model_len(monkeypatch, capsys):
     _fake_serve(monkeypatch)
     assert main(["serve", "micro", "--primary-blocks", "15", "--block-size", "8", "--max-model-len", "128"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "needs 16" in err and "--max-model-len" in err
+    assert err.count("\n") == 1 and "15 blocks of 8 tokens, 16 needed" in err and "to at most 120" in err
     assert main(["serve", "micro", "--primary-blocks", "16", "--kv-cache-memory-bytes", "1MiB"]) == 2
     assert "give one" in capsys.readouterr().err
 
