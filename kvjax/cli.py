@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 import logging
@@ -24,6 +25,7 @@ import re
 import sys
 import tomllib
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 #: `--kv-cache-dtype` values (the keys of `kvjax.engine.config.KV_CACHE_DTYPES`, listed here so
@@ -137,7 +139,6 @@ VLLM_FLAG_HINTS = {
     "--prefix-caching-hash-algo": "use --option 'event_hash=\"sha256\"' (or trtllm64)",
     "--kv-events-config": "use --kv-events-endpoint, --kv-events-replay-endpoint and --kv-events-topic",
     "--enable-lora": "not supported",
-    "--max-logprobs": "not supported",
     "--generation-config": "kvjax reads the checkpoint's generation_config.json (EOS ids)",
     "--device": "JAX picks the device: set JAX_PLATFORMS (cpu, cuda, tpu)",
     "--distributed-executor-backend": "kvjax spans processes with jax.distributed (docs/distributed.md)",
@@ -152,13 +153,18 @@ VLLM_FLAG_HINTS = {
 }
 
 
-def _unknown_flag_hints(message: str) -> str:
-    """`unrecognized arguments: ...` plus, for known vLLM flags, what kvjax takes instead."""
+def _unknown_flag_hints(message: str, known: Collection[str] = ()) -> str:
+    """`unrecognized arguments: ...` plus, for known vLLM flags, what kvjax takes instead, and
+    for a near miss of a kvjax flag (among `known`), that flag."""
     hints: list[str] = []
     for arg in message.split(":", 1)[1].split():
         flag = arg.split("=", 1)[0]
-        if flag in VLLM_FLAG_HINTS and not any(h.startswith(flag + ":") for h in hints):
+        if not flag.startswith("-") or any(h.startswith(flag + ":") for h in hints):
+            continue
+        if flag in VLLM_FLAG_HINTS:
             hints.append(f"{flag}: {VLLM_FLAG_HINTS[flag]}")
+        elif close := difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.8):
+            hints.append(f"{flag}: did you mean {close[0]}?")
     return message + (" (" + "; ".join(hints) + ")" if hints else "")
 
 
@@ -168,8 +174,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 (argparse API)
         if message.startswith("unrecognized arguments:"):
-            message = _unknown_flag_hints(message)
+            message = _unknown_flag_hints(message, self._known_flags())
         raise SystemExit(_fail(message))
+
+    def _known_flags(self) -> set[str]:
+        """Every option string of this parser and its subcommands."""
+        flags = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags |= set(sub._option_string_actions)
+        return flags
 
 
 def _fail(message: str) -> int:

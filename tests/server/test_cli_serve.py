@@ -158,6 +158,7 @@ def test_serve_strict_config_is_passed_to_from_pretrained(monkeypatch, capsys):
     (["serve", "micro", "--enforce-eager", "--trust-remote-code"], "--enforce-eager: not supported: JAX compiles"),
     (["serve", "micro", "--pipeline-parallel-size=2"], "--pipeline-parallel-size: not supported; use --tensor-parallel-size"),
     (["run", "--workload", "chat", "--max-model-len", "64"], "--max-model-len: this command's flag is --max-seq-len"),
+    (["serve", "micro", "--max-seq-length", "64"], "--max-seq-length: did you mean --max-seq-len?"),
     (["serve", "micro", "--kv-cache-dtype", "fp8_inc"], "kvjax has no 'fp8_inc' KV cache"),
     (["serve", "micro", "--dtype", "bf16"], "invalid choice 'bf16'"),
     (["serve", "micro", "--gpu-memory-utilization", "1.5"], "expected a number in (0, 1]"),
