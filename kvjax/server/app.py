@@ -13,6 +13,9 @@ Endpoints:
                               prompts with, the tokenizer (source and fingerprint), and an
                               instance id that changes when the server restarts
 
+With `ServerConfig.api_keys`, /v1/* and /reset_prefix_cache need `Authorization: Bearer KEY`
+(`auth.py`); the engine thread logs per-request and periodic stats lines (`stats_logger.py`).
+
 Handlers parse and check a request completely (protocol, tokenisation, lengths against the
 cache's limits, from configuration only) before submitting it to the engine thread
 (`EngineLoop`); they never touch the ledger. Streams are server-sent events ending with
