@@ -13,6 +13,9 @@ Endpoints:
                               prompts with, the tokenizer (source and fingerprint), and an
                               instance id that changes when the server restarts
 
+With `ServerConfig.api_keys`, /v1/* and /reset_prefix_cache need `Authorization: Bearer KEY`
+(`auth.py`); the engine thread logs per-request and periodic stats lines (`stats_logger.py`).
+
 Handlers parse and check a request completely (protocol, tokenisation, lengths against the
 cache's limits, from configuration only) before submitting it to the engine thread
 (`EngineLoop`); they never touch the ledger. Streams are server-sent events ending with
@@ -42,8 +45,10 @@ from kvjax.engine.core import EngineBusyError
 from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.server.engine_loop import EngineLoop, OutputStream, QueueFull, ShuttingDown
+from kvjax.server.auth import APIKeyMiddleware
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.protocol import APIError, Parsed, bad, parse_chat, parse_completion
+from kvjax.server.stats_logger import StatsLogger
 
 log = logging.getLogger("kvjax.server")
 
@@ -53,7 +58,9 @@ class ServerConfig:
     """`max_pending`: requests queued or running at once (more get 429);
     `default_max_tokens`: a chat request's limit when it sets none (completions default to 16,
     as OpenAI's API), never beyond the context left; `shutdown_timeout`: seconds in-flight
-    requests get to finish at shutdown before they are aborted."""
+    requests get to finish at shutdown before they are aborted; `other_model_names`: further
+    names requests may use (`model_name` is the one reported); `api_keys`: Bearer keys
+    required on /v1/* (`auth.py`); `log_requests` / `log_stats_interval`: `stats_logger.py`."""
 
     model_name: str
     max_pending: int = 64
@@ -61,6 +68,10 @@ class ServerConfig:
     shutdown_timeout: float = 10.0
     max_body_bytes: int = 8 << 20
     tokenizer_source: str | None = None  # what a router loads to tokenise alike (model name or directory)
+    other_model_names: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    log_requests: bool = True
+    log_stats_interval: float | None = 10.0
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -114,7 +125,8 @@ async def _wait_disconnect(receive) -> None:
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The ASGI app; its lifespan starts the engine thread and shuts it down gracefully."""
     metrics = ServerMetrics(config.model_name)
-    loop_ = EngineLoop(engine, max_pending=config.max_pending, metrics=metrics)
+    stats = StatsLogger(interval=config.log_stats_interval, log_requests=config.log_requests)
+    loop_ = EngineLoop(engine, max_pending=config.max_pending, metrics=metrics, stats=stats)
     tokenizer = engine.tokenizer
     max_seq_len = engine.max_seq_len
 
@@ -132,14 +144,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name:
+        if name is not None and name != config.model_name and name not in config.other_model_names:
             raise bad(f"the model `{name}` does not exist; this server serves `{config.model_name}`", param="model",
                       code="model_not_found")
 
     def check_fits(ids: list[int], max_tokens: int, param: str) -> None:
         if len(ids) + max_tokens > max_seq_len:
             raise bad(f"this model's maximum context length is {max_seq_len} tokens; the request has {len(ids)} "
-                      f"prompt tokens and asks for {max_tokens} more", param=param, code="context_length_exceeded")
+                      f"prompt tokens and asks for {max_tokens} more (the server's limit is set with --max-model-len)",
+                      param=param, code="context_length_exceeded")
 
     def check_request(rid: str, ids: list[int], params, param: str) -> None:
         try:
@@ -263,8 +276,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             return _error(e)
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": started, "owned_by": "kvjax", "max_model_len": max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvjax", "max_model_len": max_seq_len}
+            for name in (config.model_name, *config.other_model_names)]})
 
     async def health(request: Request):
         if loop_.alive and loop_.accepting:
@@ -332,6 +346,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
         exception_handlers={HTTPException: http_error, Exception: server_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect=("/v1", "/reset_prefix_cache"))
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = config

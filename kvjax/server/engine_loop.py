@@ -85,11 +85,12 @@ class OutputStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, max_pending: int, metrics=None) -> None:
+    def __init__(self, engine: LLMEngine, *, max_pending: int, metrics=None, stats=None) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.engine = engine
         self.metrics = metrics
+        self.stats = stats  # a `StatsLogger` (log lines), or None
         self.max_pending = max_pending
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine thread only
@@ -194,6 +195,8 @@ class EngineLoop:
                         self._deliver(out, now)
                 if self.metrics is not None:
                     self.metrics.publish(eng.core)
+                if self.stats is not None:
+                    self.stats.step(eng.core, time.perf_counter())
         except BaseException as e:  # an engine bug: fail every request, take no new ones
             log.exception("engine thread failed")
             self.error = e
@@ -248,6 +251,8 @@ class EngineLoop:
             stream._deliver(None, e)
             return
         self._streams[stream.request_id] = stream
+        if self.stats is not None:
+            self.stats.request_added(stream.request_id, len(prompt_ids), params.max_tokens, stream.arrival)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -263,6 +268,8 @@ class EngineLoop:
                 self.metrics.request_tokens(first, since, new)
                 stream.last_token_time = now
         stream.tokens_seen = n
+        if self.stats is not None:
+            self.stats.request_output(out, now)
         stream._deliver(out, None)
         if out.finished:
             del self._streams[out.request_id]
