@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import inspect
 import logging
 import re
 import sys
@@ -208,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--model", help="a Hugging Face checkpoint directory, or a random-weight model name / TOML "
                                         "(configs/models/; default: the workload's, else tiny)")
+        sp.add_argument("--strict-config", action="store_true",
+                        help="refuse a checkpoint whose config.json has keys kvjax does not know")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a [workload] field, e.g. --set users=2 (TOML value syntax)")
         sp.add_argument("--primary-blocks", type=_positive_int)
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--beam-width", type=_positive_int, default=1)
     c.add_argument("--max-seq-len", type=_positive_int, help="default: the model's")
     c.add_argument("--dtype", help="KV cache dtype (default: the model's), e.g. float8_e4m3fn")
+    c.add_argument("--strict-config", action="store_true",
+                   help="refuse a checkpoint whose config.json has keys kvjax does not know")
     _route_sim_parser(sub)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
@@ -355,7 +358,7 @@ def cmd_capacity(args) -> int:
     from kvjax import capacity as C
     from kvjax.model_spec import ModelSpec
 
-    spec = ModelSpec.load(args.model)
+    spec = ModelSpec.load(args.model, strict_config=args.strict_config)
     weights, weights_from = _weights_of(spec, args.model)
     reserve = args.activation_reserve
     reserve_from = "given"
@@ -454,7 +457,7 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny")
+    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny", strict_config=getattr(args, "strict_config", False))
     checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
@@ -757,7 +760,7 @@ def _serve_model(args, mesh):
     from kvjax.model_spec import servable_model
     from kvjax.tokenizer import Tokenizer
 
-    spec, path = servable_model(args.model)
+    spec, path = servable_model(args.model, strict_config=args.strict_config)
     if path is None:
         if args.strict_config:
             raise ValueError("--strict-config checks a checkpoint's config.json; a built-in model has none")
@@ -766,10 +769,8 @@ def _serve_model(args, mesh):
         return Transformer.from_spec(spec, seed=args.model_seed, dtype=args.dtype), Tokenizer.builtin(spec.vocab_size)
     from kvjax.models import from_pretrained
 
-    extra = {"strict_config": True} if args.strict_config else {}
-    if extra and "strict_config" not in inspect.signature(from_pretrained).parameters:
-        raise ValueError("--strict-config: this kvjax's from_pretrained has no strict_config check")
-    return from_pretrained(path, dtype=args.dtype, mesh=mesh, **extra), Tokenizer.from_pretrained(path)
+    # the config was read (and checked, strictly if asked) by servable_model: read it quietly again
+    return from_pretrained(path, dtype=args.dtype, mesh=mesh, strict_config=args.strict_config), Tokenizer.from_pretrained(path)
 
 
 def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):

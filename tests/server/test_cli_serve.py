@@ -132,22 +132,28 @@ def test_serve_tensor_parallel(monkeypatch, capsys):
     assert err.startswith("kvjax: error: ") and err.count("\n") == 1
 
 
-def test_serve_strict_config_is_passed_to_from_pretrained(monkeypatch, capsys):
-    import kvjax.models
+def test_strict_config_refuses_unknown_fields(monkeypatch, capsys, tmp_path):
+    """A config.json with a field kvjax does not know loads with one warning, and is refused by
+    name with --strict-config (serve and capacity)."""
+    import json
+    import shutil
+    import warnings
 
-    real = kvjax.models.from_pretrained
-    calls = []
-
-    def recording(path, *, strict_config=False, **kwargs):
-        calls.append(strict_config)
-        return real(path, **kwargs)
-
-    monkeypatch.setattr(kvjax.models, "from_pretrained", recording)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree("tests/fixtures/hf/mistral", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "brand_new_knob": 3}))
     _fake_serve(monkeypatch)
     flags = ["--primary-blocks", "32", "--block-size", "8", "--max-model-len", "128", "--log-level", "warning"]
+    assert main(["serve", str(ckpt), "--strict-config", *flags]) == 2
+    assert "brand_new_knob" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["serve", str(ckpt), *flags]) == 0, capsys.readouterr().err
+    assert any("brand_new_knob" in str(w.message) for w in caught)
+    assert main(["capacity", "--model", str(ckpt), "--gpu-memory", "8GiB", "--strict-config"]) == 2
+    assert "brand_new_knob" in capsys.readouterr().err
     assert main(["serve", "tests/fixtures/hf/mistral", "--strict-config", *flags]) == 0, capsys.readouterr().err
-    assert main(["serve", "tests/fixtures/hf/mistral", *flags]) == 0, capsys.readouterr().err
-    assert calls == [True, False]
     assert main(["serve", "micro", "--strict-config"]) == 2
     assert "a built-in model has none" in capsys.readouterr().err
 
