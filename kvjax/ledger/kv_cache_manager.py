@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from itertools import chain
 
 import numpy as np
@@ -415,13 +415,9 @@ class KVCacheManager:
         self._pin(self._seq(request_id))
 
     @writer
-    def unpin_blocks(self, block_ids: Sequence[int] | dict[int, Sequence[int]]) -> None:
-        """Drop one pin per listed id (a list for one window, or a dict window -> ids)."""
-        check_unpin_ids(block_ids)
-        if isinstance(block_ids, dict):
-            items = [(self._window_manager(w), list(ids)) for w, ids in block_ids.items()]
-        else:
-            items = [(self._window_manager(None), list(block_ids))]
+    def unpin_blocks(self, block_ids: Iterable[int] | Mapping[int, Iterable[int]]) -> None:
+        """Drop one pin per listed id (any collection of ids for one window, or a dict window -> ids)."""
+        items = [(self._window_manager(w), ids) for w, ids in check_unpin_ids(block_ids)]
         checked = []
         for wm, ids in items:
             counts: dict[int, int] = {}

@@ -2,7 +2,7 @@
 draining replicas and refused connections are retried elsewhere while nothing was streamed,
 dead replicas leave routing at once, a stream that breaks ends with an error event, a client
 that leaves closes the replica's request, incompatible replicas are never used, restarts are
-noticed, and every request's load is released."""
+noticed and counted (also after the old process died), and every request's load is released."""
 import asyncio
 import json
 import socket
@@ -28,7 +28,7 @@ from serve_helpers import metric_value, wait_for
 class FakeReplica:
     """A scripted replica: `mode` decides how /v1/completions answers."""
 
-    def __init__(self, name: str, tokens_per_block: int = 4, hash_kind: str = "sha256") -> None:
+    def __init__(self, name: str, tokens_per_block: int = 4, hash_kind: str = "sha256", port: int = 0) -> None:
         self.name = name
         self.hash_kind = hash_kind
         self.mode = "ok"
@@ -38,7 +38,7 @@ class FakeReplica:
         self.cancelled = threading.Event()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))  # a given port: the same replica URL after a restart
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = None
@@ -198,6 +198,36 @@ def test_incompatible_replicas_are_not_used_and_restarts_are_noticed(fakes):
         wait_for(lambda: router.replicas.replicas[a.url].restarts == 1, 5, "the restart to be noticed")
         assert router.replicas.replicas[a.url].available
         assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "m"
+
+
+def test_a_replica_that_died_and_came_back_counts_as_a_restart(fakes):
+    a, b = fakes(2)
+    with router_over([a, b], policy="round-robin", health_interval=0.1) as router:
+        rep = router.replicas.replicas[a.url]
+
+        def restarts_metric():
+            text = httpx.get(router.url + "/metrics").text
+            return metric_value(text, "kvjax_router_replica_restarts_total", replica=a.url)
+
+        assert rep.available and rep.restarts == 0 and restarts_metric() == 0
+        a.stop()
+        wait_for(lambda: not rep.available, 5, "the dead replica to leave routing")
+        again = FakeReplica("f0", port=a.port)  # a new process (new instance id) behind the same URL
+        again.start()
+        try:
+            wait_for(lambda: rep.available, 5, "the new process to be routed to")
+            assert rep.restarts == 1 and restarts_metric() == 1 and rep.instance_id == again.instance_id
+            assert {post(router, BODY).json()["choices"][0]["text"] for _ in range(2)} == {"f0", "f1"}
+            # unreachable for a while, then back as the same process: not a restart
+            again.stop()
+            wait_for(lambda: not rep.available, 5, "the unreachable replica to leave routing")
+            same = FakeReplica("f0", port=a.port)
+            same.instance_id = again.instance_id
+            again = same.start()
+            wait_for(lambda: rep.available, 5, "the replica to come back")
+            assert rep.restarts == 1 and restarts_metric() == 1
+        finally:
+            again.stop()
 
 
 def test_bad_requests_are_answered_without_a_replica(fakes):
