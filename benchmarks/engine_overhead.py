@@ -94,7 +94,8 @@ def measure(batch: int, device_s: float, prompt_len: int, new_tokens: int, tpb: 
     wall = time.perf_counter() - t0
     core.verify_idle()
     return {
-        "batch": batch, "steps": steps, "decode_steps": decode_steps, "wall_s": wall, "device_s": runner.device_total,
+        "batch": batch, "steps": steps, "forwards": runner.forwards, "decode_steps": decode_steps, "wall_s": wall,
+        "device_s": runner.device_total,
         "idle_fraction": (wall - runner.device_total) / wall,
         "decode_host_ms_per_step": (decode_wall - decode_device) / max(decode_steps, 1) * 1e3,
         "decode_idle_fraction": (decode_wall - decode_device) / decode_wall if decode_wall else float("nan"),
@@ -114,12 +115,13 @@ def main() -> None:
     rows = []
     print(f"device time model: {args.device_ms} ms per forward; prompts {args.prompt_len} tokens (half shared), "
           f"{args.new_tokens} new tokens each")
-    print(f"{'batch':>6} {'steps':>6} {'host ms/decode step':>20} {'idle (decode steps)':>20} {'idle (whole run)':>17}")
+    print(f"{'batch':>6} {'steps':>6} {'forwards':>9} {'host ms/decode step':>20} {'idle (decode steps)':>20} "
+          f"{'idle (whole run)':>17}")
     for b in (int(x) for x in args.batches.split(",")):
         r = measure(b, args.device_ms / 1e3, args.prompt_len, args.new_tokens, args.tokens_per_block, args.seed)
         rows.append(r)
-        print(f"{b:>6} {r['steps']:>6} {r['decode_host_ms_per_step']:>20.2f} {r['decode_idle_fraction']:>20.1%} "
-              f"{r['idle_fraction']:>17.1%}", flush=True)
+        print(f"{b:>6} {r['steps']:>6} {r['forwards']:>9} {r['decode_host_ms_per_step']:>20.2f} "
+              f"{r['decode_idle_fraction']:>20.1%} {r['idle_fraction']:>17.1%}", flush=True)
     print("target: idle <= 10% at batch 64 (the engine is serial: every host millisecond is device idle time)")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
