@@ -247,3 +247,39 @@ def test_cli_router_flags(monkeypatch, capsys):
     assert "apply to --policy kv-aware" in capsys.readouterr().err
     assert main(["router"]) == 2
     assert "--replica" in capsys.readouterr().err
+
+
+def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
+    """The router tokenises to route: a long prompt is tokenised in a worker thread (without
+    the GIL) while /health answers; one that cannot fit any replica's context (the fakes say
+    64 tokens) is not tokenised at all and goes to a replica, which answers for it."""
+    (a,) = fakes(1)
+    with router_over([a], tokenizer="micro") as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        tokenizer = router.replicas.tokenizer
+        encoded = []
+        encode = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+        r = post(router, {"prompt": "word " * 1_500_000, "max_tokens": 2})  # 7.5 MB: longer than 64 tokens for sure
+        assert r.status_code == 200 and encoded == []
+        monkeypatch.setattr(tokenizer, "max_chars_per_token", lambda: None)  # no bound: tokenised in full
+        done = threading.Event()
+        latencies = []
+
+        def long_request():
+            try:
+                assert post(router, {"prompt": "some words, " * 25_000, "max_tokens": 2}).status_code == 200
+            finally:
+                done.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        with httpx.Client(timeout=30) as c:
+            while not done.is_set() or not latencies:
+                t0 = time.perf_counter()
+                assert c.get(router.url + "/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+        t.join(30)
+        assert encoded == [300_000] and len(latencies) >= 5 and max(latencies) < 1.0, (encoded, latencies)
+        assert loads(router) == {a.url: 0}
