@@ -97,23 +97,28 @@ MAX_HEADER_BYTES = 64 << 10
 
 
 class HeaderLimit:
-    """ASGI middleware: a request whose headers (names and values) exceed `max_bytes` gets 431
-    in OpenAI's error shape. uvicorn's h11 limit only catches a head that arrives in pieces;
-    this one holds whatever the socket delivered at once."""
+    """ASGI middleware: a request whose head (path, query string, header names and values)
+    exceeds `max_bytes` gets 431 in OpenAI's error shape. uvicorn's h11 limit only catches a
+    head that arrives in pieces; this one holds whatever the socket delivered at once."""
 
     def __init__(self, app, max_bytes: int = MAX_HEADER_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_bytes:
-            body = json.dumps(APIError(431, f"the request headers exceed {self.max_bytes} bytes",
+        if scope["type"] == "http" and self._size(scope) > self.max_bytes:
+            body = json.dumps(APIError(431, f"the request head (path and headers) exceeds {self.max_bytes} bytes",
                                        code="headers_too_large").body()).encode()
             await send({"type": "http.response.start", "status": 431,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
             return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _size(scope) -> int:
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        return head + sum(len(k) + len(v) for k, v in scope["headers"])
 
 
 # ---------------------------------------------------------------------- field checks

@@ -164,6 +164,8 @@ def test_body_and_header_limits(server):
     assert_error(r, 413, None, "body_too_large")
     r = _HTTP.post(server.url + C, json=cmpl(), headers={"x-padding": "y" * (100 << 10)})
     assert_error(r, 431, None, "headers_too_large")
+    r = _HTTP.post(server.url + C + "?q=" + "z" * (40 << 10), json=cmpl(), headers={"x-padding": "y" * (30 << 10)})
+    assert_error(r, 431, None, "headers_too_large")
     healthy_and_serving(server.url)
 
 
