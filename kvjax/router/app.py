@@ -282,8 +282,8 @@ def build_router_app(config: RouterConfig) -> Starlette:
             chunks.append(chunk)
         body = b"".join(chunks)
         try:
-            data = await anyio.to_thread.run_sync(parse_body, body)
-            parsed = parse_chat(data) if chat else parse_completion(data)
+            parse = parse_chat if chat else parse_completion
+            parsed = await anyio.to_thread.run_sync(lambda: parse(parse_body(body)))
         except APIError as e:
             return _error(e)
         ids = await anyio.to_thread.run_sync(prompt_token_ids, parsed, replicas().tokenizer, max_seq_len())

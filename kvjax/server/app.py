@@ -172,8 +172,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     chars_per_token = None if tokenizer is None else tokenizer.max_chars_per_token()
 
     # ------------------------------------------------------------------ helpers
-    async def read_json(request: Request):
-        """The parsed body; at most `max_body_bytes` are read (413), parsed off the event loop."""
+    async def read_request(request: Request, parse: Callable[[object], Parsed]) -> Parsed:
+        """The checked request (`parse` of the JSON body); at most `max_body_bytes` are read
+        (413); parsing and checking (linear in the body: a prompt of a million token ids) run
+        off the event loop."""
         too_large = APIError(413, f"the request body exceeds {config.max_body_bytes} bytes", code="body_too_large")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
@@ -184,7 +186,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             if size > config.max_body_bytes:
                 raise too_large
             chunks.append(chunk)
-        return await anyio.to_thread.run_sync(parse_body, b"".join(chunks))
+        return await anyio.to_thread.run_sync(lambda: parse(parse_body(b"".join(chunks))))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name:
@@ -295,7 +297,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     # ------------------------------------------------------------------ endpoints
     async def completions(request: Request):
         try:
-            parsed = parse_completion(await read_json(request))
+            parsed = await read_request(request, parse_completion)
             check_model(parsed.model)
             if isinstance(parsed.prompt, str):
                 if tokenizer is None:
@@ -317,7 +319,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 
     async def chat_completions(request: Request):
         try:
-            parsed = parse_chat(await read_json(request))
+            parsed = await read_request(request, parse_chat)
             check_model(parsed.model)
             if tokenizer is None:
                 raise bad("this model has no tokenizer: chat needs one", param="messages")

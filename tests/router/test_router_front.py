@@ -268,7 +268,7 @@ def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
 
         def long_request():
             try:
-                assert post(router, {"prompt": "some words, " * 25_000, "max_tokens": 2}).status_code == 200
+                assert post(router, {"prompt": "some words, " * 50_000, "max_tokens": 2}).status_code == 200
             finally:
                 done.set()
 
@@ -281,5 +281,5 @@ def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
                 latencies.append(time.perf_counter() - t0)
                 time.sleep(0.02)
         t.join(30)
-        assert encoded == [300_000] and len(latencies) >= 5 and max(latencies) < 1.0, (encoded, latencies)
+        assert encoded == [600_000] and len(latencies) >= 5 and max(latencies) < 2.0, (encoded, latencies)
         assert loads(router) == {a.url: 0}

@@ -214,7 +214,7 @@ def test_huge_prompts_are_refused_before_tokenising_and_never_block_health(serve
     for param, r in results:
         err = assert_error(r, 400, param, "context_length_exceeded")
         assert "--max-seq-len" in err["message"]
-    assert took < 20 and max(latencies) < 1.0, (took, max(latencies))
+    assert took < 20 and max(latencies) < 2.0, (took, max(latencies))
     healthy_and_serving(server.url)
 
 
@@ -223,7 +223,7 @@ def test_tokenising_runs_off_the_event_loop(stack, monkeypatch):
     worker thread, without the GIL, while /health answers."""
     monkeypatch.setattr(stack.tokenizer, "max_chars_per_token", lambda: None)
     with stack.server(max_pending=2) as srv:
-        text = "some words, " * 25_000  # 300 k characters: about a second of tokenising here
+        text = "some words, " * 50_000  # 600 k characters: seconds of tokenising, longer than the bound
 
         def work():
             with httpx.Client(timeout=60) as c:
@@ -231,7 +231,7 @@ def test_tokenising_runs_off_the_event_loop(stack, monkeypatch):
 
         (r,), latencies = _while_busy(srv.url, work)
         assert_error(r, 400, "prompt", "context_length_exceeded")
-        assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
+        assert len(latencies) >= 5 and max(latencies) < 2.0, latencies
     srv.engine_loop.engine.core.verify_idle()
 
 
