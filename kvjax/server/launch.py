@@ -10,7 +10,7 @@ the app's lifespan stops the engine thread and checks that the ledger is empty.
 
 If the engine thread dies, the server stops the same way (in-flight requests were already
 answered with errors) and `serve` exits with status 1, so that a supervisor restarts it.
-Request heads (request line and headers) are limited to `MAX_HEADER_BYTES`."""
+Request heads (path, query and headers) over `MAX_HEADER_BYTES` get 431 (`HeaderLimit`)."""
 from __future__ import annotations
 
 import logging
@@ -20,7 +20,11 @@ import time
 
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.server.app import ServerConfig, build_app
-from kvjax.server.protocol import MAX_HEADER_BYTES  # h11 answers a longer head, arriving in pieces, with 400
+from kvjax.server.protocol import MAX_HEADER_BYTES
+
+# h11 buffers at most this much of an incomplete request head (more: a plain 400, connection
+# closed); twice the app's limit, so a head between the two always gets the app's 431
+H11_MAX_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 
 
 def _server(app, config: ServerConfig, host: str, port: int, log_level: str):
@@ -36,7 +40,7 @@ def _server(app, config: ServerConfig, host: str, port: int, log_level: str):
     # uvicorn's own grace period only matters if a response outlives the drain
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
                                    timeout_graceful_shutdown=int(config.shutdown_timeout) + 5, http="h11",
-                                   h11_max_incomplete_event_size=MAX_HEADER_BYTES))
+                                   h11_max_incomplete_event_size=H11_MAX_HEAD_BYTES))
     app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
     return server
 
