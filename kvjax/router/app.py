@@ -39,9 +39,9 @@ from typing import cast
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from kvjax.router.metrics import RouterMetrics

@@ -40,13 +40,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
-
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from kvjax.engine.core import EngineBusyError
