@@ -408,3 +408,38 @@ def test_a_dead_engine_fails_in_flight_requests_and_serve_exits_1(stack, monkeyp
     assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_failed"
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_a_request_whose_output_cannot_be_handed_over_fails_alone(server, monkeypatch):
+    loop = server.engine_loop
+    deliver = loop._deliver
+
+    def failing_deliver(out, now):  # e.g. a metrics or hand-over bug that hits one request
+        if list(out.prompt_token_ids[:4]) == Poison.MARK:
+            raise RuntimeError("injected hand-over failure")
+        return deliver(out, now)
+
+    monkeypatch.setattr(loop, "_deliver", failing_deliver)
+    results: dict = {}
+
+    def run(name, prompt):
+        with httpx.Client(timeout=60) as c:
+            results[name] = c.post(server.url + C, json={"model": MODEL, "prompt": prompt, "max_tokens": 30,
+                                                         "temperature": 0, "ignore_eos": True})
+
+    threads = [threading.Thread(target=run, args=("bad", Poison.MARK + [5])), threading.Thread(target=run, args=("good", [5, 8]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert_error(results["bad"], 500, None, "request_failed")
+    assert results["good"].status_code == 200 and results["good"].json()["usage"]["completion_tokens"] == 30
+    deadline = time.monotonic() + 10
+    while loop.pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+    core = loop.engine.core
+    assert loop.pending == 0 and not core.has_unfinished_requests()
+    core.ledger.verify_integrity()
+    for w in core.ledger.windows:
+        assert core.ledger.num_allocated_blocks(w) == 0
+    healthy_and_serving(server.url)
