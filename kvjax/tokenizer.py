@@ -343,15 +343,33 @@ def _pre_tokenizer_keeps(spec) -> bool:
     return kind in _KEEPING_PRE_TOKENIZERS
 
 
+def _has_pre_tokenizer(spec, kind: str) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_pre_tokenizer(p, kind) for p in spec.get("pretokenizers", []))
+    return spec.get("type") == kind
+
+
 def _max_chars_per_token(backend) -> int | None:
+    from tokenizers import pre_tokenizers
+
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback") and model.get("unk_token")):
+    if model.get("type") != "BPE":
         return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not model.get("byte_fallback"):  # what becomes of a character outside the vocabulary?
+        if model.get("unk_token") is not None:
+            if model.get("fuse_unk"):  # a run of them is one token
+                return None
+        elif not (_has_pre_tokenizer(spec.get("pre_tokenizer"), "ByteLevel")
+                  and set(pre_tokenizers.ByteLevel.alphabet()) <= set(vocab)):
+            return None  # dropped without a trace
     shrink = _normalizer_shrink(spec.get("normalizer"))
     if shrink is None or not _pre_tokenizer_keeps(spec.get("pre_tokenizer")):
         return None
-    longest = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+    longest = max(map(len, vocab), default=1)
     return max(1, longest) * shrink
 
 

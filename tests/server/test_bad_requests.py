@@ -443,3 +443,39 @@ def test_a_request_whose_output_cannot_be_handed_over_fails_alone(server, monkey
     for w in core.ledger.windows:
         assert core.ledger.num_allocated_blocks(w) == 0
     healthy_and_serving(server.url)
+
+
+def test_the_tokenizer_length_bound_holds_and_is_withheld_when_text_may_vanish():
+    import glob
+    import random
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    from kvjax import Tokenizer
+
+    rng = random.Random(0)
+    alphabet = "ab cdé✓\n\t<|bos|>日本語😀"
+    tokenizers = [Tokenizer.builtin(512)] + [Tokenizer.from_pretrained(d) for d in sorted(glob.glob("tests/fixtures/hf/*/"))]
+    for tok in tokenizers:
+        per = tok.max_chars_per_token()
+        assert per is not None and per >= 1
+        for n in (1, 100, 9000):  # 9000: past the length encoded without the GIL
+            text = "".join(rng.choice(alphabet) for _ in range(n))
+            ids = tok.encode(text, add_special_tokens=False)
+            assert ids == list(tok.backend.encode(text, add_special_tokens=False).ids)
+            assert len(ids) >= -(-len(text) // per)
+    byte_vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    bpe = Backend(models.BPE(vocab={**byte_vocab, "ĠĠab": 256}, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert Tokenizer(bpe).max_chars_per_token() == 4
+    for setup in (lambda b: setattr(b, "normalizer", normalizers.Strip()),
+                  lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.WhitespaceSplit())):
+        b = Backend(models.BPE(vocab={"a": 0, "b": 1}, merges=[], unk_token="a"))
+        setup(b)
+        assert Tokenizer(b).max_chars_per_token() is None  # "   " may become no token at all
+    partial = Backend(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))  # no unk: "c" is dropped
+    assert Tokenizer(partial).encode("ccc") == [] and Tokenizer(partial).max_chars_per_token() is None
+    fused = Backend(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
+    assert Tokenizer(fused).max_chars_per_token() is None
+    assert Tokenizer(Backend(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))).max_chars_per_token() is None
