@@ -283,3 +283,16 @@ def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
         t.join(30)
         assert encoded == [600_000] and len(latencies) >= 5 and max(latencies) < 2.0, (encoded, latencies)
         assert loads(router) == {a.url: 0}
+
+
+def test_an_unexpected_error_fails_one_request_in_openai_shape(fakes, monkeypatch):
+    (a,) = fakes(1)
+    with router_over([a]) as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: {}["injected routing bug"])
+        r = post(router, BODY)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        monkeypatch.setattr(router.router, "route", route)
+        assert post(router, BODY).status_code == 200
+        assert httpx.get(router.url + "/health").status_code == 200
