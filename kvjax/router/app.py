@@ -133,9 +133,13 @@ async def _wait_disconnect(receive) -> None:
 
 def prompt_token_ids(parsed: Parsed, tokenizer, max_seq_len: int | None = None) -> list[int] | None:
     """The prompt's token ids exactly as a replica computes them (None if this router cannot:
-    a text prompt without a tokenizer, a chat its template refuses, or a text longer than
-    `max_seq_len` tokens for sure, left untokenised; the replica answers). Slow on long
-    prompts: call it off the event loop."""
+    a text prompt without a tokenizer, a chat its template refuses; or should not: a prompt
+    longer than `max_seq_len` tokens, which no replica serves, is neither tokenised, when its
+    length alone says so, nor hashed; the replica answers). Slow on long prompts: call it off
+    the event loop."""
+
+    def fits(ids: list[int]) -> list[int] | None:
+        return None if max_seq_len is not None and len(ids) > max_seq_len else ids
 
     def too_long(text: str) -> bool:
         per = tokenizer.max_chars_per_token()
@@ -149,13 +153,13 @@ def prompt_token_ids(parsed: Parsed, tokenizer, max_seq_len: int | None = None) 
                                                  **parsed.template_kwargs)
         except (ValueError, TypeError, LookupError, AttributeError):
             return None
-        return None if too_long(text) else tokenizer.encode(text, add_special_tokens=False)
+        return None if too_long(text) else fits(tokenizer.encode(text, add_special_tokens=False))
     if isinstance(parsed.prompt, str):
         if tokenizer is None or too_long(parsed.prompt):
             return None
-        return tokenizer.encode(parsed.prompt, add_special_tokens=True)
+        return fits(tokenizer.encode(parsed.prompt, add_special_tokens=True))
     assert parsed.prompt is not None  # a completion request without a prompt was refused when parsed
-    return list(parsed.prompt)
+    return fits(list(parsed.prompt))
 
 
 def build_router_app(config: RouterConfig) -> Starlette:

@@ -262,6 +262,11 @@ def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
         monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
         r = post(router, {"prompt": "word " * 1_500_000, "max_tokens": 2})  # 7.5 MB: longer than 64 tokens for sure
         assert r.status_code == 200 and encoded == []
+        routed = []
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: routed.append(len(ids)) or route(ids, **kw))
+        assert post(router, {"prompt": list(range(1, 1_000_001)), "max_tokens": 2}).status_code == 200
+        assert routed == [1]  # a million token ids are routed on load, not hashed into blocks on the event loop
         monkeypatch.setattr(tokenizer, "max_chars_per_token", lambda: None)  # no bound: tokenised in full
         done = threading.Event()
         latencies = []
