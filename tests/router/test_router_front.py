@@ -301,3 +301,16 @@ def test_an_unexpected_error_fails_one_request_in_openai_shape(fakes, monkeypatc
         monkeypatch.setattr(router.router, "route", route)
         assert post(router, BODY).status_code == 200
         assert httpx.get(router.url + "/health").status_code == 200
+
+
+def test_size_limits_and_invalid_unicode_are_answered_without_a_replica(fakes):
+    (a,) = fakes(1)
+    with router_over([a], max_body_bytes=1 << 20) as router:
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', timeout=20)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = post(router, BODY, headers={"x-padding": "y" * (100 << 10)})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "\\ud800"}', timeout=20)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode"
+        assert a.requests == 0
+        assert post(router, BODY).status_code == 200
