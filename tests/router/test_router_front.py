@@ -277,3 +277,70 @@ def test_cli_router_flags(monkeypatch, capsys):
     assert "apply to --policy kv-aware" in capsys.readouterr().err
     assert main(["router"]) == 2
     assert "--replica" in capsys.readouterr().err
+
+
+def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
+    """The router tokenises to route: a long prompt is tokenised in a worker thread (without
+    the GIL) while /health answers; one that cannot fit any replica's context (the fakes say
+    64 tokens) is not tokenised at all and goes to a replica, which answers for it."""
+    (a,) = fakes(1)
+    with router_over([a], tokenizer="micro") as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        tokenizer = router.replicas.tokenizer
+        encoded = []
+        encode = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+        r = post(router, {"prompt": "word " * 1_500_000, "max_tokens": 2})  # 7.5 MB: longer than 64 tokens for sure
+        assert r.status_code == 200 and encoded == []
+        routed = []
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: routed.append(len(ids)) or route(ids, **kw))
+        assert post(router, {"prompt": list(range(1, 1_000_001)), "max_tokens": 2}).status_code == 200
+        assert routed == [1]  # a million token ids are routed on load, not hashed into blocks on the event loop
+        monkeypatch.setattr(tokenizer, "max_chars_per_token", lambda: None)  # no bound: tokenised in full
+        done = threading.Event()
+        latencies = []
+
+        def long_request():
+            try:
+                assert post(router, {"prompt": "some words, " * 50_000, "max_tokens": 2}).status_code == 200
+            finally:
+                done.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        with httpx.Client(timeout=30) as c:
+            while not done.is_set() or not latencies:
+                t0 = time.perf_counter()
+                assert c.get(router.url + "/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+        t.join(30)
+        assert encoded == [600_000] and len(latencies) >= 5 and max(latencies) < 2.0, (encoded, latencies)
+        assert loads(router) == {a.url: 0}
+
+
+def test_an_unexpected_error_fails_one_request_in_openai_shape(fakes, monkeypatch):
+    (a,) = fakes(1)
+    with router_over([a]) as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: {}["injected routing bug"])
+        r = post(router, BODY)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        monkeypatch.setattr(router.router, "route", route)
+        assert post(router, BODY).status_code == 200
+        assert httpx.get(router.url + "/health").status_code == 200
+
+
+def test_size_limits_and_invalid_unicode_are_answered_without_a_replica(fakes):
+    (a,) = fakes(1)
+    with router_over([a], max_body_bytes=1 << 20) as router:
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', timeout=20)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = post(router, BODY, headers={"x-padding": "y" * (100 << 10)})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "\\ud800"}', timeout=20)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode"
+        assert a.requests == 0
+        assert post(router, BODY).status_code == 200
