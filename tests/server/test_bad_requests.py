@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODEL
+from server_helpers import MODEL
 from kvjax.engine.sampling import SamplingParams
 from kvjax.server import ServerConfig
 from kvjax.server.launch import serve
