@@ -16,7 +16,7 @@ from kvjax.kv_store.errors import (
 from kvjax.kv_store.faulty import FaultyStore
 from kvjax.kv_store.file import FileStore
 from kvjax.kv_store.interface import KEY_PATTERN, KVStore, check_keys
-from kvjax.kv_store.keys import KEY_VERSION, StoreNamespace, block_store_key, block_store_keys
+from kvjax.kv_store.keys import KEY_VERSION, StoreNamespace, block_store_key, block_store_keys, namespace_for_pool
 from kvjax.kv_store.memory import MemoryStore
 from kvjax.kv_store.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchDecision, PrefetchPolicy, WritePolicy
 from kvjax.kv_store.stats import StoreStats
@@ -28,7 +28,7 @@ __all__ = [
     "FaultyStore", "FileStore", "JobHandle", "JobKind", "JobResult", "KVStore", "KVStoreError", "MemoryStore",
     "PrefetchDecision", "PrefetchPolicy", "StoreBufferError", "StoreClosedError", "StoreIOError", "StoreKeyError",
     "StoreNamespace", "StoreStats", "StoreURLError", "StoreWorker", "WorkerFullError", "WritePolicy",
-    "block_store_key", "block_store_keys", "check_keys", "load_store",
+    "block_store_key", "block_store_keys", "check_keys", "load_store", "namespace_for_pool",
 ]
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 
+from kvjax.config import CacheConfig, PoolSpec
 from kvjax.kv_store.interface import KEY_PATTERN
 
 KEY_VERSION = 1
@@ -131,3 +132,34 @@ def block_store_keys(namespace: StoreNamespace, block_hashes: list[bytes] | list
     """`block_store_key` for a request's chain of hashes (one digest for all of them)."""
     prefix = namespace.prefix()
     return [prefix + block_hash_hex(h, namespace.hash_algorithm) for h in block_hashes]
+
+
+def namespace_for_pool(
+    config: CacheConfig,
+    pool: PoolSpec,
+    *,
+    model: str,
+    kv_heads: tuple[int, int] | None = None,
+    extra: tuple[tuple[str, str], ...] = (),
+) -> StoreNamespace:
+    """The namespace of one pool of a kvjax cache: dtype, block size, layout, K/V factor and
+    hash formula from `config`, layers and head dim from `pool`. `kv_heads` is this rank's
+    `[start, end)` KV-head range under tensor parallelism (default: all of the pool's heads).
+    A non-default cache type or sink length changes what a block holds, so it joins `extra`."""
+    if not isinstance(pool, PoolSpec) or pool not in config.pools:
+        raise ValueError(f"pool must be one of config.pools, got {pool!r}")
+    heads = (0, pool.num_kv_heads) if kv_heads is None else kv_heads
+    if _int_range("kv_heads", heads)[1] > pool.num_kv_heads:
+        raise ValueError(f"kv_heads {heads} exceeds the pool's {pool.num_kv_heads} KV heads")
+    more = dict(extra)
+    if len(more) != len(extra):
+        raise ValueError(f"extra names must be unique, got {extra!r}")
+    if config.cache_type != "self":
+        more.setdefault("cache_type", config.cache_type)
+    if config.sink_token_length:
+        more.setdefault("sink_token_length", str(config.sink_token_length))
+    return StoreNamespace(
+        model=model, dtype=config.dtype, tokens_per_block=config.tokens_per_block, layers=tuple(pool.layers),
+        kv_heads=heads, head_dim=pool.head_dim, layout=config.layout, kv_factor=config.kv_factor,
+        hash_algorithm=config.event_hash, extra=tuple(sorted(more.items())),
+    )

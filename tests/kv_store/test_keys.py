@@ -97,3 +97,30 @@ def test_hash_of_the_wrong_formula_is_refused():
 def test_malformed_namespace_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(BASE, **{field: value})
+
+
+def test_namespace_for_pool_reads_the_cache_config():
+    from kvjax.config import CacheConfig
+    from kvjax.kv_store import namespace_for_pool
+
+    cfg = CacheConfig(tokens_per_block=16, num_layers=4, num_kv_heads=2, head_dim=8, max_seq_len=256,
+                      primary_blocks=8, attention_windows=(64, 256))
+    local, full = (namespace_for_pool(cfg, p, model="m") for p in cfg.pools)
+    assert local.layers == (0, 2) and full.layers == (1, 3) and local.digest() != full.digest()
+    assert (local.dtype, local.tokens_per_block, local.kv_heads, local.head_dim, local.layout, local.kv_factor,
+            local.hash_algorithm) == ("bfloat16", 16, (0, 2), 8, "block_first", 2, "sha256")
+    rank1 = namespace_for_pool(cfg, cfg.pools[0], model="m", kv_heads=(1, 2))
+    assert rank1.kv_heads == (1, 2) and rank1.digest() != local.digest()
+    # pool sizes do not change a block's bytes: a bigger cache shares the namespace
+    bigger = CacheConfig(tokens_per_block=16, num_layers=4, num_kv_heads=2, head_dim=8, max_seq_len=256,
+                         primary_blocks=64, secondary_blocks=32, attention_windows=(64, 256))
+    assert namespace_for_pool(bigger, bigger.pools[0], model="m") == local
+    konly = CacheConfig(tokens_per_block=16, num_layers=4, num_kv_heads=2, head_dim=8, max_seq_len=256,
+                        primary_blocks=8, attention_windows=(64, 256), cache_type="self_k_only", event_hash="trtllm64")
+    k = namespace_for_pool(konly, konly.pools[0], model="m", extra=(("quant", "none"),))
+    assert k.kv_factor == 1 and k.hash_algorithm == "trtllm64"
+    assert k.extra == (("cache_type", "self_k_only"), ("quant", "none"))
+    with pytest.raises(ValueError, match="exceeds"):
+        namespace_for_pool(cfg, cfg.pools[0], model="m", kv_heads=(0, 3))
+    with pytest.raises(ValueError, match="config.pools"):
+        namespace_for_pool(cfg, bigger.pools[0], model="m")
