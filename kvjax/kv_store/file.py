@@ -152,8 +152,12 @@ class FileStore:
         path = self._path(key)
         tmp = f"{path[: -len(VALUE_SUFFIX)]}.{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}{TEMP_SUFFIX}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # first block of this fan-out dir (a mkdir per put would cost a syscall)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                f = open(tmp, "wb")
+            with f:
                 f.write(view)
                 if self.fsync:
                     f.flush()
