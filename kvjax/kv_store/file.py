@@ -185,6 +185,9 @@ class FileStore:
             with self._lock:
                 self.stats.put_failures += 1
             return False
+        except BaseException:  # closed meanwhile, interrupted: no temp file may outlive the put
+            self._unlink(tmp)
+            raise
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[bool]:
         ks, views = check_batch(keys, buffers, writable=True)

@@ -92,6 +92,8 @@ def byte_view(buf: Any, *, writable: bool, what: str = "buffer") -> memoryview:
     copy would make `batch_get_into` fill the copy, not the caller's block) and, when
     `writable`, read-only ones."""
     if isinstance(buf, np.ndarray):  # also ml_dtypes arrays (bfloat16, fp8), which memoryview refuses
+        if buf.dtype.hasobject:
+            raise StoreBufferError(f"{what} holds Python objects, not bytes")
         if not buf.flags.c_contiguous:
             raise StoreBufferError(f"{what} must be C-contiguous (a host block view, not a strided slice)")
         if writable and not buf.flags.writeable:

@@ -10,6 +10,7 @@ import redis
 from kvjax.kv_store.errors import StoreClosedError, StoreIOError
 from kvjax.kv_store.interface import check_batch, check_keys, longest_present_prefix
 from kvjax.kv_store.stats import StoreStats
+from kvjax.kv_store.url import redact
 
 
 class RedisStore:
@@ -45,7 +46,7 @@ class RedisStore:
             try:
                 client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s)
             except ValueError as e:
-                raise ValueError(f"invalid Redis URL {url!r}: {e}") from e
+                raise ValueError(f"invalid Redis URL {redact(url)!r}: {e}") from None
         self._client = client
 
     def _names(self, keys: list[str]) -> list[str]:

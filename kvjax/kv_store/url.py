@@ -59,63 +59,86 @@ def _bool(url: str, name: str, value: str) -> bool:
     return b
 
 
+def redact(url: str) -> str:
+    """The URL with any password replaced by `***`, for error messages and logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:
+        return url.split("@")[-1] if "@" in url else url
+
+
 def load_store(url: str) -> KVStore:
     """Build the store a URL names (see the module docstring for the forms)."""
     if not isinstance(url, str) or not url:
         raise StoreURLError(f"a store URL must be a non-empty str, got {url!r}")
     if "://" not in url:
         return _load_class(url)
+    shown = redact(url)
+    try:
+        return _load_scheme(url, shown)
+    except StoreURLError:
+        raise
+    except ValueError as e:
+        raise StoreURLError(f"store URL {shown!r}: {e}") from None
+
+
+def _load_scheme(url: str, shown: str) -> KVStore:
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
-    params = _params(url, parts.query)
+    params = _params(shown, parts.query)
     if parts.fragment:
-        raise StoreURLError(f"store URL {url!r}: a fragment ('#...') means nothing here")
+        raise StoreURLError(f"store URL {shown!r}: a fragment ('#...') means nothing here")
     if scheme == "memory":
-        _only(url, params, ("max_bytes",), ("max_bytes",))
+        _only(shown, params, ("max_bytes",), ("max_bytes",))
         if parts.netloc or parts.path not in ("", "/"):
-            raise StoreURLError(f"store URL {url!r}: memory:// takes no host or path, only ?max_bytes=")
+            raise StoreURLError(f"store URL {shown!r}: memory:// takes no host or path, only ?max_bytes=")
         from kvjax.kv_store.memory import MemoryStore
 
-        return MemoryStore(_size(url, "max_bytes", params["max_bytes"]))
+        return MemoryStore(_size(shown, "max_bytes", params["max_bytes"]))
     if scheme == "file":
-        _only(url, params, ("max_bytes", "fsync"), ("max_bytes",))
+        _only(shown, params, ("max_bytes", "fsync"), ("max_bytes",))
         if parts.netloc not in ("", "localhost"):
             raise StoreURLError(
-                f"store URL {url!r}: file:// URLs name a local directory (file:///abs/path), not host {parts.netloc!r}"
+                f"store URL {shown!r}: file:// URLs name a local directory (file:///abs/path), not host {parts.netloc!r}"
             )
         path = urllib.parse.unquote(parts.path)
         if not path.startswith("/") or path == "/":
-            raise StoreURLError(f"store URL {url!r}: file:// needs an absolute directory path other than /")
+            raise StoreURLError(f"store URL {shown!r}: file:// needs an absolute directory path other than /")
         from kvjax.kv_store.file import FileStore
 
-        return FileStore(path, _size(url, "max_bytes", params["max_bytes"]),
-                         fsync=_bool(url, "fsync", params["fsync"]) if "fsync" in params else False)
+        return FileStore(path, _size(shown, "max_bytes", params["max_bytes"]),
+                         fsync=_bool(shown, "fsync", params["fsync"]) if "fsync" in params else False)
     if scheme in ("redis", "rediss", "unix"):
-        _only(url, params, ("ttl_s", "prefix", "socket_timeout_s"))
+        _only(shown, params, ("ttl_s", "prefix", "socket_timeout_s"))
         ttl = params.get("ttl_s")
         if ttl is not None and not (ttl.isdigit() and int(ttl) > 0):
-            raise StoreURLError(f"store URL {url!r}: ttl_s must be a positive whole number of seconds, got {ttl!r}")
+            raise StoreURLError(f"store URL {shown!r}: ttl_s must be a positive whole number of seconds, got {ttl!r}")
         try:
             timeout = float(params.get("socket_timeout_s", "5"))
         except ValueError:
-            raise StoreURLError(f"store URL {url!r}: socket_timeout_s must be a number") from None
+            raise StoreURLError(f"store URL {shown!r}: socket_timeout_s must be a number") from None
         if not timeout > 0:
-            raise StoreURLError(f"store URL {url!r}: socket_timeout_s must be > 0")
+            raise StoreURLError(f"store URL {shown!r}: socket_timeout_s must be > 0")
         if scheme != "unix" and not parts.hostname:
-            raise StoreURLError(f"store URL {url!r}: a Redis URL needs a host (redis://HOST:PORT/DB)")
+            raise StoreURLError(f"store URL {shown!r}: a Redis URL needs a host (redis://HOST:PORT/DB)")
         try:
             _ = parts.port
         except ValueError as e:
-            raise StoreURLError(f"store URL {url!r}: {e}") from None
+            raise StoreURLError(f"store URL {shown!r}: {e}") from None
         bare = urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
         from kvjax.kv_store.redis_store import RedisStore
 
         try:
             return RedisStore(bare, prefix=params.get("prefix", ""), ttl_s=int(ttl) if ttl else None, socket_timeout_s=timeout)
         except ValueError as e:
-            raise StoreURLError(f"store URL {url!r}: {e}") from None
+            raise StoreURLError(f"store URL {shown!r}: {e}") from None
     raise StoreURLError(
-        f"store URL {url!r}: unknown scheme {scheme!r}; use memory://, file://, redis://, or module.path:ClassName"
+        f"store URL {shown!r}: unknown scheme {scheme!r}; use memory://, file://, redis://, or module.path:ClassName"
     )
 
 

@@ -97,6 +97,8 @@ def test_bad_batches_are_refused_before_anything_is_written(any_store):
     ro.flags.writeable = False
     with pytest.raises(StoreBufferError):
         any_store.batch_get_into(["a"], [ro])
+    with pytest.raises(StoreBufferError, match="objects"):
+        any_store.batch_put(["b"], [np.array([b"x"] * 8, dtype=object)])
 
 
 def test_closed_store_refuses_calls(any_store):

@@ -88,3 +88,12 @@ def test_parse_bytes(text, n):
 def test_parse_bytes_refuses(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_passwords_never_reach_error_messages():
+    with pytest.raises(StoreURLError) as e:
+        load_store("redis://user:s3cret@127.0.0.1:6379/0?ttl_s=-1")
+    assert "s3cret" not in str(e.value) and "user:***@127.0.0.1:6379" in str(e.value)
+    with pytest.raises(ValueError) as e2:
+        RedisStore("http://user:s3cret@127.0.0.1:1/0")
+    assert "s3cret" not in str(e2.value)
