@@ -7,6 +7,7 @@ import hashlib
 import itertools
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -60,6 +61,7 @@ class FileStore:
         self._used = 0
         self._closed = False
         self._tmp_ids = itertools.count()
+        self._last_ns = 0  # the newest modification time given to a file (strictly increasing)
         self.recovered_temp_files = 0  # stray temp files the last open deleted
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -97,6 +99,7 @@ class FileStore:
                     st = e.stat(follow_symlinks=False)
                     found.append((st.st_mtime_ns, key, st.st_size))
         found.sort()
+        self._last_ns = found[-1][0] if found else 0
         for _, key, size in found:
             self._index[key] = size
             self._used += size
@@ -111,6 +114,16 @@ class FileStore:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+    def _stamp_locked(self, path: str) -> None:
+        """Give the file a modification time later than every other one this store set, so the
+        next open recovers the exact LRU order (file-system clocks are often coarser than the
+        gap between two puts, which would leave ties)."""
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        try:
+            os.utime(path, ns=(self._last_ns, self._last_ns))
+        except OSError:
+            pass  # only the order after a restart suffers
 
     def _evict_locked(self, incoming: int) -> None:
         while self._index and self._used + incoming > self.max_bytes:
@@ -165,6 +178,7 @@ class FileStore:
             with self._lock:
                 self._check_open()
                 os.replace(tmp, path)
+                self._stamp_locked(path)
                 old = self._index.pop(key, None)
                 if old is not None:
                     self._used -= old
@@ -200,7 +214,6 @@ class FileStore:
             if size is None:
                 self.stats.misses += 1
                 return False
-            self._index.move_to_end(key)
         if size != view.nbytes:
             with self._lock:
                 self.stats.size_mismatches += 1
@@ -220,10 +233,6 @@ class FileStore:
                     got += r
             if got != view.nbytes:
                 return False
-            try:
-                os.utime(path)  # mirror the LRU order in mtimes for the next open
-            except OSError:
-                pass
         except FileNotFoundError:
             with self._lock:  # evicted or removed between the index look-up and the open
                 self.stats.misses += 1
@@ -233,6 +242,9 @@ class FileStore:
         except OSError:
             return False
         with self._lock:
+            if key in self._index:  # a successful read is a use (a failed one is not)
+                self._index.move_to_end(key)
+                self._stamp_locked(path)  # mirror the LRU order in mtimes for the next open
             self.stats.hits += 1
             self.stats.bytes_read += view.nbytes
         return True
