@@ -93,3 +93,27 @@ def test_missing_redis_server_skips_locally_and_fails_in_ci(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="not installed"):
         start_redis_or_skip()
+
+
+def test_a_full_server_refuses_puts_per_key():
+    """With maxmemory reached and no eviction, Redis answers OOM to a SET: that key is False
+    (so may later keys of the same pipeline be, while its input buffer counts as used memory),
+    the keys before it went through, nothing partial is readable, and with room it works."""
+    server = start_redis_or_skip()
+    try:
+        raw = redis.Redis.from_url(server.url)
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", str(raw.info("memory")["used_memory"] + (256 << 10)))
+        s = RedisStore(server.url, prefix="oom:")
+        ok = s.batch_put(["small", "huge"], [b"s" * 100, b"h" * (1 << 20)])
+        assert ok == [True, False]
+        assert s.batch_exists(["huge"]) == 0 and s.batch_get_into(["huge"], [bytearray(1 << 20)]) == [False]
+        buf = bytearray(100)
+        assert s.batch_get_into(["small"], [buf]) == [True] and bytes(buf) == b"s" * 100
+        raw.config_set("maxmemory", "0")  # room again: the same put now succeeds
+        assert s.batch_put(["huge"], [b"h" * (1 << 20)]) == [True]
+        assert s.stats.put_failures == 1 and s.stats.puts == 2
+        s.close()
+        raw.close()
+    finally:
+        server.stop()
