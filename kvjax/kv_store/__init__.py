@@ -20,15 +20,16 @@ from kvjax.kv_store.keys import KEY_VERSION, StoreNamespace, block_store_key, bl
 from kvjax.kv_store.memory import MemoryStore
 from kvjax.kv_store.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchDecision, PrefetchPolicy, WritePolicy
 from kvjax.kv_store.stats import StoreStats
+from kvjax.kv_store.tier import PrefetchState, StoreTier, TierStep
 from kvjax.kv_store.url import load_store
 from kvjax.kv_store.worker import JobHandle, JobKind, JobResult, StoreWorker
 
 __all__ = [
-    "KEY_PATTERN", "KEY_VERSION", "PREFETCH_POLICIES", "WRITE_POLICIES",
-    "FaultyStore", "FileStore", "JobHandle", "JobKind", "JobResult", "KVStore", "KVStoreError", "MemoryStore",
-    "PrefetchDecision", "PrefetchPolicy", "StoreBufferError", "StoreClosedError", "StoreIOError", "StoreKeyError",
-    "StoreNamespace", "StoreStats", "StoreURLError", "StoreWorker", "WorkerFullError", "WritePolicy",
-    "block_store_key", "block_store_keys", "check_keys", "load_store", "namespace_for_pool",
+    "FaultyStore", "FileStore", "JobHandle", "JobKind", "JobResult", "KEY_PATTERN", "KEY_VERSION", "KVStore",
+    "KVStoreError", "MemoryStore", "PREFETCH_POLICIES", "PrefetchDecision", "PrefetchPolicy", "PrefetchState",
+    "StoreBufferError", "StoreClosedError", "StoreIOError", "StoreKeyError", "StoreNamespace", "StoreStats",
+    "StoreTier", "StoreURLError", "StoreWorker", "TierStep", "WRITE_POLICIES", "WorkerFullError",
+    "WritePolicy", "block_store_key", "block_store_keys", "check_keys", "load_store", "namespace_for_pool",
 ]
 
 
