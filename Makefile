@@ -10,7 +10,7 @@ PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $$HOME/.pyenv/versions/3.12*/b
 	if "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then echo "$$c"; break; fi; done)
 PYTEST_ARGS ?=
 
-.PHONY: venv demo lint test test-quick bench-ledger bench-device clean
+.PHONY: venv redis-server demo lint test test-quick bench-ledger bench-device clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "python3.12 not found (jax>=0.11 needs Python 3.12)"; exit 1; }
@@ -29,9 +29,15 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-# the Redis store tests need a redis-server binary (.ci/run installs it); outside CI they skip without one
-test: lint
-	@command -v redis-server >/dev/null 2>&1 || echo "note: redis-server not found: tests/kv_store's Redis tests will be skipped (apt-get install redis-server)"
+# the Redis store tests start their own redis-server (Debian's package): installed here when missing
+# and we are root with apt-get; otherwise they skip outside CI and fail in CI (CI=true)
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+	  else echo "note: redis-server not found: tests/kv_store's Redis tests will be skipped (apt-get install redis-server)"; fi; }
+
+test: lint redis-server
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS) tests
 
 # the host-side tests: ledger, KV-event wire/adapter/sockets, router index and policies, sizing,
