@@ -19,6 +19,10 @@ if TYPE_CHECKING:  # JAX is imported where sampling runs, so `SamplingParams` st
     import jax
 
 
+CANDIDATES = 256  # the tokens a top-p nucleus is taken from (see `sample`)
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's limit)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -40,6 +44,21 @@ class SamplingParams:
                  text is not included).
     ignore_eos   keep generating past the model's end-of-sequence tokens.
     skip_special_tokens  leave special tokens out of the output text.
+    n            independent completions of the prompt (each its own key stream: with a
+                 `seed`, completion i uses seed + i, as vLLM); the prompt is computed once
+                 and its cached blocks shared.
+    logprobs     return the logprob of each generated token and of the `logprobs` most likely
+                 tokens (0..20) at its position; None: none.
+    prompt_logprobs  the same for every prompt token (the first has none); None: none. Such a
+                 request computes its whole prompt (it reads nothing from the prefix cache).
+    presence_penalty, frequency_penalty  in [-2, 2]: subtracted once / per occurrence from
+                 the logits of tokens already generated (0: off).
+    repetition_penalty  > 0: divides the positive logits and multiplies the negative ones of
+                 tokens seen in the prompt or the output (1: off).
+    min_tokens   the end-of-sequence and stop tokens are masked, and stop strings ignored,
+                 until this many tokens are generated (<= max_tokens).
+    Logprobs are those of the model's raw distribution (before penalties and temperature),
+    as vLLM returns them by default.
     """
 
     temperature: float = 0.0
@@ -51,6 +70,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -79,10 +105,30 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {v!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Does any penalty change the logits?"""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def request_seed(base_seed: int, request_id: Hashable) -> int:
@@ -164,10 +210,6 @@ def _draw(logits, temperature, top_p, top_k, seed, index, candidates: int):
         jnp.any(top_p >= 1.0), lambda: inverse_cdf(jnp.exp(full - lse[:, None])), lambda: part
     )
     return jnp.where(top_p >= 1.0, whole, part).astype(jnp.int32)  # [B]
-
-
-CANDIDATES = 256  # the tokens a top-p nucleus is taken from (see `sample`)
-MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's limit)
 
 
 def sample(
