@@ -30,10 +30,10 @@ def run_one(eng, rid, prompt, params):
 
 
 def dense_logits(micro, tokens) -> np.ndarray:
-    """float32 [len(tokens), V]: the dense forward's logits at every position (run on 64
+    """float32 [len(tokens), V]: the dense forward's logits at every position (run on 128
     tokens, zero-padded at the end: causal, so the padding changes nothing, and every test
     shares one compilation)."""
-    padded = np.zeros((1, 64), np.int32)
+    padded = np.zeros((1, 128), np.int32)
     padded[0, : len(tokens)] = tokens
     return np.asarray(micro.dense_forward(padded))[0, : len(tokens)]
 
@@ -73,6 +73,12 @@ def test_penalties_and_min_tokens_match_a_dense_reference(micro):
         assert out.stop_reason == toks[-1] and toks[-1] in stop
     else:
         assert out.finish_reason == "length" and out.stop_reason is None
+    # other penalty values, min_tokens and logprobs counts: the same executables
+    traces = micro.runner.num_traces
+    run_one(eng, "pen2", prompt, SamplingParams(max_tokens=10, presence_penalty=-0.3, frequency_penalty=0.1,
+                                                repetition_penalty=0.9, min_tokens=7, stop_token_ids=(plain[2],),
+                                                temperature=0.5, top_k=3))
+    assert micro.runner.num_traces == traces
 
 
 def test_stop_token_and_min_tokens_stop_reason(micro):
@@ -94,9 +100,10 @@ def test_stop_token_and_min_tokens_stop_reason(micro):
 def test_logprobs_are_the_raw_log_softmax(micro, tok):
     """Sampled tokens' logprobs (at temperature 0.8: logprobs stay those of the raw
     distribution), their ranks and the top-N, and the prompt logprobs (the first None), equal
-    the dense forward's log-softmax; a request scoring its prompt reuses nothing from the cache."""
+    the dense forward's log-softmax across prefill chunks; a request scoring its prompt reuses
+    nothing from the cache."""
     eng = make_engine(micro, tok)
-    prompt = prompts(1, seed=23, lo=30, hi=31)[0]
+    prompt = prompts(1, seed=23, lo=90, hi=91)[0]  # two prefill chunks (64 + 26 tokens)
     run_one(eng, "warm", prompt, SamplingParams(max_tokens=2))  # the prompt is cached now
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=3, prompt_logprobs=2)
     res = run_one(eng, "lp", prompt, params)

@@ -148,3 +148,28 @@ def test_top_logprobs_needs_logprobs(served):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2, max_tokens=2)
     assert e.value.body["param"] == "top_logprobs"
+
+
+def test_streamed_chat_n_with_logprobs(served):
+    """A streamed chat with n = 2: each index gets its role chunk, its deltas with their
+    tokens' logprobs and its finish reason; text and logprobs equal the non-streamed ones."""
+    _, client = served
+    body = dict(model=MODEL, messages=EXPECTED["chat"]["messages"], n=2, temperature=0.8, seed=5, max_tokens=5,
+                logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**body)
+    text: dict[int, str] = {}
+    lps: dict[int, list] = {}
+    roles, finish = set(), {}
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs.content)
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert roles == {0, 1} and finish == {0: "length", 1: "length"}
+    for c in whole.choices:
+        assert text[c.index] == c.message.content
+        assert [(x.token, x.logprob) for x in lps[c.index]] == [(x.token, x.logprob) for x in c.logprobs.content]
