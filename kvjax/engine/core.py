@@ -23,6 +23,10 @@ prompt and that the reused count is what the ledger reported; `verify_idle()` ch
 idle core's ledger holds no request and agrees with the core's counters. Its memory is bounded
 by the pools and the live requests: nothing grows with the number of requests served, except
 the per-step records kept when `record_steps` is on (for `Engine.run`'s metrics).
+
+The completions of an n > 1 request are requests of their own; all but the first are held
+(`held`, outside the queue) until the first one's prompt is computed and its blocks stored,
+then queued: their admission finds the prompt in the prefix cache.
 """
 from __future__ import annotations
 
