@@ -16,7 +16,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # JAX is imported where sampling runs, so `SamplingParams` stays light
-    import jax
+    from jaxtyping import Array, Bool, Float, Int
 
 
 CANDIDATES = 256  # the tokens a top-p nucleus is taken from (see `sample`)
@@ -144,7 +144,7 @@ def key_seed(params: SamplingParams, base_seed: int, request_id: Hashable) -> in
     return request_seed(base_seed, request_id)
 
 
-def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
+def _kth_largest(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
     """The k-th largest value of each row, exactly, without sorting: a bisection over the
     order-preserving integer images of the float32 values (32 passes of a count over [B, V]).
     x: float32 [B, V]; k: int32 [B] in [1, V]. Returns float32 [B]."""
@@ -169,7 +169,8 @@ def _kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(back, jnp.float32)
 
 
-def _draw(logits, temperature, top_p, top_k, seed, index, candidates: int):
+def _draw(logits: Float[Array, "B V"], temperature: Float[Array, " B"], top_p: Float[Array, " B"], top_k: Int[Array, " B"],
+          seed: Int[Array, " B"], index: Int[Array, " B"], candidates: int) -> Int[Array, " B"]:
     """Sampled tokens of every row (the caller keeps them for the rows with temperature > 0).
 
     The top-k set is exact for any k (ties at the k-th value are kept, as vLLM does); the
@@ -213,15 +214,15 @@ def _draw(logits, temperature, top_p, top_k, seed, index, candidates: int):
 
 
 def sample(
-    logits: jax.Array,
-    temperature: jax.Array,
-    top_p: jax.Array,
-    seed: jax.Array,
-    index: jax.Array,
-    top_k: jax.Array | None = None,
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_p: Float[Array, " B"],
+    seed: Int[Array, " B"],
+    index: Int[Array, " B"],
+    top_k: Int[Array, " B"] | None = None,
     *,
     candidates: int = CANDIDATES,
-):
+) -> tuple[Int[Array, " B"], Float[Array, " B"], Float[Array, " B"]]:
     """Sample one token per row (traceable; the engine calls it inside its jitted step).
 
     logits: float32 [B, V]; temperature, top_p: float32 [B]; seed, index: int32 [B] (the
@@ -261,14 +262,14 @@ def sample(
 
 
 def apply_penalties(
-    logits: jax.Array,
-    counts: jax.Array,
-    prompt_mask: jax.Array,
-    banned: jax.Array,
-    presence: jax.Array,
-    frequency: jax.Array,
-    repetition: jax.Array,
-) -> jax.Array:
+    logits: Float[Array, "B V"],
+    counts: Int[Array, "B V"],
+    prompt_mask: Bool[Array, "B V"],
+    banned: Bool[Array, "B V"],
+    presence: Float[Array, " B"],
+    frequency: Float[Array, " B"],
+    repetition: Float[Array, " B"],
+) -> Float[Array, "B V"]:
     """vLLM's penalties and min_tokens mask (traceable).
 
     logits: float32 [B, V]; counts: int32 [B, V] (each token's count in the output so far);
@@ -287,7 +288,9 @@ def apply_penalties(
     return jnp.where(banned, -jnp.inf, x)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, num: int = MAX_LOGPROBS):
+def token_logprobs(
+    logits: Float[Array, "*P V"], tokens: Int[Array, "*P"], num: int = MAX_LOGPROBS
+) -> tuple[Float[Array, "*P"], Int[Array, "*P"], Int[Array, "*P N"], Float[Array, "*P N"]]:
     """Log-probabilities of the raw model distribution (before penalties and temperature, as
     vLLM returns them by default): the given tokens' logprobs and ranks (1 = most likely),
     and the `num` most likely tokens with theirs.
