@@ -173,3 +173,24 @@ def test_streamed_chat_n_with_logprobs(served):
     for c in whole.choices:
         assert text[c.index] == c.message.content
         assert [(x.token, x.logprob) for x in lps[c.index]] == [(x.token, x.logprob) for x in c.logprobs.content]
+
+
+def test_streamed_echo_with_logprobs(served):
+    """A streamed completion with echo + logprobs sends the prompt (with its logprobs, the
+    first null) first, then the generated tokens; gathered, they equal the non-streamed choice."""
+    _, client = served
+    exp = EXPECTED["completion"]
+    body = dict(model=MODEL, prompt=exp["prompt"], echo=True, logprobs=1, temperature=0, max_tokens=3,
+                extra_body={"ignore_eos": True})
+    (whole,) = client.completions.create(**body).choices
+    text, tokens, token_lps, offsets = "", [], [], []
+    for chunk in client.completions.create(stream=True, **body):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                token_lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and text.startswith(exp["prompt"])
+    assert tokens == whole.logprobs.tokens and token_lps == whole.logprobs.token_logprobs
+    assert offsets == whole.logprobs.text_offset and token_lps[0] is None
