@@ -11,7 +11,8 @@
 (an NNX module with `.spec`; pass its `tokenizer` for text prompts). Other keyword options
 configure the cache and the engine (see `kvjax.engine.llm_engine`). One `LLM` keeps one
 ledger: later `generate` calls reuse the prefixes earlier ones cached, until
-`reset_prefix_cache()`.
+`reset_prefix_cache()`. `SamplingParams` carries vLLM's `n`, `logprobs`, `prompt_logprobs`,
+penalties and `min_tokens`: a result then holds n `CompletionOutput`s, with logprobs as vLLM's.
 """
 from __future__ import annotations
 

@@ -107,3 +107,22 @@ def build_batch(ledger, rows: Sequence[Row], buckets: Buckets, *, chunk_bucket: 
     for i, r in enumerate(rows):
         tokens[i, t - len(r.tokens):] = r.tokens
     return ForwardBatch(tokens, positions, seq_lens, tables, slots, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepExtras:
+    """What a forward computes besides the tokens, each a separate executable (a batch that
+    asks for none of it runs the plain one).
+
+    penalties: (output token counts int32 [rows, V], prompt tokens bool [rows, V], banned
+      tokens bool [rows, V] (min_tokens), presence, frequency, repetition float32 [rows]):
+      applied to the logits before sampling (`apply_penalties`).
+    logprobs: the sampled tokens' raw logprobs -> results["logprobs"] = (logprob [rows],
+      rank [rows], top ids [rows, 20], top logprobs [rows, 20]).
+    prompt_targets: int32 [rows, T], the token after each position of the rows' chunks ->
+      results["prompt_logprobs"] = the same four with [rows, T] in front.
+    """
+
+    penalties: tuple | None = None
+    logprobs: bool = False
+    prompt_targets: np.ndarray | None = None

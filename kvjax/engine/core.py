@@ -23,6 +23,10 @@ prompt and that the reused count is what the ledger reported; `verify_idle()` ch
 idle core's ledger holds no request and agrees with the core's counters. Its memory is bounded
 by the pools and the live requests: nothing grows with the number of requests served, except
 the per-step records kept when `record_steps` is on (for `Engine.run`'s metrics).
+
+The completions of an n > 1 request are requests of their own; all but the first are held
+(`held`, outside the queue) until the first one's prompt is computed and its blocks stored,
+then queued: their admission finds the prompt in the prefix cache.
 """
 from __future__ import annotations
 
@@ -37,11 +41,11 @@ from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
-from kvjax.engine.batching import Row
+from kvjax.engine.batching import Row, StepExtras
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
-from kvjax.engine.request_state import Admission, LiveRequest, Phase
+from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
 
@@ -129,6 +133,7 @@ class EngineCore:
         self.vocab = engine.model.spec.vocab_size
         self.clock = ServingClock() if clock is None else clock
         self.waiting: collections.deque[LiveRequest] = collections.deque()
+        self.held: list[LiveRequest] = []  # waiting for another request's prompt (n > 1)
         self.running: dict[str, LiveRequest] = {}
         self._live: dict[Hashable, LiveRequest] = {}  # waiting + running, by id
         self.step_index = 0  # the next step's number (Engine.run may jump it forward when idle)
@@ -180,12 +185,16 @@ class EngineCore:
         seed: int,
         stop_token_ids: frozenset[int] = frozenset(),
         eos_token_ids: frozenset[int] = frozenset(),
+        after: LiveRequest | None = None,
     ) -> LiveRequest:
         """Queue a request (it is admitted by a later `step`). `item` describes it (id,
         max_new_tokens, LoRA id, cache salt, retention, sampling, eos_id); `prompt` defaults
         to `item.tokens`; `seed` is its sampling key stream; `eos_token_ids` end it like
         `item.eos_id`, `stop_token_ids` too but with the token as its `stop_reason`. A request
-        that can never fit is rejected here (`validate`)."""
+        that can never fit is rejected here (`validate`). With `after` (another completion of
+        the same prompt, n > 1) it waits until that request's prompt is computed and cached,
+        then reuses its blocks; without prefix caching, or when `after` scores its prompt
+        (its blocks are salted), it is queued at once and computes its own prompt."""
         prompt = list(item.tokens if prompt is None else prompt)
         rid = item.request_id
         if rid in self._live:
@@ -193,9 +202,21 @@ class EngineCore:
         self.validate(item, prompt)
         r = LiveRequest(item, [int(t) for t in prompt], self.step_index, self.clock.now(), seed, order=-1,
                         stop_ids=frozenset(stop_token_ids), eos_ids=frozenset(eos_token_ids))
-        self.waiting.append(r)
+        if (after is not None and after.phase in (Phase.WAITING, Phase.CONTEXT) and after.prompt_logprobs is None
+                and self.cache_config.enable_block_reuse):
+            r.after = after
+            self.held.append(r)
+        else:
+            self.waiting.append(r)
         self._live[rid] = r
         return r
+
+    def _release_held(self, parent: LiveRequest) -> None:
+        """Queue the requests held for `parent`'s prompt (it is cached now, or `parent` left)."""
+        if not any(r.after is parent for r in self.held):
+            return
+        self.waiting.extend(r for r in self.held if r.after is parent)
+        self.held = [r for r in self.held if r.after is not parent]
 
     def abort_request(
         self, request_id: Hashable, *, reason: str = "abort", stop_reason: int | str | None = None
@@ -212,6 +233,7 @@ class EngineCore:
             self._publish_events()
         else:
             self.waiting = collections.deque(x for x in self.waiting if x is not r)
+            self.held = [x for x in self.held if x is not r]
         self._retire(r, reason, stop_reason)
         return CoreOutput(r, (), True)
 
@@ -224,7 +246,7 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (the ledger's `reset_prefix_cache`). Refused with
@@ -317,17 +339,22 @@ class EngineCore:
         # 6. forwards + sampling
         if decode:
             rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
-            toks, chosen, margins = self._forward(rows, decode, chunk_bucket=1)
+            toks, chosen, margins, lps = self._forward(rows, decode, chunk_bucket=1)
             led.store_new_blocks([r.request_id for r in decode])
-            for r, t, c, m in zip(decode, toks, chosen, margins, strict=True):
-                outputs.append(self._emit(r, int(t), float(c), float(m)))
+            for r, t, c, m, lp in zip(decode, toks, chosen, margins, lps, strict=True):
+                outputs.append(self._emit(r, int(t), float(c), float(m), lp))
         sampled: list[tuple] = []
         group = self.cfg.buckets.prefill_rows
-        for g in range(0, len(prefill), group):
-            part = prefill[g : g + group]
-            rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
-            sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part]), strict=True))
-        for (r, n), t, c, m in sampled:
+        # rows that score their prompt run in forwards of their own: only they pay for it
+        scoring = [(r, n) for r, n in prefill if r.scores_prompt()]
+        plain = [(r, n) for r, n in prefill if not r.scores_prompt()]
+        for part_list, scores in ((plain, False), (scoring, True)):
+            for g in range(0, len(part_list), group):
+                part = part_list[g : g + group]
+                rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
+                sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part], scores_prompt=scores), strict=True))
+        sampled.sort(key=lambda x: x[0][0].order)
+        for (r, n), t, c, m, lp in sampled:
             r.context_pos += n
             self.counters.computed_prompt_tokens += n
             adm = r.admissions[-1]
@@ -341,11 +368,12 @@ class EngineCore:
                 )
             led.store_context_blocks(r.request_id)
             r.phase = Phase.GENERATION
+            self._release_held(r)
             if r.remaining_new_tokens <= 0:  # nothing to generate (max_new_tokens == 0)
                 self._finish(r, "length")
                 outputs.append(CoreOutput(r, (), True))
             else:
-                outputs.append(self._emit(r, int(t), float(c), float(m)))
+                outputs.append(self._emit(r, int(t), float(c), float(m), lp))
         led.refresh_blocks()
         self.last_step = StepCounts(running, len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause), onboarded)
         if self.steps is not None:
@@ -484,22 +512,86 @@ class EngineCore:
         fresh = [x for x in self.waiting if not x.admissions]
         self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
 
-    def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None):
+    def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None,
+                 scores_prompt: bool = False):
+        """One forward of `rows` (of `reqs`): sampled tokens, chosen logits, margins and, per
+        row, the sampled token's logprobs (None unless the request asks). With `scores_prompt`
+        the prompt logprobs of the chunk's positions are stored on the requests."""
         batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
-        temperature = np.array([r.item.sampling.temperature for r in reqs], np.float32)
-        top_p = np.array([r.item.sampling.top_p for r in reqs], np.float32)
-        top_k = np.array([r.item.sampling.top_k for r in reqs], np.int32)
+        sp = [r.item.sampling for r in reqs]
+        temperature = np.array([p.temperature for p in sp], np.float32)
+        top_p = np.array([p.top_p for p in sp], np.float32)
+        top_k = np.array([p.top_k for p in sp], np.int32)
         seed = np.array([r.seed for r in reqs], np.int32)
         index = np.array([len(r.output) for r in reqs], np.int32)
+        extras = self._extras(batch, rows, reqs, scores_prompt)
         with self.clock.measuring():
-            toks, chosen, margins, self.pools = self.engine.runner.run(self.pools, batch, temperature, top_p, seed, index, top_k)
-        return toks, chosen, margins
+            if extras is None:
+                toks, chosen, margins, self.pools = self.engine.runner.run(
+                    self.pools, batch, temperature, top_p, seed, index, top_k)
+                return toks, chosen, margins, [None] * len(reqs)
+            toks, chosen, margins, self.pools, results = self.engine.runner.run(
+                self.pools, batch, temperature, top_p, seed, index, top_k, extras)
+        lps: list[TokenLogprobs | None] = [None] * len(reqs)
+        if "logprobs" in results:
+            lp, rank, ids, top = results["logprobs"]
+            for i, p in enumerate(sp):
+                if p.logprobs is not None:
+                    lps[i] = TokenLogprobs(int(toks[i]), float(lp[i]), int(rank[i]), tuple(ids[i, : p.logprobs].tolist()),
+                                           tuple(top[i, : p.logprobs].tolist()))
+        if "prompt_logprobs" in results:
+            lp, rank, ids, top = results["prompt_logprobs"]  # [rows, T, ...]
+            t = lp.shape[1]
+            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+                assert r.prompt_logprobs is not None  # only scoring requests are in such a forward
+                k = r.item.sampling.prompt_logprobs
+                for m in range(len(row.tokens)):
+                    pos = row.start + m + 1  # the prompt token this column's logits predict
+                    if pos < len(r.prompt):
+                        col = t - len(row.tokens) + m
+                        r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[i, col]), int(rank[i, col]),
+                                                               tuple(ids[i, col, :k].tolist()), tuple(top[i, col, :k].tolist()))
+        return toks, chosen, margins, lps
 
-    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float) -> CoreOutput:
+    def _extras(self, batch, rows: list[Row], reqs: list[LiveRequest], scores_prompt: bool) -> StepExtras | None:
+        """What this forward must compute besides the tokens (None: nothing, the plain executable)."""
+        banned = [r.banned_ids() for r in reqs]
+        penalties = None
+        if any(banned) or any(r.item.sampling.penalized for r in reqs):
+            v, n = self.vocab, len(reqs)
+            counts = np.zeros((n, v), np.int32)  # [rows, V]
+            mask = np.zeros((n, v), bool)  # [rows, V]
+            ban = np.zeros((n, v), bool)  # [rows, V]
+            for i, r in enumerate(reqs):
+                if r.item.sampling.penalized:
+                    np.add.at(counts[i], np.asarray(r.output, np.int64), 1)
+                    mask[i] = r.prompt_mask(v)
+                if banned[i]:
+                    ban[i, [t for t in banned[i] if t < v]] = True
+            sp = [r.item.sampling for r in reqs]
+            penalties = (counts, mask, ban, np.array([p.presence_penalty for p in sp], np.float32),
+                         np.array([p.frequency_penalty for p in sp], np.float32),
+                         np.array([p.repetition_penalty for p in sp], np.float32))
+        logprobs = any(r.item.sampling.logprobs is not None for r in reqs)
+        targets = None
+        if scores_prompt:
+            t = batch.tokens.shape[1]
+            targets = np.zeros((len(rows), t), np.int32)  # [rows, T]: the token after each position
+            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+                nxt = r.context[row.start + 1 : row.seq_len + 1]
+                targets[i, t - len(row.tokens) : t - len(row.tokens) + len(nxt)] = nxt
+        if penalties is None and not logprobs and targets is None:
+            return None
+        return StepExtras(penalties, logprobs, targets)
+
+    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None) -> CoreOutput:
         """Record a sampled token; finish the request or keep the token pending."""
         r.output.append(token)
         r.chosen_logits.append(chosen)
         r.margins.append(margin)
+        if r.logprobs is not None:
+            assert lp is not None  # a request asking for logprobs runs in forwards that compute them
+            r.logprobs.append(lp)
         self.counters.generated_tokens += 1
         if r.first_token_time is None:
             r.first_token_time = self.clock.now()
@@ -520,6 +612,7 @@ class EngineCore:
 
     def _retire(self, r: LiveRequest, reason: str, stop_reason: int | str | None) -> None:
         del self._live[r.request_id]
+        self._release_held(r)
         r.phase = Phase.FINISHED
         r.pending = None
         r.finish_reason = reason

@@ -21,16 +21,19 @@ format on ZeroMQ, docs/kv_events.md) after every step; `close()` stops the publi
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvjax.config import CacheConfig
+from kvjax.errors import DuplicateRequestError
 from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config
 from kvjax.engine.core import CoreOutput, EngineCore
 from kvjax.engine.engine import Engine
 from kvjax.engine.event_publishing import KVEventsConfig
-from kvjax.engine.outputs import CompletionOutput, OutputText, RequestMetrics, RequestOutput
+from kvjax.engine.outputs import CompletionOutput, Logprob, OutputText, PositionLogprobs, RequestMetrics, RequestOutput
+from kvjax.engine.request_state import LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.sampling import SamplingParams, key_seed
 from kvjax.engine.workloads import WorkItem
 
@@ -65,8 +68,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.seed = seed
         self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events)
-        self._texts: dict[Hashable, OutputText] = {}  # live requests only
-        self._prompts: dict[Hashable, str | None] = {}
+        self._groups: dict[str, _Group] = {}  # live requests only, by the caller's id
+        self._child: dict[str, tuple[_Group, int]] = {}  # core request id -> (group, completion index)
 
     @classmethod
     def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
@@ -142,25 +145,52 @@ class LLMEngine:
     ) -> None:
         """Queue a request (admitted by a later `step`). `prompt` is text or token ids; pass
         `prompt_token_ids` too when the text is already tokenised (the text is then only
-        reported back). Rejected at once (ValueError, nothing queued) if it can never fit."""
+        reported back). Rejected at once (ValueError, nothing queued) if it can never fit.
+
+        With `n > 1` the engine runs n child requests (ids `f"{i}_{request_id}"`, as vLLM):
+        the first computes the prompt, the others wait until its blocks are cached and reuse
+        them (without prefix caching each computes its own prompt); each has its own key
+        stream (with a seed, child i uses seed + i)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt) if prompt_token_ids is None else self.tokenize(list(prompt_token_ids))
         self.check_request(request_id, ids, params)
+        rid = str(request_id)
+        if rid in self._groups:
+            raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        item = self._work_item(request_id, ids, params, lora_task_id, cache_salt, retention)
-        self.core.add_request(item, ids, seed=key_seed(params, self.seed, item.request_id),
-                              stop_token_ids=frozenset(params.stop_token_ids), eos_token_ids=eos)
-        detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
-        self._texts[item.request_id] = OutputText(detok, params.stop)
-        self._prompts[item.request_id] = prompt if isinstance(prompt, str) else None
+        group = _Group(rid, prompt if isinstance(prompt, str) else None, params)
+        added: list[str] = []
+        try:
+            for i in range(params.n):
+                cid, child = (rid, params) if params.n == 1 else (f"{i}_{rid}", _child_params(params, i))
+                item = self._work_item(cid, ids, child, lora_task_id, cache_salt, retention)
+                r = self.core.add_request(item, ids, seed=key_seed(child, self.seed, cid),
+                                          stop_token_ids=frozenset(child.stop_token_ids), eos_token_ids=eos,
+                                          after=group.children[0] if group.children else None)
+                added.append(cid)
+                detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
+                group.children.append(r)
+                group.texts.append(OutputText(detok, params.stop))
+                group.logprobs.append([] if params.logprobs is not None else None)
+        except BaseException:
+            for cid in added:  # all or nothing
+                self.core.abort_request(cid)
+            raise
+        self._groups[rid] = group
+        for i, r in enumerate(group.children):
+            self._child[r.request_id] = (group, i)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Take a request out (blocks stored for reuse and freed). Returns its final output
-        (finish reason "abort"), or None if it is not queued or running."""
-        out = self.core.abort_request(str(request_id))
-        return None if out is None else self._output(out)
+        """Take a request out (all its completions; blocks stored for reuse and freed).
+        Returns its final output (finish reason "abort"), or None if it is not queued or running."""
+        group = self._groups.get(str(request_id))
+        if group is None:
+            return None
+        for r in group.children:
+            self.core.abort_request(r.request_id)
+        return self._output(group, finishing=True)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -176,56 +206,124 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; a `RequestOutput` for every request that produced tokens or
         finished in it."""
-        results = []
+        moved: dict[str, _Group] = {}
         for out in self.core.step():
+            r = out.request
+            group, i = self._child[r.request_id]
             try:
-                results.append(self._step_output(out))
-            except Exception as e:  # this request's text failed: it alone ends, with "error"
-                results.append(self._failed(out, e))
+                self._advance_text(out, group, i)
+            except Exception as e:  # this completion's text failed: it alone ends, with "error"
+                self._fail(r, e)
+            moved[group.request_id] = group
+        results = []
+        for group in moved.values():
+            try:
+                results.append(self._output(group, finishing=all(r.finish_reason is not None for r in group.children)))
+            except Exception as e:  # the group's output could not be made: its completions end with "error"
+                results.append(self._failed_group(group, e))
         return results
 
-    def _step_output(self, out: CoreOutput) -> RequestOutput:
+    def _advance_text(self, out: CoreOutput, group: _Group, i: int) -> None:
+        """Detokenise a completion's new tokens; a stop string found ends it (out of the core)."""
         r = out.request
-        text = self._texts[r.request_id]
+        if r.finish_reason == "error":
+            return
+        text = group.texts[i]
         stop_token = out.finished and r.finish_reason == "stop" and bool(out.new_token_ids)
-        hit = text.add(out.new_token_ids, ends_with_stop_token=stop_token, finished=out.finished)
+        hit = text.add(out.new_token_ids, ends_with_stop_token=stop_token, finished=out.finished,
+                       check_stop=len(r.output) > group.params.min_tokens)
         if hit is not None:
             if out.finished:  # stopped by length in the same step: the stop string says why
                 r.finish_reason, r.stop_reason = "stop", hit
             else:
                 stopped = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
                 assert stopped is not None  # the request was running this step
-                out = stopped
-        return self._output(out)
 
-    def _failed(self, out: CoreOutput, error: Exception) -> RequestOutput:
-        """End a request whose output could not be made (e.g. its detokenisation raised): out
+    def _fail(self, r: LiveRequest, error: Exception) -> None:
+        """End one completion whose output could not be made (e.g. its detokenisation raised): out
         of the core (blocks stored and freed, as an abort) if it still runs, finish reason
         "error", no text; the other requests of the step are untouched."""
-        r = out.request
         log.error("request %s failed: %s: %s", r.request_id, type(error).__name__, error, exc_info=error)
         self.core.abort_request(r.request_id, reason="error")  # None if it had finished already
         r.finish_reason, r.stop_reason = "error", None
-        self._texts.pop(r.request_id, None)
-        prompt = self._prompts.pop(r.request_id, None)
-        metrics = RequestMetrics(r.arrival_time, r.admit_time, r.first_token_time, r.finish_time)
-        cached = r.admissions[0].reused if r.admissions else 0
-        return RequestOutput(r.request_id, prompt, r.prompt, [CompletionOutput(0, "", list(r.output), "error", None)], True,
-                             cached, metrics)
 
-    def _output(self, out: CoreOutput) -> RequestOutput:
-        r = out.request
-        rid = r.request_id
-        text = self._texts[rid]
-        if out.finished:
-            if not text.done:
+    def _failed_group(self, group: _Group, error: Exception) -> RequestOutput:
+        """Every completion of `group` ends with "error" (its output could not be built)."""
+        for r in group.children:
+            if r.finish_reason != "error":
+                self._fail(r, error)
+        self._groups.pop(group.request_id, None)
+        for r in group.children:
+            self._child.pop(r.request_id, None)
+        first = group.children[0]
+        metrics = RequestMetrics(first.arrival_time, first.admit_time, first.first_token_time, first.finish_time)
+        cached = first.admissions[0].reused if first.admissions else 0
+        completions = [CompletionOutput(i, "", list(r.output), "error", None) for i, r in enumerate(group.children)]
+        return RequestOutput(group.request_id, group.prompt, first.prompt, completions, True, cached, metrics)
+
+    def _decode_token(self, token: int) -> str | None:
+        """A token's text on its own (special tokens included), as vLLM shows it in logprobs."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        """vLLM's form of one position: the token first, then the most likely tokens."""
+        d = {lp.token: Logprob(lp.logprob, lp.rank, self._decode_token(lp.token))}
+        for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+            if t not in d:
+                d[t] = Logprob(v, rank, self._decode_token(t))
+        return d
+
+    def _output(self, group: _Group, finishing: bool) -> RequestOutput:
+        completions = []
+        for i, r in enumerate(group.children):
+            if r.finish_reason == "error":
+                completions.append(CompletionOutput(i, "", list(r.output), "error", None))
+                continue
+            text = group.texts[i]
+            done = r.finish_reason is not None
+            if done and not text.done:
                 text.add((), ends_with_stop_token=False, finished=True)
-            del self._texts[rid]
-            prompt = self._prompts.pop(rid)
-        else:
-            prompt = self._prompts[rid]
-        completion = CompletionOutput(0, text.visible(), list(r.output), r.finish_reason if out.finished else None,
-                                      r.stop_reason if out.finished else None)
-        metrics = RequestMetrics(r.arrival_time, r.admit_time, r.first_token_time, r.finish_time if out.finished else None)
-        cached = r.admissions[0].reused if r.admissions else 0
-        return RequestOutput(rid, prompt, r.prompt, [completion], out.finished, cached, metrics)  # prompt ids: read-only
+            logprobs = cum = None
+            seen = group.logprobs[i]
+            if seen is not None:
+                assert r.logprobs is not None  # the request asked for them
+                seen.extend(self._position(lp) for lp in r.logprobs[len(seen):])  # converted once
+                logprobs = list(seen)
+                cum = float(sum(lp.logprob for lp in r.logprobs))
+            completions.append(CompletionOutput(i, text.visible(), list(r.output), r.finish_reason if done else None,
+                                                r.stop_reason if done else None, logprobs, cum))
+        first = group.children[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and first.phase is not Phase.WAITING and first.context_pos >= len(first.prompt):
+            if group.prompt_logprobs is None:
+                group.prompt_logprobs = [None if lp is None else self._position(lp) for lp in first.prompt_logprobs]
+            prompt_logprobs = group.prompt_logprobs
+        if finishing:
+            del self._groups[group.request_id]
+            for r in group.children:
+                del self._child[r.request_id]
+        metrics = RequestMetrics(first.arrival_time, first.admit_time, first.first_token_time,
+                                 first.finish_time if finishing else None)
+        cached = first.admissions[0].reused if first.admissions else 0
+        return RequestOutput(group.request_id, group.prompt, first.prompt, completions, finishing, cached, metrics,
+                             prompt_logprobs)  # prompt ids: read-only
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of an n > 1 request: n = 1, seed + index (vLLM's child requests);
+    only the first scores the prompt."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """One request of the API: its n completions (core requests) and their text and logprobs."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    children: list[LiveRequest] = dataclasses.field(default_factory=list)
+    texts: list[OutputText] = dataclasses.field(default_factory=list)
+    logprobs: list[list[PositionLogprobs] | None] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

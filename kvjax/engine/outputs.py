@@ -9,11 +9,29 @@ begin a stop string) and the detokeniser releases no incomplete character.
 Stop handling follows vLLM's defaults: a stop string ends the output and is not part of the
 text (the tokens that produced it stay in `token_ids`); a stop token (EOS or one of
 `stop_token_ids`) stays in `token_ids` but its text is not added.
+
+With `n > 1` a RequestOutput holds one CompletionOutput per completion (`index` 0..n-1), all
+cumulative; logprobs are vLLM's: per position a dict {token id: Logprob}, the sampled (or
+prompt) token first, then the most likely tokens, in order.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+
+@dataclasses.dataclass
+class Logprob:
+    """A token's log-probability (raw model distribution), its rank (1 = most likely) and its
+    text on its own (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position: {token id: Logprob}, the position's own token first, then the most likely ones
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclasses.dataclass
@@ -23,6 +41,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the request failed)
     stop_reason: int | str | None = None  # stop token id or stop string; None for EOS / length
+    logprobs: list[PositionLogprobs] | None = None  # one per token of token_ids, when asked
+    cumulative_logprob: float | None = None  # sum of the tokens' logprobs, when logprobs are asked
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -47,6 +67,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token (the first: None), when asked
 
 
 class OutputText:
@@ -59,10 +80,11 @@ class OutputText:
         self.text = ""
         self.done = False
 
-    def add(self, token_ids: Sequence[int], *, ends_with_stop_token: bool, finished: bool) -> str | None:
+    def add(self, token_ids: Sequence[int], *, ends_with_stop_token: bool, finished: bool,
+            check_stop: bool = True) -> str | None:
         """Append the text of new tokens (the last one is left out if it is a stop token);
         returns the stop string that ends the output, if one appeared (the text is then cut
-        before it)."""
+        before it). `check_stop` False: look for no stop string in this text (min_tokens)."""
         if self.detokenizer is None or self.done:
             return None
         ids = list(token_ids[:-1]) if ends_with_stop_token else list(token_ids)
@@ -71,7 +93,7 @@ class OutputText:
             self.text += self.detokenizer.push(ids)
         if finished:
             self.text += self.detokenizer.flush()
-        if self.stop:
+        if self.stop and check_stop:
             at = None
             for s in self.stop:
                 i = self.text.find(s, max(0, start - self.hold))

@@ -40,6 +40,18 @@ class Admission:
     computed: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs (raw model distribution): the token's own logprob and rank
+    (1 = most likely), and the most likely tokens with theirs (as many as asked)."""
+
+    token: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
 @dataclasses.dataclass(eq=False)
 class LiveRequest:
     item: WorkItem
@@ -67,6 +79,17 @@ class LiveRequest:
     eos_ids: frozenset[int] = frozenset()  # end-of-sequence ids besides item.eos_id (stop_reason: None)
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: int | str | None = None  # the stop token id (from stop_ids) or stop string
+    after: LiveRequest | None = None  # held back until this request's prompt is cached (n > 1)
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when sampling.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when sampling.prompt_logprobs is set
+    _prompt_mask: Any = None  # bool [V] of the prompt's tokens, for the repetition penalty
+
+    def __post_init__(self) -> None:
+        sp = self.item.sampling
+        if sp.logprobs is not None:
+            self.logprobs = []
+        if sp.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt)
 
     @property
     def request_id(self) -> str:
@@ -81,16 +104,44 @@ class LiveRequest:
         return len(self.context) - self.context_pos
 
     def ledger_request(self) -> Request:
-        """The `kvjax.Request` of the next admission: prompt + tokens generated so far."""
+        """The `kvjax.Request` of the next admission: prompt + tokens generated so far. A
+        request that wants prompt logprobs salts its blocks with its own id, so that it
+        computes (and scores) its whole prompt: nothing it could reuse is in the cache."""
         item = self.item
+        salt = item.cache_salt
+        if self.prompt_logprobs is not None:
+            salt = f"{salt or ''}\x00prompt_logprobs:{item.request_id}"
         return Request(
             request_id=item.request_id,
             prompt=self.prompt + self.output,
             max_new_tokens=self.remaining_new_tokens,
             lora_task_id=item.lora_task_id,
-            cache_salt=item.cache_salt,
+            cache_salt=salt,
             retention=item.retention,
         )
+
+    def scores_prompt(self) -> bool:
+        """Does the next prefill chunk still need the logprobs of prompt tokens? (First
+        admission only: a resumed request scored its prompt already.)"""
+        return self.prompt_logprobs is not None and len(self.admissions) == 1 and self.context_pos < len(self.prompt)
+
+    def banned_ids(self) -> frozenset[int]:
+        """Tokens masked before sampling: the end-of-sequence and stop tokens while fewer than
+        `min_tokens` tokens are generated (vLLM's min_tokens)."""
+        if len(self.output) >= self.item.sampling.min_tokens:
+            return frozenset()
+        eos = self.item.eos_id
+        return self.stop_ids | self.eos_ids | (frozenset() if eos is None else frozenset((eos,)))
+
+    def prompt_mask(self, vocab: int):
+        """bool [vocab]: the tokens of the original prompt (cached: prompts are long)."""
+        if self._prompt_mask is None:
+            import numpy as np
+
+            mask = np.zeros(vocab, bool)
+            mask[self.prompt] = True
+            self._prompt_mask = mask
+        return self._prompt_mask
 
     def finished_by(self, token: int) -> bool:
         """Does sampling `token` (already appended to `output`) end the request?"""

@@ -3,7 +3,10 @@ forward batch (paged forward, last-position logits, sampling).
 
 The pools are donated (the forward writes K/V in place); only the sampled tokens and two
 float32 diagnostics per row (the chosen token's logit and the top-2 margin) come back to the
-host. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit. Every
+host. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit, and so do,
+when a batch asks for them (`StepExtras`; separate executables, so a batch that does not pays
+nothing), penalties / min_tokens masks and logprobs (of the sampled tokens, or of every prompt
+position of a prefill chunk). Every
 trace increments `num_traces`, so tests can assert that a warmed-up engine never recompiles
 (the Python body runs only when jit traces a new shape).
 
@@ -24,8 +27,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.engine.batching import ForwardBatch, build_batch
-from kvjax.engine.sampling import sample
+from kvjax.engine.batching import ForwardBatch, StepExtras, build_batch
+from kvjax.engine.sampling import apply_penalties, sample, token_logprobs
 
 log = logging.getLogger("kvjax.engine.runner")
 
@@ -45,18 +48,25 @@ class ModelRunner:
         self._state = state
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
 
-        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, top_k, seed, index):
+        def step(state, tokens, positions, pools, tables, seq_lens, slots, temperature, top_p, top_k, seed, index,
+                 penalties=None, prompt_targets=None, *, logprobs=False):
             self.num_traces += 1
             model = nnx.merge(graphdef, state)
             logits, pools = model.paged_forward(tokens, positions, pools, tables, seq_lens, slots, impl=impl)
             last = logits[:, -1, :]  # [B, V]: rows are right-aligned, the last token is at T - 1
-            out = sample(last, temperature, top_p, seed, index, top_k)
+            processed = last if penalties is None else apply_penalties(last, *penalties)
+            tok, chosen, margin = sample(processed, temperature, top_p, seed, index, top_k)
+            extras = {}
+            if logprobs:  # of the raw distribution, as vLLM by default
+                extras["logprobs"] = token_logprobs(last, tok)
+            if prompt_targets is not None:  # [B, T]: the token after each position
+                extras["prompt_logprobs"] = token_logprobs(logits, prompt_targets)
+            out = (tok, chosen, margin, extras)
             if self._replicated is not None:  # every process reads the same tokens
-                out = tuple(jax.lax.with_sharding_constraint(x, self._replicated) for x in out)
-            tok, chosen, margin = out
-            return tok, chosen, margin, pools
+                out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._replicated), out)
+            return out, pools
 
-        self._step = jax.jit(step, donate_argnums=(3,))
+        self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("logprobs",))
 
     # ------------------------------------------------------------------ the core's device side
     def batch(self, ledger, rows, buckets, chunk_bucket: int | None = None) -> ForwardBatch:
@@ -91,18 +101,20 @@ class ModelRunner:
         seed: np.ndarray,
         index: np.ndarray,
         top_k: np.ndarray | None = None,
+        extras: StepExtras | None = None,
     ):
         """Forward `batch` and sample each real row's next token.
 
         temperature, top_p: float32 [rows]; seed, index, top_k: int32 [rows] (padded here to the
         batch; top_k <= 0 or None: no top-k).
-        Returns (tokens int32 [rows], chosen logits float32 [rows], margins float32 [rows], pools).
+        Returns (tokens int32 [rows], chosen logits float32 [rows], margins float32 [rows], pools),
+        and with `extras` a fifth item: what it asked for (see `StepExtras.results`).
         """
         b = batch.tokens.shape[0]
         n = batch.num_rows
 
         def pad(a, dtype, fill):
-            out = np.full((b,), fill, dtype)  # [B]
+            out = np.full((b,) + np.shape(a)[1:], fill, dtype)  # [B, ...]
             out[:n] = a
             return out
 
@@ -111,7 +123,15 @@ class ModelRunner:
         self.shapes.add(batch.shape)
         traces, start = self.num_traces, time.perf_counter()
         g = self._global
-        tok, chosen, margin, pools = self._step(
+        penalties = prompt_targets = None
+        if extras is not None and extras.penalties is not None:
+            counts, prompt_mask, banned, presence, frequency, repetition = extras.penalties
+            penalties = (g(pad(counts, np.int32, 0)), g(pad(prompt_mask, bool, False)), g(pad(banned, bool, False)),
+                         g(pad(presence, np.float32, 0.0)), g(pad(frequency, np.float32, 0.0)),
+                         g(pad(repetition, np.float32, 1.0)))
+        if extras is not None and extras.prompt_targets is not None:
+            prompt_targets = g(pad(extras.prompt_targets, np.int32, 0))
+        (tok, chosen, margin, more), pools = self._step(
             self._state,
             g(batch.tokens),
             g(batch.positions),
@@ -124,9 +144,15 @@ class ModelRunner:
             g(pad(np.zeros(n, np.int32) if top_k is None else top_k, np.int32, 0)),
             g(pad(seed, np.int32, 0)),
             g(pad(index, np.int32, 0)),
+            penalties,
+            prompt_targets,
+            logprobs=extras is not None and extras.logprobs,
         )
-        tok, chosen, margin = jax.device_get((tok, chosen, margin))
+        tok, chosen, margin, more = jax.device_get((tok, chosen, margin, more))
         if self.num_traces != traces:
             log.info("compiled the forward for [B=%d, T=%d, blocks=%d] in %.2f s (%d programs so far)", *batch.shape,
                      time.perf_counter() - start, self.num_traces)
-        return np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools
+        result = (np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools)
+        if extras is None:
+            return result
+        return result + ({k: tuple(np.asarray(a)[:n] for a in v) for k, v in more.items()},)

@@ -55,7 +55,9 @@ from kvjax.engine.core import EngineBusyError
 from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.server.auth import APIKeyMiddleware
+from kvjax.server.choices import ChoiceFormat, StreamChoices
 from kvjax.server.engine_loop import EngineFailed, EngineLoop, OutputStream, QueueFull, RequestFailed, ShuttingDown
+from kvjax.server.logprobs import TokenText
 from kvjax.server.metrics import ServerMetrics
 from kvjax.server.protocol import APIError, HeaderLimit, Parsed, bad, parse_body, parse_chat, parse_completion
 from kvjax.server.stats_logger import StatsLogger
@@ -244,7 +246,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             raise bad(str(e), param=param) from None
 
     def usage(out) -> dict:
-        n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        n_prompt, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
@@ -279,8 +281,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
         stream = submit(rid, text, ids, params)
         created = int(time.time())
         model = config.model_name
+        fmt = ChoiceFormat(parsed, chat, "" if not parsed.echo else text if text is not None else
+                           tokenizer.decode(ids) if tokenizer is not None else "", TokenText(tokenizer))
         if parsed.stream:
-            return EventStream(_events(stream, rid, created, model, chat, parsed.include_usage, usage, parsed.return_token_ids),
+            return EventStream(_events(stream, rid, created, model, chat, parsed.include_usage, usage, StreamChoices(fmt)),
                                on_disconnect=lambda: loop_.abort(rid))
         try:
             out = await final_output(request, stream)
@@ -291,18 +295,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             raise request_error(e) from None
         if out is None:
             return Response(status_code=499)  # nobody is listening
-        c = out.outputs[0]
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            obj = "text_completion"
-        if parsed.return_token_ids:
-            choice["token_ids"] = c.token_ids
-            choice["prompt_token_ids"] = list(out.prompt_token_ids)
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": fmt.choices(out),
                              "usage": usage(out)})
 
     # ------------------------------------------------------------------ endpoints
@@ -436,38 +430,26 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 
 
 async def _events(stream: OutputStream, rid: str, created: int, model: str, chat: bool, include_usage: bool, usage,
-                  token_ids: bool = False) -> AsyncIterator[bytes]:
-    """SSE chunks of one request: text deltas, the finish reason, optional usage, [DONE]."""
+                  choices: StreamChoices) -> AsyncIterator[bytes]:
+    """SSE chunks of one request: per completion (`index`) text deltas, the finish reason;
+    optional usage, [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish, role: bool = False, ids: list[int] | None = None) -> dict:
-        if chat:
-            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        if token_ids and not role:
-            choice["token_ids"] = ids or []
+    def chunk(choice: dict) -> dict:
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return out
 
-    sent = sent_ids = 0
     last = None
     try:
         if chat:
-            yield _sse(chunk(None, None, role=True))
+            for choice in choices.roles():
+                yield _sse(chunk(choice))
         async for out in stream.outputs():
             last = out
-            c = out.outputs[0]
-            delta = c.text[sent:]
-            sent = len(c.text)
-            if delta:
-                yield _sse(chunk(delta, None, ids=c.token_ids[sent_ids:]))
-                sent_ids = len(c.token_ids)
-            if c.finish_reason is not None:
-                yield _sse(chunk(None if chat else "", c.finish_reason, ids=c.token_ids[sent_ids:]))
+            for choice in choices.update(out):
+                yield _sse(chunk(choice))
         if include_usage and last is not None:
             yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(last)})
     except (ShuttingDown, RequestFailed, EngineFailed, ValueError) as e:  # the engine failed this request

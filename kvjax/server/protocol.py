@@ -2,10 +2,14 @@
 
 Every check runs before anything is submitted to the engine, so a bad request changes nothing.
 A wrong type, a value out of range, an unknown field, or a feature kvjax does not serve
-(n > 1, logprobs, echo, suffix, penalties, logit_bias, tools, images) is a 400 with
+(suffix, best_of > 1, logit_bias, tools, images) is a 400 with
 `{"error": {"message", "type": "invalid_request_error", "param", "code"}}`; `param` names the
 offending field. Missing optional fields take OpenAI's defaults (`temperature` 1.0: pass 0 for
-greedy decoding). Extensions, as vLLM names them: `top_k`, `stop_token_ids`, `ignore_eos`,
+greedy decoding). Served as OpenAI / vLLM define them: `n` (1..128), `presence_penalty` and
+`frequency_penalty` ([-2, 2]), `logprobs` (completions: 0..20 top tokens; chat: true, with
+`top_logprobs` 0..20), `echo` (completions: the prompt is prepended to the text, and with
+`logprobs` the prompt tokens get logprobs too, the first one null). Extensions, as vLLM names
+them: `top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 `skip_special_tokens`, `return_token_ids` (the choice then carries `token_ids`, and
 `prompt_token_ids` in non-streaming responses), and for chat `add_generation_prompt` and
 `chat_template_kwargs` (extra template variables).
@@ -18,7 +22,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvjax.engine.sampling import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
+from kvjax.engine.sampling import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -183,7 +187,7 @@ class _Fields:
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
     "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "skip_special_tokens",
-    "return_token_ids",
+    "return_token_ids", "min_tokens", "repetition_penalty",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
@@ -209,6 +213,8 @@ class Parsed:
     add_generation_prompt: bool = True
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     return_token_ids: bool = False
+    echo: bool = False  # completions: the prompt text (and its logprobs) come first
+    top_logprobs: int | None = None  # the top tokens per position to show; None: no logprobs
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -217,10 +223,10 @@ class Parsed:
             raise bad(str(e)) from None
 
 
+MAX_N = 128  # OpenAI's limit on n
+
+
 def _common(f: _Fields) -> dict:
-    f.unsupported("n", lambda v: v == 1)
-    f.unsupported("presence_penalty", lambda v: v == 0)
-    f.unsupported("frequency_penalty", lambda v: v == 0)
     f.unsupported("logit_bias", lambda v: v == {})
     f.str_("user")
     stop = f.body.get("stop")
@@ -245,7 +251,24 @@ def _common(f: _Fields) -> dict:
         stop_token_ids=tuple(ids or ()),
         ignore_eos=f.bool_("ignore_eos", default=False),
         skip_special_tokens=f.bool_("skip_special_tokens", default=True),
+        n=f.int_("n", lo=1, hi=MAX_N, default=1),
+        presence_penalty=f.number("presence_penalty", -2.0, 2.0, default=0.0),
+        frequency_penalty=f.number("frequency_penalty", -2.0, 2.0, default=0.0),
+        repetition_penalty=_repetition(f),
+        min_tokens=f.int_("min_tokens", lo=0, hi=INT32_MAX, default=0),
     )
+
+
+def _repetition(f: _Fields) -> float:
+    v = f.get("repetition_penalty", _is_number, "a number", 1.0)
+    if not v > 0:
+        raise bad(f"repetition_penalty must be > 0, got {v!r}", param="repetition_penalty")
+    return v
+
+
+def _check_min_tokens(sampling: dict, max_tokens: int | None) -> None:
+    if max_tokens is not None and sampling["min_tokens"] > max_tokens:
+        raise bad(f"min_tokens={sampling['min_tokens']} exceeds max_tokens={max_tokens}", param="min_tokens")
 
 
 def _stream_options(f: _Fields, stream: bool) -> bool:
@@ -277,14 +300,18 @@ def parse_completion(body: Any) -> Parsed:
         raise bad("only one prompt per request is supported", param="prompt", code="unsupported_parameter")
     else:
         raise bad("prompt must be a string or a list of token ids", param="prompt", code="invalid_type")
-    f.unsupported("echo", lambda v: v is False)
     f.unsupported("suffix", lambda v: False)
     f.unsupported("best_of", lambda v: v == 1)
-    f.unsupported("logprobs", lambda v: False)
+    echo = f.bool_("echo", default=False)
+    logprobs = f.int_("logprobs", lo=0, hi=MAX_LOGPROBS)
     sampling = _common(f)
+    sampling["logprobs"] = logprobs
+    sampling["prompt_logprobs"] = logprobs if echo else None
     stream = f.bool_("stream", default=False)
-    return Parsed(model, prompt, None, sampling, f.int_("max_tokens", lo=1, hi=INT32_MAX), stream, _stream_options(f, stream),
-                  return_token_ids=f.bool_("return_token_ids", default=False))
+    max_tokens = f.int_("max_tokens", lo=1, hi=INT32_MAX)
+    _check_min_tokens(sampling, max_tokens if max_tokens is not None else 16)
+    return Parsed(model, prompt, None, sampling, max_tokens, stream, _stream_options(f, stream),
+                  return_token_ids=f.bool_("return_token_ids", default=False), echo=echo, top_logprobs=logprobs)
 
 
 def _message_content(m: Mapping, i: int) -> str:
@@ -325,18 +352,22 @@ def parse_chat(body: Any) -> Parsed:
         if isinstance(m.get("name"), str):
             entry["name"] = m["name"]
         clean.append(entry)
-    f.unsupported("logprobs", lambda v: v is False)
-    f.unsupported("top_logprobs", lambda v: False)
+    logprobs = f.bool_("logprobs", default=False)
+    top = f.int_("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad("top_logprobs needs logprobs: true", param="top_logprobs")
     f.unsupported("tools", lambda v: v == [])
     f.unsupported("tool_choice", lambda v: v == "none")
     f.unsupported("parallel_tool_calls", lambda v: isinstance(v, bool))
     f.unsupported("response_format", lambda v: v == {"type": "text"})
     sampling = _common(f)
+    sampling["logprobs"] = (top or 0) if logprobs else None
     stream = f.bool_("stream", default=False)
     max_tokens = f.int_("max_tokens", lo=1, hi=INT32_MAX)
     mct = f.int_("max_completion_tokens", lo=1, hi=INT32_MAX)
     if max_tokens is not None and mct is not None and max_tokens != mct:
         raise bad("max_tokens and max_completion_tokens differ", param="max_completion_tokens")
+    _check_min_tokens(sampling, max_tokens if max_tokens is not None else mct)
     kwargs = f.get("chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
     reserved = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
     if reserved:
@@ -344,4 +375,4 @@ def parse_chat(body: Any) -> Parsed:
                   "add_generation_prompt as a request field)", param="chat_template_kwargs")
     return Parsed(model, None, clean, sampling, max_tokens if max_tokens is not None else mct, stream,
                   _stream_options(f, stream), f.bool_("add_generation_prompt", default=True), dict(kwargs),
-                  f.bool_("return_token_ids", default=False))
+                  f.bool_("return_token_ids", default=False), top_logprobs=sampling["logprobs"])

@@ -244,8 +244,11 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": "x", "stop": [1]}, "stop", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "invalid_type"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [512]}, "prompt", "invalid_value"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "unsupported_parameter"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 1}, "logprobs", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of", "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
     ({"model": MODEL, "prompt": "x", "foo": 1}, "foo", "unknown_parameter"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ([{"model": MODEL}], None, "invalid_type"),
@@ -262,6 +265,8 @@ BAD_CHAT = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools",
      "unsupported_parameter"),
     ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, "model", "model_not_found"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs", "invalid_type"),
 ]
 
 
