@@ -283,12 +283,6 @@ class ModelSpec:
             config = dataclasses.replace(config, primary_blocks=config.max_blocks_per_seq)
         return config
 
-    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int | float]:
-        """Window -> KV bytes per token (see `kvjax.capacity.cache_size_per_token`)."""
-        from kvjax.capacity import cache_size_per_token
-
-        return cache_size_per_token(self, **kwargs)
-
 
 def checkpoint_dir(name_or_path: str | Path) -> Path | None:
     """The checkpoint directory `name_or_path` names, or None for a model name / TOML file.

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvjax import CacheConfig
+from kvjax.capacity import cache_size_per_token
 from kvjax.model_spec import MODELS_DIR, ModelSpec, available_models
 
 REAL_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "gemma-3-27b", "qwen2.5-7b", "gemma-2b", "falcon-7b"]
@@ -53,7 +54,7 @@ def test_required_models_are_shipped():
     ],
 )
 def test_bytes_per_token(name, expected):
-    assert ModelSpec.load(name).cache_size_per_token() == expected
+    assert cache_size_per_token(ModelSpec.load(name)) == expected
 
 
 def test_gemma3_layer_pattern():
@@ -94,7 +95,7 @@ def test_per_layer_kv_heads(tmp_path):
     path.write_text(TINY_TOML.replace("num_kv_heads = 2", "num_kv_heads = [2, 4]"))
     spec = ModelSpec.from_toml(path)
     assert spec.kv_heads_per_layer == (2, 4)
-    assert spec.cache_size_per_token() == {128: 2 * (2 + 4) * 8 * 2}
+    assert cache_size_per_token(spec) == {128: 2 * (2 + 4) * 8 * 2}
 
 
 @pytest.mark.parametrize(
