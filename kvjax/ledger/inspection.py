@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvjax.ledger.block_key import BlockHasher, BlockKey
+from kvjax.ledger.block_hashing import BlockHasher
+from kvjax.ledger.block_key import BlockKey
 from kvjax.ledger.events import BlockHash
 
 if TYPE_CHECKING:
