@@ -15,6 +15,7 @@ from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.token_path import child_key
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
@@ -291,7 +292,7 @@ def _check_ages(tree, n: int, kids: dict, buckets: dict, index: dict) -> None:
             _fail(f"partial-match age list of tree node {n} is malformed")
         live, stale = [], 0
         for j, (first, birth) in enumerate(zip(firsts.ages, firsts.births, strict=True)):
-            c = kids.get(first if sid == 0 else (sid, first, ()))
+            c = kids.get(child_key(sid, first, ()))
             if c is not None and tree.pid[c] == birth:
                 if j < firsts.head:
                     _fail(f"partial-match age list of tree node {n} skips a live child")
