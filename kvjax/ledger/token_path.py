@@ -14,6 +14,7 @@ import array
 import struct
 import sys
 
+from kvjax._math import ceil_div
 from kvjax.ledger.block_key import BlockKey, MmKey
 from kvjax.ledger.packing import packer
 
@@ -113,7 +114,7 @@ def mm_keys_by_block(mm_items, tokens_per_block: int, first_block: int, end_toke
         if item.start >= end_token:
             continue
         lo = max(item.start // tpb, first_block)
-        hi = min(-(-(item.start + item.length) // tpb), -(-end_token // tpb))
+        hi = min(ceil_div(item.start + item.length, tpb), ceil_div(end_token, tpb))
         for d in range(lo, hi):
             start = d * tpb
             out.setdefault(d, []).append(MmKey(item.hash, max(start, item.start) - item.start))
