@@ -11,6 +11,7 @@ from collections import Counter
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from kvjax._math import ceil_div
 from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
@@ -50,7 +51,7 @@ def verify_ledger(bm: BlockManager, seqs: dict, tokens: TokenStore, listed: dict
         slot_table.verify((rid, seq.windows[wm.index].rows or []) for rid, seq in seqs.items())
         for rid, seq in seqs.items():
             sw = seq.windows[wm.index]
-            n_expected = -(-seq.num_tokens // tpb)
+            n_expected = ceil_div(seq.num_tokens, tpb)
             lengths = {len(beam) for beam in sw.blocks}
             if lengths != {n_expected}:
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
