@@ -15,6 +15,7 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
+from kvjax._math import ceil_div
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
@@ -142,7 +143,7 @@ def _safe(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length:
 
 def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     tpb = bm.tokens_per_block
-    n_ctx = -(-seq.prompt_len // tpb)
+    n_ctx = ceil_div(seq.prompt_len, tpb)
     beam = seq.beam_width
     plan = AdmissionPlan(seq, [], 0, None, [0, 0, 0, 0])
     if bm.is_cross:

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import OutOfBlocksError
-from kvjax.ledger.block_key import BlockHasher
+from kvjax.ledger.block_hashing import BlockHasher
 from kvjax.ledger.events import KVCacheEventManager
 from kvjax.ledger.free_queues import PRIMARY
 from kvjax.ledger.radix_tree import RadixTree

@@ -12,7 +12,8 @@ import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvjax.errors import UnknownBlockError
-from kvjax.ledger.block_key import BlockHasher, BlockKey
+from kvjax.ledger.block_hashing import BlockHasher
+from kvjax.ledger.block_key import BlockKey
 from kvjax.ledger.events import BlockHash
 from kvjax.ledger.validation import check_block_id, window_manager
 

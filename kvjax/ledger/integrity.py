@@ -11,10 +11,12 @@ from collections import Counter
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from kvjax._math import ceil_div
 from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.token_path import child_key
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
@@ -50,7 +52,7 @@ def verify_ledger(bm: BlockManager, live: LiveSequences) -> None:
         slot_table.verify((rid, seq.windows[wm.index].rows or []) for rid, seq in seqs.items())
         for rid, seq in seqs.items():
             sw = seq.windows[wm.index]
-            n_expected = -(-seq.num_tokens // tpb)
+            n_expected = ceil_div(seq.num_tokens, tpb)
             lengths = {len(beam) for beam in sw.blocks}
             if lengths != {n_expected}:
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
@@ -292,7 +294,7 @@ def _check_ages(tree, n: int, kids: dict, buckets: dict, index: dict) -> None:
             _fail(f"partial-match age list of tree node {n} is malformed")
         live, stale = [], 0
         for j, (first, birth) in enumerate(zip(firsts.ages, firsts.births, strict=True)):
-            c = kids.get(first if sid == 0 else (sid, first, ()))
+            c = kids.get(child_key(sid, first, ()))
             if c is not None and tree.pid[c] == birth:
                 if j < firsts.head:
                     _fail(f"partial-match age list of tree node {n} skips a live child")

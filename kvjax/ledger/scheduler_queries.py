@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvjax._math import ceil_div
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError, SchedulingStateError
 from kvjax.ledger.admission import plan_sequence, window_need
 from kvjax.ledger.packing import int_array
@@ -102,7 +103,7 @@ def needed_blocks_one_step(
         if request.num_draft_tokens and not bm.is_cross:  # added by the first step
             prompt_len = len(request.prompt)
             with_drafts = min(prompt_len + request.num_draft_tokens, bm.config.max_seq_len)
-            needed += (-(-with_drafts // tpb) - -(-prompt_len // tpb)) * beam
+            needed += (ceil_div(with_drafts, tpb) - ceil_div(prompt_len, tpb)) * beam
         return needed
     if seq.is_cross or seq.context_position < seq.prompt_len:
         return 0
@@ -112,7 +113,7 @@ def needed_blocks_one_step(
     nxt = curr + max(max_add, 0)
     if nxt > wm.max_token_num:
         return 0
-    return (-(-nxt // tpb) - -(-curr // tpb)) * beam
+    return (ceil_div(nxt, tpb) - ceil_div(curr, tpb)) * beam
 
 
 def remaining_blocks_to_completion(
@@ -128,21 +129,21 @@ def remaining_blocks_to_completion(
         if seq is not None:
             return 0
         assert request.encoder_len is not None  # `resolve` validated the request for a cross cache
-        return -(-request.encoder_len // tpb)
+        return ceil_div(request.encoder_len, tpb)
     prompt_len = len(request.prompt)
     final = prompt_len + request.max_new_tokens
     alloc = 0 if seq is None else len(seq.windows[wm.index].blocks[0])
     reuse_ok = bm.reuse and not cfg.is_variable_window and alloc == 0
     if wm.is_swa:
         held = 0 if seq is None else alloc - seq.windows[wm.index].num_front_removed
-        ctx = -(-(prompt_len + bubble) // tpb)
+        ctx = ceil_div(prompt_len + bubble, tpb)
         if reuse_ok:
             summary = summary or analyze_prefix_reuse(bm, live, request)
             ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
         # held blocks peak at ceil((window + drafts) / tpb) + 1: the blocks the oldest draft
         # query sees, and a new block is allocated before the token's detach releases one
         span = wm.window + request.num_draft_tokens
-        steady = min(-(-(final + bubble) // tpb), -(-span // tpb) + 1) * beam
+        steady = min(ceil_div(final + bubble, tpb), ceil_div(span, tpb) + 1) * beam
         # until the first token is added nothing has left the window: if that token starts
         # a block, the whole context plus one block is held for a moment
         cur = prompt_len if seq is None else seq.num_tokens
@@ -151,14 +152,14 @@ def remaining_blocks_to_completion(
         return max(0, peak - held)
     span = wm.window + wm.temporary_window
     ctx = (min(prompt_len, span) + bubble) // tpb
-    total = -(-(min(final, span) + bubble) // tpb)
+    total = ceil_div(min(final, span) + bubble, tpb)
     gen = total - ctx
     reusable = 0
     if reuse_ok:
         summary = summary or analyze_prefix_reuse(bm, live, request)
         reusable = min(summary.reusable_blocks_allocated, ctx, (prompt_len - 1) // tpb)
     cur_tokens = prompt_len if seq is None else seq.num_tokens
-    extra = int(final > wm.window and -(-final // tpb) > -(-cur_tokens // tpb) and -(-final // tpb) > total)
+    extra = int(final > wm.window and ceil_div(final, tpb) > ceil_div(cur_tokens, tpb) and ceil_div(final, tpb) > total)
     if alloc < ctx - reusable:
         return (ctx - reusable - alloc) + (gen + extra) * beam
     return max(0, (total - reusable - alloc + extra) * beam)
@@ -202,7 +203,7 @@ def remaining_blocks_to_completion_many(
     # a full-attention window spans `max_seq_len`, so the scalar form's clipping to the window
     # (and its extra block for a request outgrowing it) never applies here
     ctx = (prompt + bubble) // tpb  # [n]
-    total = -(-(final + bubble) // tpb)  # [n]
+    total = ceil_div(final + bubble, tpb)  # [n]
     # (a live request holds its prompt's blocks, never none: the scalar form's credit for
     # reusable blocks, which only a request holding none gets, does not apply)
     return np.where(alloc < ctx, ctx - alloc + (total - ctx) * beam, np.maximum(0, (total - alloc) * beam))
@@ -223,7 +224,7 @@ def needed_blocks_one_step_many(
     drafts = int_array([s.num_draft_tokens for s in seqs])  # [n]
     left = int_array([s.max_new_tokens for s in seqs]) - (cur - prompt)  # [n] tokens still to generate
     nxt = cur + np.maximum(np.minimum(steps * (drafts + 1), left), 0)  # [n]
-    need = (-(-nxt // tpb) - -(-cur // tpb)) * int_array([s.beam_width for s in seqs])  # [n] blocks the new tokens start
+    need = (ceil_div(nxt, tpb) - ceil_div(cur, tpb)) * int_array([s.beam_width for s in seqs])  # [n] blocks the new tokens start
     return np.where(idle | (nxt > wm.max_token_num), 0, need)
 
 

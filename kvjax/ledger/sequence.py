@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 from collections.abc import Hashable, Sequence
 
+from kvjax._math import ceil_div
 from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.token_path import PLAIN_UNIT, TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
@@ -249,7 +250,7 @@ class TrackedSequence:
         r = self.retention
         if r is None or count <= 0:
             return [(None, None)] * max(count, 0)
-        n_ctx = -(-self.prompt_len // tokens_per_block)  # blocks holding a prompt token
+        n_ctx = ceil_div(self.prompt_len, tokens_per_block)  # blocks holding a prompt token
         out: list[tuple[int | None, float | None]] = []
         if first < n_ctx:
             table = self.context_retention
@@ -262,13 +263,13 @@ class TrackedSequence:
 
     def _retention_table(self, tpb: int) -> list[tuple[int | None, float | None]]:
         """Per context block (priority, duration): the range holding the block's first token."""
-        n = -(-self.prompt_len // tpb)
+        n = ceil_div(self.prompt_len, tpb)
         table: list[tuple[int | None, float | None]] = [(None, None)] * n
         retention = self.retention
         assert retention is not None  # only `block_priority` of a request with retention builds it
         for r in retention.ranges:
-            lo = -(-r.start // tpb)
-            hi = n if r.end is None else min(n, -(-r.end // tpb))
+            lo = ceil_div(r.start, tpb)
+            hi = n if r.end is None else min(n, ceil_div(r.end, tpb))
             if hi > lo:
                 table[lo:hi] = [(r.priority, r.duration_s)] * (hi - lo)
         return table

@@ -20,16 +20,15 @@ from hypothesis import given, settings
 
 from kvjax import KVCacheManager, Request
 from kvjax.ledger import RemovedData, StoredData, UpdatedData
-from kvjax.ledger.block_key import (
+from kvjax.ledger.block_hashing import (
     SHA256_ROOT_HASH,
     TOKEN_MEMO_MAX,
     BlockHasher,
-    BlockKey,
-    MmKey,
     canonical_key_bytes,
     sha256_block_hash,
     trtllm64_block_hash,
 )
+from kvjax.ledger.block_key import BlockKey, MmKey
 from ledger_helpers import make_config
 
 

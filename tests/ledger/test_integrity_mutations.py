@@ -23,7 +23,8 @@ from kvjax import CacheConfig, KVCacheManager, MultimodalItem, Request, Retentio
 from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
-from kvjax.ledger.radix_tree import NO_BLOCK, ROOT, SortedFirsts
+from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.sorted_firsts import SortedFirsts
 from ledger_helpers import FakeClock
 
 TPB = 4
