@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvjax.model_spec import servable_model
+from kvjax.model_catalog import servable_model
 from kvjax.tokenizer import Tokenizer
 
 
