@@ -149,3 +149,26 @@ class LedgerInspector:
     def event_hasher(self) -> BlockHasher:
         """The block-hash formula of this manager's events (`CacheConfig.event_hash`)."""
         return self._bm.tree.hasher
+
+
+# ---------------------------------------------------------------------------- block counts
+def free_primary(bm: BlockManager, window: int | None) -> int:
+    """Free primary blocks of `window`; with several windows and no `window`, the minimum."""
+    if window is None and len(bm.windows) > 1:
+        return min(wm.num_free_primary for wm in bm.windows)
+    return window_manager(bm, window).num_free_primary
+
+
+def allocated_primary(bm: BlockManager, window: int | None) -> int:
+    """Referenced primary blocks of `window`; with several windows and no `window`, the maximum."""
+    if window is None and len(bm.windows) > 1:
+        return max(wm.num_primary - wm.num_free_primary for wm in bm.windows)
+    wm = window_manager(bm, window)
+    return wm.num_primary - wm.num_free_primary
+
+
+def free_secondary(bm: BlockManager, window: int | None) -> int:
+    """Free secondary blocks of `window`; with several windows and no `window`, the minimum."""
+    if window is None and len(bm.windows) > 1:
+        return min(wm.num_free_secondary for wm in bm.windows)
+    return window_manager(bm, window).num_free_secondary

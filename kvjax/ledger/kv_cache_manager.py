@@ -3,9 +3,12 @@
 A facade: every method checks its arguments (`kvjax.ledger.validation`) before anything
 changes, so a failed call leaves the ledger exactly as it was, takes the lock its thread
 contract asks for (`kvjax.ledger.concurrency`), and hands the work to the module that owns
-it: admission (`admission`), growth, storing and release (`block_manager`), rewinds
-(`rewind`), scheduler queries (`scheduler_queries`), statistics (`stats`), block tables
-(`block_tables`), failed transfers (`transfer_failures`) and inspection (`inspection`).
+it, with the owners it needs (the `BlockManager`; `LiveSequences`, the state of every live
+request): admission (`admission`), growth (`growth`, `block_manager`), the batched decode
+step (`decode_batch`), storing for reuse and pins (`storing`), release (`block_manager`),
+rewinds (`rewind`), scheduler queries (`scheduler_queries`), statistics (`stats`), block
+tables (`block_tables`, `live_sequences`), failed transfers (`transfer_failures`) and
+inspection (`inspection`). Nothing below imports this module or reads its attributes.
 """
 from __future__ import annotations
 
@@ -16,13 +19,21 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 import numpy as np
 
 from kvjax.config import CacheConfig
-from kvjax.errors import ArgumentTypeError, InvalidArgumentError, InvalidRequestError, KVCacheError, UnknownRequestError
-from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries
+from kvjax.errors import ArgumentTypeError, InvalidRequestError, KVCacheError, UnknownRequestError
+from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries, storing
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.concurrency import reader, writer
 from kvjax.ledger.events import KVCacheEvent
 from kvjax.ledger.growth import add_token_slow
-from kvjax.ledger.inspection import BlockInfo, LedgerInspector, block_info, known_block
+from kvjax.ledger.inspection import (
+    BlockInfo,
+    LedgerInspector,
+    allocated_primary,
+    block_info,
+    free_primary,
+    free_secondary,
+    known_block,
+)
 from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
 from kvjax.ledger.live_sequences import LiveSequences
 from kvjax.ledger.reset import reset_prefix_cache
@@ -31,13 +42,11 @@ from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats, cache_stats, counter_totals, hit_rate, iteration_stats
 from kvjax.ledger.transfer_failures import APPLIED, FAILED, TransferFailure, TransferLog, apply_failure
 from kvjax.ledger.validation import (
-    check_block_id,
     check_flag,
     check_max_blocks,
     check_op_indices,
     check_table_ids,
     check_timeout,
-    check_unpin_ids,
     window_manager,
 )
 from kvjax.request import Request
@@ -185,26 +194,13 @@ class KVCacheManager:
         """Chunked prefill: the first `position` tokens have their KV materialised (also how an
         engine reports progress recomputing after `transfers_failed`)."""
         position = check_int("context position", position, 0, None, error=InvalidRequestError)
-        seq = self._seq(request_id)
-        if not position <= seq.num_tokens:
-            raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
-        released = self._bm.released_blocks_visible(seq, position) if position < seq.prompt_len else None
-        if released:
-            raise InvalidRequestError(
-                f"request {request_id!r}: a chunk starting at {position} would see blocks window(s) {released} already released"
-            )
-        self._live.set_context_position(seq, position)
+        self._live.set_context_position(self._seq(request_id), position)
 
     # ------------------------------------------------------------------ storing for reuse
-    def _can_store(self, seq: TrackedSequence) -> bool:
-        return self._bm.reuse and not seq.is_cross
-
     @writer
     def store_context_blocks(self, request_id: Hashable) -> None:
         """Make the materialised full context blocks reusable now ("early reuse")."""
-        seq = self._seq(request_id)
-        if self._can_store(seq):
-            self._bm.store(seq, min(self._live.materialised(seq), seq.prompt_len), allow_partial=False)
+        storing.store_context(self._bm, self._live, self._seq(request_id))
 
     def store_new_block(self, request_id: Hashable) -> None:
         """During generation: make newly completed full blocks reusable (beam width 1 only).
@@ -230,21 +226,7 @@ class KVCacheManager:
         `add_tokens` (admissions in between keep it), the requests with nothing new are found
         by one comparison of two columns, without reading their objects
         (`decode_batch.store_candidates`); otherwise each costs one comparison."""
-        ids = check_id_list("request_ids", request_ids)
-        bm = self._bm
-        live = self._live
-        maybe = decode_batch.store_candidates(bm, live, ids) if bm.reuse else None
-        if maybe is not None:  # the ids of the cached `add_tokens` batch: only rows that may store
-            seqs = maybe
-        else:
-            seqs = live.of(ids)
-            if not bm.reuse:
-                return
-            seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
-        counts = live.materialised_many(seqs)
-        rows = bm.with_unstored_blocks(seqs, counts)
-        if rows:
-            bm.store_new_full_blocks([seqs[i] for i in rows], [counts[i] for i in rows])
+        storing.store_new_blocks(self._bm, self._live, check_id_list("request_ids", request_ids))
 
     @writer
     def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:
@@ -254,48 +236,20 @@ class KVCacheManager:
         windows)."""
         pin = check_flag("pin", pin)
         seq = self._seq(request_id)
-        if self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, self._live.materialised(seq), allow_partial=True)
+        storing.store_all(self._bm, self._live, seq)
         if pin:
-            self._pin(seq)
-        return self._own_block_ids(seq)
-
-    def _own_block_ids(self, seq: TrackedSequence) -> list[int] | dict[int, list[int]]:
-        ids = {wm.window: seq.windows[wm.index].unique_blocks() for wm in self._bm.windows}
-        return next(iter(ids.values())) if len(ids) == 1 else ids
-
-    def _pin(self, seq: TrackedSequence) -> None:
-        for wm in self._bm.windows:
-            for b in seq.windows[wm.index].unique_blocks():
-                wm.refs.pin_block(b)
+            storing.pin(self._bm, seq)
+        return storing.own_block_ids(self._bm, seq)
 
     @writer
     def pin_blocks(self, request_id: Hashable) -> None:
         """Keep the sequence's blocks alive past `remove_sequence` (e.g. a KV transfer)."""
-        self._pin(self._seq(request_id))
+        storing.pin(self._bm, self._seq(request_id))
 
     @writer
     def unpin_blocks(self, block_ids: Sequence[int] | dict[int, Sequence[int]]) -> None:
         """Drop one pin per listed id (a list for one window, or a dict window -> ids)."""
-        check_unpin_ids(block_ids)
-        if isinstance(block_ids, dict):
-            items = [(window_manager(self._bm, w), list(ids)) for w, ids in block_ids.items()]
-        else:
-            items = [(window_manager(self._bm, None), list(block_ids))]
-        checked = []
-        for wm, ids in items:
-            counts: dict[int, int] = {}
-            for i in ids:
-                b = check_block_id(i, wm.num_blocks, wm.window, InvalidArgumentError)
-                counts[b] = counts.get(b, 0) + 1
-            pins = wm.refs.pin
-            for b, k in counts.items():
-                if pins[b] < k:
-                    raise InvalidArgumentError(f"block {b} of window {wm.window} is not pinned {k} time(s)")
-            checked.append((wm, [int(i) for i in ids]))
-        for wm, ids in checked:
-            for b in ids:
-                wm.refs.unpin_block(b)
+        storing.unpin(self._bm, block_ids)
 
     @writer
     def remove_sequence(self, request_id: Hashable, *, store_for_reuse: bool = True, pin: bool = False) -> None:
@@ -303,10 +257,10 @@ class KVCacheManager:
         newest token has no KV yet), optionally pin them, then release last block first."""
         store_for_reuse, pin = check_flag("store_for_reuse", store_for_reuse), check_flag("pin", pin)
         seq = self._seq(request_id)
-        if store_for_reuse and self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, self._live.materialised(seq), allow_partial=True)
+        if store_for_reuse:
+            storing.store_all(self._bm, self._live, seq)
         if pin:
-            self._pin(seq)
+            storing.pin(self._bm, seq)
         self._bm.release(seq)
         self._live.remove(seq)
 
@@ -336,41 +290,24 @@ class KVCacheManager:
     @reader
     def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:
         """TensorRT-LLM `KVCacheIndex` offsets `[num_pools, rows, 2, max_blocks]` (int32). Thread-safe."""
-        from kvjax.offsets import kvcache_index_offsets
-
         request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
-        live = self._live
-        live.of(request_ids)  # unknown ids raise here
-        windows = self._bm.windows
-        rows = {wm.window: live.slot_rows(request_ids, wm) for wm in windows}
-        if max_blocks is None:
-            lengths = (wm.slot_table.lengths[rows[wm.window]] for wm in windows)
-            max_blocks = max((int(x.max()) for x in lengths if len(x)), default=0)
-        tables = {wm.window: wm.slot_table.gather(rows[wm.window], max_blocks) for wm in windows}
-        return kvcache_index_offsets(self.config, tables)
+        return self._live.block_offsets(request_ids, max_blocks)
 
     # ------------------------------------------------------------------ counts and stats
     @reader
     def num_free_blocks(self, window: int | None = None) -> int:
         """Free primary blocks (cached-but-unreferenced ones count as free); with several
         windows and no `window`, the minimum over windows."""
-        if window is None and len(self._bm.windows) > 1:
-            return min(wm.num_free_primary for wm in self._bm.windows)
-        return window_manager(self._bm, window).num_free_primary
+        return free_primary(self._bm, window)
 
     @reader
     def num_allocated_blocks(self, window: int | None = None) -> int:
         """Referenced primary blocks; with several windows and no `window`, the maximum."""
-        if window is None and len(self._bm.windows) > 1:
-            return max(wm.num_primary - wm.num_free_primary for wm in self._bm.windows)
-        wm = window_manager(self._bm, window)
-        return wm.num_primary - wm.num_free_primary
+        return allocated_primary(self._bm, window)
 
     @reader
     def num_free_secondary_blocks(self, window: int | None = None) -> int:
-        if window is None and len(self._bm.windows) > 1:
-            return min(wm.num_free_secondary for wm in self._bm.windows)
-        return window_manager(self._bm, window).num_free_secondary
+        return free_secondary(self._bm, window)
 
     @reader
     def stats(self) -> KVCacheStats:

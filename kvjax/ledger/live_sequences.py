@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax.errors import UnknownRequestError
+from kvjax.errors import InvalidRequestError, UnknownRequestError
 from kvjax.ledger.packing import int_array, same_ids
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.token_store import TokenStore
@@ -184,8 +184,18 @@ class LiveSequences:
             seq.prepopulated = cut  # what `request_stats` reports as prepopulated tokens
 
     def set_context_position(self, seq: TrackedSequence, position: int) -> None:
-        """Chunked prefill progress (checked by the caller); recomputing after a failed
-        transfer ends once the position reaches the newest token."""
+        """Chunked prefill progress (`position`: a non-negative int); recomputing after a
+        failed transfer ends once the position reaches the newest token. A position past the
+        tokens, or one whose chunk would see blocks a sliding window released, raises
+        `InvalidRequestError` with nothing changed."""
+        if not position <= seq.num_tokens:
+            raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
+        released = self.bm.released_blocks_visible(seq, position) if position < seq.prompt_len else None
+        if released:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: a chunk starting at {position} would see blocks window(s) {released} "
+                "already released"
+            )
         seq.context_position = position
         rid = seq.request_id
         if rid in self.kv_valid:
@@ -219,6 +229,20 @@ class LiveSequences:
         rows.flags.writeable = False
         self.table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
         return rows
+
+    def block_offsets(self, request_ids: Sequence[Hashable], max_blocks: int | None) -> np.ndarray:
+        """TensorRT-LLM `KVCacheIndex` offsets `[num_pools, rows, 2, max_blocks]` (int32) of
+        checked ids, from every window's slot table (`max_blocks=None`: the longest row's width)."""
+        from kvjax.offsets import kvcache_index_offsets
+
+        self.of(request_ids)  # unknown ids raise here
+        windows = self.bm.windows
+        rows = {wm.window: self.slot_rows(request_ids, wm) for wm in windows}
+        if max_blocks is None:
+            lengths = (wm.slot_table.lengths[rows[wm.window]] for wm in windows)
+            max_blocks = max((int(x.max()) for x in lengths if len(x)), default=0)
+        tables = {wm.window: wm.slot_table.gather(rows[wm.window], max_blocks) for wm in windows}
+        return kvcache_index_offsets(self.bm.config, tables)
 
     def items(self) -> Iterable[tuple[Hashable, TrackedSequence]]:
         return self.seqs.items()
