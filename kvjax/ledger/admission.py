@@ -18,7 +18,7 @@ from kvjax._math import ceil_div
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
-from kvjax.ledger.sequence import TrackedSequence
+from kvjax.ledger.sequence import StoreCursor, TrackedSequence
 from kvjax.ledger.token_path import TokenPath
 
 if TYPE_CHECKING:
@@ -266,17 +266,17 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
         level = wm.columns.level
         bnode = wm.block_node
         has_secondary = wm.num_secondary > 0
-        # Take every matched free block out of the queues first, so no allocation (an
-        # onboard target, a copy, a fresh block, another request's) can evict a block the
-        # batch is about to reuse or copy. Phase A references every full match; a partial
-        # match's source may be copied and go back (`sources`).
+        # Claim every full match first (out of the queues and referenced), so no allocation
+        # (an onboard target, a copy, a fresh block, another request's) can evict a block the
+        # batch is about to reuse or copy. A partial match's source is only held out of the
+        # queues: it may be copied and go back (`sources`).
         sources: list[int] = []
         for adm in plans:
             wa = adm.windows[widx]
             if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
-                queues.take_many(wa.free, all_free=True)
+                refs.claim_many(wa.matched, free=wa.free)
             else:
-                queues.take_many(wa.matched)
+                refs.claim_many(wa.matched)
             if wa.partial is not None and queue[wa.partial[0]] >= 0:
                 queues.take(wa.partial[0])
                 sources.append(wa.partial[0])
@@ -287,12 +287,11 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             sw = seq.windows[widx]
             alloc_total, alloc_new = c.alloc_total, c.alloc_new
             matched = wa.matched
-            # full matches: claim (keeping a cached block's priority unless the request
-            # states one), onboard secondary ones, then append to every beam
+            # full matches (claimed above, keeping a cached block's priority unless the request
+            # states one): onboard secondary ones, then append to every beam
             # only a sliding window's walk leaves gaps (None) in `matched`
             real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
             gaps = len(matched) - len(real)
-            refs.acquire_all(real)
             queues.clear_durations(real)
             if has_secondary:
                 for b in real:
@@ -330,7 +329,7 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
             if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
                 # storing resumes after the matched chain
                 n = bnode[matched[-1]]
-                wm.set_cursor(sw, (n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched)), own=True)
+                wm.set_cursor(sw, StoreCursor(n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched)), own=True)
             if wa.partial is not None:
                 b, n_tok = wa.partial
                 prio, dur = seq.block_priority(len(matched), tpb)
@@ -339,14 +338,13 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                     if prio is not None:  # else the block keeps its own, as a full match does
                         queues.set_priority(b, prio)
                     queues.set_duration(b, dur)
-                    refs.acquire(b)
+                    refs.claim(b)  # held out of the queues above, as a copy source
                     if level[b]:
                         wm.onboard(b)
                 else:  # the copy inherits the source's retention unless the request states one
                     if prio is None:
                         prio, dur = queues.priority[b], queues.duration.get(b)
                     b = wm.copy_prefix(b, n_tok, prio, dur)
-                    refs.acquire(b)
                 c.reused_partial += 1
                 row = [*row, b]
             rows.append(row)
@@ -380,7 +378,6 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
                 prio, dur = seq.block_priority(wa.num_shared, tpb)
                 for beam in range(seq.beam_width):
                     b = wm.get_free_block(prio, dur)
-                    refs.acquire(b)
                     wm.append_block(sw, beam, b)
             deltas[2] += c.alloc_total - alloc_total
             deltas[3] += c.alloc_new - alloc_new
