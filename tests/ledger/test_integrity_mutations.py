@@ -416,7 +416,8 @@ CASES: list[Case] = [
      r"window 64: request 'b' has store hint 16 for cursor StoreCursor\(node=\d+, pid=\d+, full_blocks=4\)"),
     # a store hint trusting a cursor whose position holds another block than the request's own
     ("seq-hint-on-foreign-position", rich, cursor_on_foreign_block,
-     r"window 64: the store hint of request 'b' trusts cursor StoreCursor\(node=\d+, pid=\d+, full_blocks=4\), whose position lost block 5"),
+     r"window 64: the store hint of request 'b' trusts cursor StoreCursor\(node=\d+, pid=\d+, full_blocks=4\), "
+     r"whose position lost block 5"),
     # a token without its block
     ("seq-tokens-without-block", rich, lambda m: m._seqs["b"].tokens.append(208),
      r"window 64: request 'b' has block lists of lengths \{5\}, expected 6"),
