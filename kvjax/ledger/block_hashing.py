@@ -149,24 +149,36 @@ def sha256_block_hash(key: BlockKey, parent_hash: bytes | None = None) -> bytes:
     return hashlib.sha256(parent + canonical_key_bytes(key)).digest()
 
 
+def plain_block_hash(parent: bytes, units: bytes) -> bytes:
+    """`sha256_block_hash` of a plain block (no extra ids, LoRA task, cache salt or multimodal
+    keys) chained from `parent`, given its token ids as little-endian int32 `units`: the
+    canonical encoding written from those bytes directly (the radix tree stores tokens that
+    way), with no `BlockKey` built."""
+    return _sha256(b"".join((parent, _token_head[len(units) >> 2], units, _PLAIN_TAIL))).digest()
+
+
 def plain_block_hashes(parent: bytes, units: bytes, block_bytes: int) -> list[bytes]:
-    """`sha256_block_hash` of each block of a plain path (no extra ids, LoRA task, cache salt or
-    multimodal keys), chained from `parent`, given the blocks' token ids as little-endian int32
-    `units`: whole blocks of `block_bytes` bytes, then at most one partial block. The canonical
-    encoding is written from those bytes directly (the radix tree stores tokens that way), with
-    no `BlockKey` built."""
+    """`plain_block_hash` of each block of `units` (whole blocks of `block_bytes` bytes, then
+    at most one partial block), chained from `parent`. The whole blocks are hashed in one loop
+    that looks their common head up once and splits them in C."""
+    size = len(units)
+    full = size - size % block_bytes
     out: list[bytes] = []
-    append, join, heads, tail, h = out.append, b"".join, _token_head, _PLAIN_TAIL, parent
-    for i in range(0, len(units), block_bytes):
-        blk = units[i : i + block_bytes]
-        h = _sha256(join((h, heads[len(blk) >> 2], blk, tail))).digest()
-        append(h)
+    h = parent
+    if full:
+        split = _splitters.get(block_bytes)
+        if split is None:
+            split = _splitters[block_bytes] = struct.Struct(f"{block_bytes}s").iter_unpack
+        append, join, head, tail = out.append, b"".join, _token_head[block_bytes >> 2], _PLAIN_TAIL
+        for (blk,) in split(units if full == size else units[:full]):
+            h = _sha256(join((h, head, blk, tail))).digest()  # plain_block_hash(h, blk)
+            append(h)
+    if full < size:
+        out.append(plain_block_hash(h, units[full:]))
     return out
 
 
-def plain_block_hash(parent: bytes, units: bytes) -> bytes:
-    """`plain_block_hashes` of one block."""
-    return plain_block_hashes(parent, units, len(units))[0]
+_splitters: dict[int, Callable] = {}  # block bytes -> iter_unpack of whole blocks (one per block size)
 
 
 # ---------------------------------------------------------------------------- per-manager hasher
