@@ -19,7 +19,7 @@ from kvjax._math import ceil_div
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
-from kvjax.ledger.sequence import TrackedSequence
+from kvjax.ledger.sequence import StoreCursor, TrackedSequence
 from kvjax.ledger.token_path import TokenPath
 from kvjax.ledger.validation import check_token_values, validate_request
 from kvjax.request import Request
@@ -294,20 +294,20 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
 
 
 def _hold_matches(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> list[int]:
-    """Take every matched free block out of the queues first, so no allocation (an onboard
-    target, a copy, a fresh block, another request's) can evict a block the batch is about to
-    reuse or copy. Phase A references every full match; a partial match's source may be
-    copied and go back: returns those sources."""
+    """Claim every full match first (out of the queues and referenced), so no allocation (an
+    onboard target, a copy, a fresh block, another request's) can evict a block the batch is
+    about to reuse or copy. A partial match's source is only held out of the queues: it may be
+    copied and go back; returns those sources."""
     widx = wm.index
-    queues = wm.queues
+    queues, refs = wm.queues, wm.refs
     queue = queues.queue
     sources: list[int] = []
     for adm in plans:
         wa = adm.windows[widx]
         if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
-            queues.take_many(wa.free, all_free=True)
+            refs.claim_many(wa.matched, free=wa.free)
         else:
-            queues.take_many(wa.matched)
+            refs.claim_many(wa.matched)
         if wa.partial is not None and queue[wa.partial[0]] >= 0:
             queues.take(wa.partial[0])
             sources.append(wa.partial[0])
@@ -327,7 +327,7 @@ def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan,
     # only a sliding window's walk leaves gaps (None) in `matched`
     real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
     gaps = len(matched) - len(real)
-    _claim_full(wm, real)
+    _onboard_full(wm, real)
     if seq.retention is not None and matched:
         _apply_retention(wm, seq, matched, tpb)
     c.reused_full += len(matched) - gaps
@@ -339,7 +339,7 @@ def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan,
         # storing resumes after the matched chain
         tree = bm.tree
         n = wm.block_node[matched[-1]]
-        wm.set_cursor(sw, (n, tree.pid[n] + tree.block_offset[wm.index][matched[-1]], len(matched)), own=True)
+        wm.set_cursor(sw, StoreCursor(n, tree.pid[n] + tree.block_offset[wm.index][matched[-1]], len(matched)), own=True)
     if wa.partial is not None:
         row = [*row, _claim_partial(wm, seq, wa.partial, len(matched), in_place.get(wa.partial[0]) == i, tpb)]
         c.reused_partial += 1
@@ -350,9 +350,8 @@ def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan,
     return row
 
 
-def _claim_full(wm: WindowBlockManager, blocks: list[int]) -> None:
-    """Reference the fully matched blocks (held out of the queues) and onboard secondary ones."""
-    wm.refs.acquire_all(blocks)
+def _onboard_full(wm: WindowBlockManager, blocks: list[int]) -> None:
+    """The claimed full matches: their retention durations end, secondary ones are onboarded."""
     wm.queues.clear_durations(blocks)
     if wm.num_secondary > 0:
         level = wm.columns.level
@@ -402,15 +401,13 @@ def _claim_partial(
         if prio is not None:  # else the block keeps its own, as a full match does
             queues.set_priority(b, prio)
         queues.set_duration(b, dur)
-        refs.acquire(b)
+        refs.claim(b)  # held out of the queues by `_hold_matches`, as a copy source
         if wm.columns.level[b]:
             wm.onboard(b)
         return b
     if prio is None:  # the copy inherits the source's retention unless the request states one
         prio, dur = queues.priority[b], queues.duration.get(b)
-    b = wm.copy_prefix(b, n_tok, prio, dur)
-    refs.acquire(b)
-    return b
+    return wm.copy_prefix(b, n_tok, prio, dur)
 
 
 def _release_copy_sources(wm: WindowBlockManager, sources: list[int]) -> None:
@@ -448,7 +445,6 @@ def _allocate_fresh(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan
         prio, dur = seq.block_priority(wa.num_shared, tpb)
         for beam in range(seq.beam_width):
             b = wm.get_free_block(prio, dur)
-            wm.refs.acquire(b)
             wm.append_block(sw, beam, b)
     deltas[2] += c.alloc_total - alloc_total
     deltas[3] += c.alloc_new - alloc_new

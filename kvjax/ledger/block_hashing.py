@@ -93,15 +93,18 @@ _U32_CODE = next(c for c in "IL" if array.array(c).itemsize == 4)
 _SWAP = sys.byteorder != "little"
 _PLAIN_TAIL = b"elsM" + _U32.pack(0)  # no extra ids, no LoRA, no salt, no multimodal items
 _sha256 = hashlib.sha256
-_heads: dict[int, bytes] = {}  # token count -> its field head (counts up to tokens per block)
 
 
-def _token_head(n: int) -> bytes:
-    """The tag and length that introduce a run of `n` int32 token ids."""
-    head = _heads.get(n)
-    if head is None:
-        head = _heads[n] = b"T" + _U32.pack(n)
-    return head
+class _TokenHeads(dict[int, bytes]):
+    """Token count -> the tag and length that introduce a run of that many int32 token ids
+    (made on first use; counts go up to tokens per block), read with one dict lookup."""
+
+    def __missing__(self, n: int) -> bytes:
+        head = self[n] = b"T" + _U32.pack(n)
+        return head
+
+
+_token_head = _TokenHeads()
 
 
 def _int_field(v: int) -> bytes:
@@ -117,7 +120,7 @@ def canonical_key_bytes(key: BlockKey) -> bytes:
         packed = array.array(_U32_CODE, tokens)
         if _SWAP:
             packed.byteswap()
-        head = _token_head(len(tokens)) + packed.tobytes()
+        head = _token_head[len(tokens)] + packed.tobytes()
     except (OverflowError, TypeError):
         head = b"t" + _U32.pack(len(tokens)) + b"".join(_int_field(t) for t in tokens)
     if key.extra_ids is None and key.lora_task_id is None and key.cache_salt_id is None and not key.mm_keys:
@@ -148,20 +151,34 @@ def sha256_block_hash(key: BlockKey, parent_hash: bytes | None = None) -> bytes:
 
 def plain_block_hash(parent: bytes, units: bytes) -> bytes:
     """`sha256_block_hash` of a plain block (no extra ids, LoRA task, cache salt or multimodal
-    keys) given its token ids as little-endian int32 `units`: the canonical encoding written
-    from those bytes directly (the radix tree stores tokens that way), no `BlockKey` built."""
-    return _sha256(b"".join((parent, _token_head(len(units) >> 2), units, _PLAIN_TAIL))).digest()
+    keys) chained from `parent`, given its token ids as little-endian int32 `units`: the
+    canonical encoding written from those bytes directly (the radix tree stores tokens that
+    way), with no `BlockKey` built."""
+    return _sha256(b"".join((parent, _token_head[len(units) >> 2], units, _PLAIN_TAIL))).digest()
 
 
 def plain_block_hashes(parent: bytes, units: bytes, block_bytes: int) -> list[bytes]:
     """`plain_block_hash` of each block of `units` (whole blocks of `block_bytes` bytes, then
-    at most one partial block), chained from `parent`."""
+    at most one partial block), chained from `parent`. The whole blocks are hashed in one loop
+    that looks their common head up once and splits them in C."""
+    size = len(units)
+    full = size - size % block_bytes
     out: list[bytes] = []
-    append, h = out.append, parent
-    for i in range(0, len(units), block_bytes):
-        h = plain_block_hash(h, units[i : i + block_bytes])
-        append(h)
+    h = parent
+    if full:
+        split = _splitters.get(block_bytes)
+        if split is None:
+            split = _splitters[block_bytes] = struct.Struct(f"{block_bytes}s").iter_unpack
+        append, join, head, tail = out.append, b"".join, _token_head[block_bytes >> 2], _PLAIN_TAIL
+        for (blk,) in split(units if full == size else units[:full]):
+            h = _sha256(join((h, head, blk, tail))).digest()  # plain_block_hash(h, blk)
+            append(h)
+    if full < size:
+        out.append(plain_block_hash(h, units[full:]))
     return out
+
+
+_splitters: dict[int, Callable] = {}  # block bytes -> iter_unpack of whole blocks (one per block size)
 
 
 # ---------------------------------------------------------------------------- per-manager hasher

@@ -71,7 +71,6 @@ class BlockManager:
                 raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
             prio, dur = (None, None) if seq.retention is None else seq.block_priority(index, self.tokens_per_block)
             b = wm.get_free_block(prio, dur)
-            wm.refs.acquire(b)
             wm.append_block(seq.windows[0], 0, b)
             wm.counters.gen_alloc += 1
             return
@@ -83,7 +82,6 @@ class BlockManager:
             sw = seq.windows[wm.index]
             for beam in range(per_token):
                 b = wm.get_free_block(prio, dur)
-                wm.refs.acquire(b)
                 wm.append_block(sw, beam, b)
             wm.counters.gen_alloc += per_token
 
@@ -143,17 +141,15 @@ class BlockManager:
         decode step's usual row (its newest full block is where its cursor says it was stored)
         is settled by one comparison here; any other goes to `has_unstored_block`."""
         tpb = self.tokens_per_block
-        pids, lengths = self.tree.pid, self.tree.length
+        holds = self.tree.holds
         single = len(self.windows) == 1
         has_unstored = self.has_unstored_block
         out = []
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             if single:
                 cur = seq.windows[0].cursor
-                if cur is not None and n // tpb <= cur[2]:
-                    first = pids[cur[0]]
-                    if first <= cur[1] < first + lengths[cur[0]]:
-                        continue
+                if cur is not None and n // tpb <= cur.full_blocks and holds(cur.node, cur.pid):
+                    continue
             if has_unstored(seq, n):
                 out.append(i)
         return out
@@ -163,15 +159,13 @@ class BlockManager:
         n_full = num_tokens // self.tokens_per_block
         if n_full <= 0:
             return False
-        pids, lengths = self.tree.pid, self.tree.length
+        holds = self.tree.holds
         for wm in self.windows:
             sw = seq.windows[wm.index]
             cur = sw.cursor
-            if cur is None or n_full > cur[2]:
+            if cur is None or n_full > cur.full_blocks:
                 return True
-            node, pid = cur[0], cur[1]
-            first = pids[node]
-            if first <= pid < first + lengths[node]:  # still where it was stored (most calls)
+            if holds(cur.node, cur.pid):  # still where it was stored (most calls)
                 continue
             if wm.cursor_position(seq, sw) is None:  # moved by a split, or pruned since
                 return True

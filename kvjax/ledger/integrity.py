@@ -107,10 +107,10 @@ def _verify_store_hint(bm: BlockManager, wm, rid, seq, sw) -> None:
         return
     cur = sw.cursor
     w = wm.window
-    if cur is None or wm.is_swa or due != (cur[2] + 1) * bm.tokens_per_block:
+    if cur is None or wm.is_swa or due != (cur.full_blocks + 1) * bm.tokens_per_block:
         _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
     found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
-    own = sw.blocks[0][cur[2] - 1]
+    own = sw.blocks[0][cur.full_blocks - 1]
     row = None if found is None else bm.tree.values[wm.index][found[0][0]]
     if row is None or row[found[0][1]] != own:
         _fail(f"window {w}: the store hint of request {rid!r} trusts cursor {cur}, whose position lost block {own}")

@@ -65,7 +65,6 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
         b = beam[last]
         if wm in cow:
             fresh = wm.copy_prefix(b, filled, None, None)
-            wm.refs.acquire(fresh)
             wm.release_block(b)
             sw.set_block(0, last, fresh)
             wm.slot_table.set(sw, 0, last, wm.columns.slot[fresh])
@@ -73,7 +72,7 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
             pos = tree.position_of(wm.index, b)
             if pos is not None and tree.position_tokens(*pos) > filled:
                 wm.drop_cached(b, evicted=False)
-        if sw.cursor is not None and sw.cursor[2] > last:
+        if sw.cursor is not None and sw.cursor.full_blocks > last:
             wm.set_cursor(sw, None, own=False)
     seq.truncate(new_n)
     if seq.extra_ids is not None:

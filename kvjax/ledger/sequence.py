@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 from kvjax._math import ceil_div
 from kvjax.ledger.block_key import cache_salt_id
@@ -20,6 +21,17 @@ from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.token_path import PLAIN_UNIT, TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request
+
+
+class StoreCursor(NamedTuple):
+    """Where a sequence's storing resumes in one window: the tree node and position id of its
+    last full block known stored (ids survive splits; `RadixTree.holds` tells whether the node
+    still holds it, `WindowBlockManager.cursor_position` finds it wherever it went) and how
+    many full blocks that makes."""
+
+    node: int
+    pid: int
+    full_blocks: int
 
 
 class SequenceWindow:
@@ -34,8 +46,7 @@ class SequenceWindow:
         # SlotTable hands them out and takes them back
         self.rows: list[int] | None = None
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
-        # (node, position id, full blocks) of the last full block known stored, or None
-        self.cursor: tuple[int, int, int] | None = None
+        self.cursor: StoreCursor | None = None  # None: store from the root
 
     # ---------------------------------------------------------------- the one writer of `blocks`
     # (the window manager, admission's rows, the batched decode step and rewinds call these; the

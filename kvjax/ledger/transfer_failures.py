@@ -174,5 +174,5 @@ def _cut_back(bm: BlockManager, live: LiveSequences, seq, cut: int) -> None:
     tpb = bm.tokens_per_block
     for wm in bm.windows:
         sw = seq.windows[wm.index]
-        if sw.cursor is not None and sw.cursor[2] > cut // tpb:  # must not skip the recomputed blocks
+        if sw.cursor is not None and sw.cursor.full_blocks > cut // tpb:  # must not skip the recomputed blocks
             wm.set_cursor(sw, None, own=False)
