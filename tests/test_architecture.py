@@ -258,3 +258,11 @@ def test_one_writer_of_a_sequences_block_lists():
     assert not bad, "\n".join(f"{m}:{line}: {code}" for m, line, code in bad)
     mods = {"kvjax.x": (pathlib.Path("x.py"), ast.parse("sw.blocks[0].append(1)\nsw.blocks[0][2] = 3\nn = len(sw.blocks[0])\n"))}
     assert sorted(line for _, line, _ in block_list_writes(mods)) == [1, 2]
+
+
+def test_nothing_below_the_facade_imports_it():
+    """`KVCacheManager` is the top of the ledger: the modules it hands work to take the owners
+    they need (`BlockManager`, `LiveSequences`...), never the facade, not even for annotations."""
+    graph = import_edges(sources())
+    below = [m for m, deps in graph.items() if m.startswith("kvjax.ledger.") and "kvjax.ledger.kv_cache_manager" in deps]
+    assert not below, below
