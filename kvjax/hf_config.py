@@ -24,10 +24,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvjax.errors import KVCacheError
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(KVCacheError, ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from kvjax.config import CacheConfig
 from kvjax.errors import OutOfBlocksError
 from kvjax.ledger.block_hashing import BlockHasher
@@ -51,6 +53,13 @@ class BlockManager:
                     limit = min(limit, wm.window + seq.num_draft_tokens + front * tpb - 1)
         return max(limit, 0)
 
+    def grown_limits(self, counts: np.ndarray) -> np.ndarray:
+        """`fast_limit` of one-beam sequences in a ledger of one full-attention window whose
+        token `counts[i]` just started a block (a batched step grows them together): they hold
+        `counts // tpb + 1` blocks now."""
+        tpb = self.tokens_per_block
+        return np.minimum((counts // tpb + 1) * tpb, self.config.max_seq_len)
+
     def grow(self, seq: TrackedSequence, index: int) -> None:
         """Allocate block `index`, which the sequence's next token starts (one per beam when
         beams diverge). Capacity is checked in every window before anything is allocated."""
@@ -77,13 +86,14 @@ class BlockManager:
             wm.counters.gen_alloc += per_token
 
     @staticmethod
-    def oldest_query(seq: TrackedSequence) -> int:
+    def oldest_query(seq: TrackedSequence, num_tokens: int | None = None) -> int:
         """The oldest position the next forward may compute (so may query): the context
         position during a chunked prefill, else the newest token less the request's draft
-        tokens (unverified drafts are computed by the next verify forward too)."""
+        tokens (unverified drafts are computed by the next verify forward too). `num_tokens`:
+        the sequence's token count to assume (a batched step plans before it appends)."""
         if seq.context_position < seq.prompt_len:
             return seq.context_position
-        return seq.num_tokens - 1 - seq.num_draft_tokens
+        return (seq.num_tokens if num_tokens is None else num_tokens) - 1 - seq.num_draft_tokens
 
     def released_blocks_visible(self, seq: TrackedSequence, query: int) -> list[int]:
         """Windows in which a query at `query` would see a block already released."""

@@ -20,15 +20,16 @@ from kvjax.ledger.token_path import child_key
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
-    from kvjax.ledger.token_store import TokenStore
+    from kvjax.ledger.live_sequences import LiveSequences
 
 
 def _fail(msg: str) -> None:
     raise IntegrityError(msg)
 
 
-def verify_ledger(bm: BlockManager, seqs: dict, tokens: TokenStore, listed: dict) -> None:
+def verify_ledger(bm: BlockManager, live: LiveSequences) -> None:
     tpb = bm.tokens_per_block
+    seqs, tokens, listed = live.seqs, live.tok, live.listed
     tokens.verify({rid: seq.row for rid, seq in seqs.items() if seq.tokens is None})
     if listed.keys() != {rid for rid, seq in seqs.items() if seq.tokens is not None} or not all(
         seqs.get(rid) is seq for rid, seq in listed.items()

@@ -60,13 +60,13 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
         sw = seq.windows[wm.index]
         beam = sw.blocks[0]
         while len(beam) > last + 1:
-            wm.release_block(beam.pop(), to_front=True)
+            wm.release_block(sw.pop_block(0), to_front=True)
         wm.slot_table.truncate(sw, 0, last + 1)
         b = beam[last]
         if wm in cow:
             fresh = wm.copy_prefix(b, filled, None, None)
             wm.release_block(b)
-            beam[last] = fresh
+            sw.set_block(0, last, fresh)
             wm.slot_table.set(sw, 0, last, wm.columns.slot[fresh])
         else:
             pos = tree.position_of(wm.index, b)

@@ -48,6 +48,26 @@ class SequenceWindow:
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
         self.cursor: StoreCursor | None = None  # None: store from the root
 
+    # ---------------------------------------------------------------- the one writer of `blocks`
+    # (the window manager, admission's rows, the batched decode step and rewinds call these; the
+    # slot table mirroring each beam is its caller's to keep in step)
+    def append_block(self, beam: int, b: int) -> None:
+        self.blocks[beam].append(b)
+
+    def extend_blocks(self, beam: int, blocks: list[int], packed: bytes | None = None) -> None:
+        """Append `blocks` to one beam (`packed`: the same ids as native int32 bytes, copied as is)."""
+        if packed is None:
+            self.blocks[beam].extend(blocks)
+        else:
+            self.blocks[beam].frombytes(packed)
+
+    def set_block(self, beam: int, pos: int, b: int) -> None:
+        """Replace the block at `pos` (a copy-on-write, or a placeholder for a detached block)."""
+        self.blocks[beam][pos] = b
+
+    def pop_block(self, beam: int) -> int:
+        return self.blocks[beam].pop()
+
     def unique_blocks(self) -> list[int]:
         """Real blocks this sequence references, in allocation order (shared blocks once)."""
         beams = self.blocks

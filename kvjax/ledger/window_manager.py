@@ -223,14 +223,11 @@ class WindowBlockManager:
         if ids is not None and slots is blocks:  # the slots are those bytes too: no list conversion
             slots = np.frombuffer(ids, dtype=np.int32)
         for b in range(len(sw.blocks)) if beam is None else (beam,):
-            if ids is None:
-                sw.blocks[b].extend(blocks)
-            else:
-                sw.blocks[b].frombytes(ids)
+            sw.extend_blocks(b, blocks, ids)
             self.slot_table.extend(sw, b, slots)
 
     def append_block(self, sw: SequenceWindow, beam: int, b: int) -> None:
-        sw.blocks[beam].append(b)
+        sw.append_block(beam, b)
         self.slot_table.append(sw, beam, self.columns.slot[b])
 
     def release_block(self, b: int, to_front: bool = False) -> None:
@@ -263,7 +260,7 @@ class WindowBlockManager:
             if blk != PLACEHOLDER_BLOCK_ID and blk not in seen:
                 seen.append(blk)
                 self.refs.release(blk)
-            beam[pos] = PLACEHOLDER_BLOCK_ID
+            sw.set_block(b, pos, PLACEHOLDER_BLOCK_ID)
             self.slot_table.set(sw, b, pos, self.null_slot)
         sw.num_front_removed = pos + 1
 

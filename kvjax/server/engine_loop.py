@@ -26,15 +26,16 @@ from collections.abc import Sequence
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams
+from kvjax.errors import KVCacheError
 
 log = logging.getLogger("kvjax.server")
 
 
-class QueueFull(Exception):
+class QueueFull(KVCacheError):
     """The server holds `max_pending` requests already."""
 
 
-class ShuttingDown(Exception):
+class ShuttingDown(KVCacheError):
     """The server is shutting down (or its engine stopped) and takes no new request."""
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from hf_helpers import FAMILIES, FIXTURES
 from kvjax.hf_config import NOT_NUMERIC, UnsupportedConfigError, spec_from_checkpoint, spec_from_hf_config
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 # as published on the hub (config.json of each repository)
@@ -90,8 +91,8 @@ def _architecture(spec: ModelSpec) -> dict:
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configs_give_the_builtin_specs(name):
     spec = spec_from_hf_config(PUBLISHED[name], name=name)
-    assert _architecture(spec) == _architecture(ModelSpec.load(name))
-    assert not ModelSpec.load(name).random_weights
+    assert _architecture(spec) == _architecture(load_model_spec(name))
+    assert not load_model_spec(name).random_weights
 
 
 def test_features_of_published_configs():
