@@ -1,7 +1,7 @@
 """Claiming and releasing blocks through `RefCounts` (a block is referenced or in exactly one
 free queue, never both, whichever call takes it), and the storing cursor `StoreCursor`."""
 from kvjax import Request
-from kvjax.ledger.free_queues import NOT_FREE, PRIMARY
+from kvjax.ledger.free_queues import NOT_FREE, PRIMARY, SECONDARY
 from kvjax.ledger.sequence import StoreCursor
 from ledger_helpers import make_manager
 
@@ -77,6 +77,22 @@ def test_onboard_returns_its_target_to_the_queues_unreferenced():
     assert sum(wm.refs.ref) == 1  # the swapped-out target went back unreferenced
     assert wm.queues.num_free == [3, 2]
     wm.release_block(sec)
+
+
+def test_an_offloaded_victim_goes_back_unreferenced_and_its_spare_is_claimed():
+    m = make_manager(primary_blocks=4, secondary_blocks=2)
+    m.add_sequence(Request("seed", list(range(9))))
+    m.remove_sequence("seed")  # blocks 0, 1 cached; free order 3, 2, 1, 0
+    wm = _wm(m)
+    assert [wm.get_free_block(None, None) for _ in range(2)] == [3, 2]  # uncached victims
+    b = wm.get_free_block(None, None)  # victim 1 is cached: offloaded into spare 4, which is claimed
+    assert b == 4 and wm.columns.level[4] == PRIMARY and wm.columns.level[1] == SECONDARY
+    assert _referenced_and_out_of_queues(wm, [3, 2, 4])
+    assert wm.refs.ref[1] == 0 and wm.queues.queue[1] != NOT_FREE  # on secondary memory, free
+    assert wm.counters.offloaded == 1
+    for x in (3, 2, 4):
+        wm.release_block(x)
+    m.verify_integrity()
 
 
 def test_store_moves_a_named_cursor_that_the_tree_still_holds():
