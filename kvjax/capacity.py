@@ -46,6 +46,9 @@ __all__ = [
     "weight_bytes",
     "activation_reserve_bytes",
     "kv_cache_budget",
+    "DEFAULT_HOST_KV_CACHE_BYTES",
+    "serving_kv_cache_bytes",
+    "check_max_seq_len_fits",
 ]
 
 
@@ -405,3 +408,66 @@ def kv_cache_budget(device_bytes: int | float, utilization: float, weights: int 
             f"- activation reserve {activations / gib:.2f} GiB = {left / gib:.2f} GiB"
         )
     return left
+
+
+# --------------------------------------------------------------------------- a server's cache
+# A CPU backend reports no device memory (JAX's `memory_stats()` is None), so the cache gets a
+# stated budget instead, like vLLM's CPU backend (`VLLM_CPU_KVCACHE_SPACE`).
+DEFAULT_HOST_KV_CACHE_BYTES = 1 << 30
+
+
+def serving_kv_cache_bytes(
+    *,
+    utilization: float,
+    activations: int | float,
+    memory_stats: Mapping[str, Any] | None = None,
+    kv_cache_bytes: int | None = None,
+    num_devices: int = 1,
+    host_default: int = DEFAULT_HOST_KV_CACHE_BYTES,
+) -> tuple[int, str]:
+    """(bytes of the whole KV cache, how they were chosen) for a server on `num_devices` devices
+    whose pools are sharded over them (each holds 1 / num_devices of every block).
+
+    Per device, in order: `kv_cache_bytes` if given (vLLM's `kv_cache_memory_bytes`); else,
+    when the device reports its memory (JAX's `memory_stats()`: `bytes_limit` is what its
+    allocator may use, `bytes_in_use` the weights loaded so far), `kv_cache_budget(bytes_limit,
+    utilization, bytes_in_use, activations)`; else (a CPU backend) `host_default`.
+    """
+    _int("num_devices", num_devices, 1)
+    gib = 2**30
+    if kv_cache_bytes is not None:
+        per_device = _int("kv_cache_bytes", kv_cache_bytes, 1)
+        how = f"--kv-cache-memory-bytes {per_device / gib:.2f} GiB per device"
+    elif memory_stats is not None and "bytes_limit" in memory_stats:
+        limit = memory_stats["bytes_limit"]
+        in_use = memory_stats.get("bytes_in_use", 0)
+        per_device = kv_cache_budget(limit, utilization, in_use, activations)
+        how = (f"{utilization:g} x {limit / gib:.2f} GiB device memory - {in_use / gib:.2f} GiB in use (weights) "
+               f"- {activations / gib:.2f} GiB activation reserve = {per_device / gib:.2f} GiB per device")
+    else:
+        per_device = _int("host_default", host_default, 1)
+        how = (f"{per_device / gib:.2f} GiB per device: this backend reports no device memory "
+               "(CPU); set it with --kv-cache-memory-bytes")
+    return per_device * num_devices, how
+
+
+def check_max_seq_len_fits(config: CacheConfig) -> None:
+    """Raise ValueError unless one request of `config.max_seq_len` tokens fits in the primary
+    pool of every window (as vLLM refuses a `max_model_len` its KV cache cannot hold). A
+    sliding window holds the whole prompt until decoding releases its front blocks, as the
+    engine's admission check counts it."""
+    tpb = config.tokens_per_block
+    n = config.max_seq_len
+    short = []
+    for w in config.windows:
+        need = max(ceil_div(n, tpb), max_block_requirements(n, 0, config.sink_token_length, w, 1, tpb))
+        have = config.primary_blocks_for(w)
+        if have < need:
+            short.append(f"window {w}: {have} blocks of {tpb} tokens, {need} needed")
+    if short:
+        fits = min(config.primary_blocks_for(w) for w in config.windows) * tpb
+        raise ValueError(
+            f"the KV cache cannot hold one request of the maximum length {n} (--max-model-len) ({'; '.join(short)}): "
+            f"lower --max-model-len (to at most {fits}) or give the cache more memory (--gpu-memory-utilization, "
+            "--kv-cache-memory-bytes or --primary-blocks)"
+        )

@@ -15,12 +15,16 @@ A bad flag or config file prints one line, `kvjax: error: ...`, and exits with s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import difflib
 import functools
+import logging
 import re
 import sys
 import tomllib
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 #: `--kv-cache-dtype` values (the keys of `kvjax.engine.config.KV_CACHE_DTYPES`, listed here so
@@ -81,11 +85,105 @@ def _fraction(text: str) -> float:
     return v
 
 
+#: vLLM's `--kv-cache-dtype` spellings kvjax has under another name.
+_VLLM_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+#: vLLM's `--dtype` values (torch names) -> kvjax's; "auto" keeps the model's.
+MODEL_DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+                "float": "float32"}
+
+
+def _kv_cache_dtype(text: str) -> str:
+    """argparse type: kvjax's KV dtypes and vLLM's spellings of them."""
+    if text in KV_CACHE_DTYPE_CHOICES:
+        return text
+    if text in _VLLM_KV_CACHE_DTYPES:
+        return _VLLM_KV_CACHE_DTYPES[text]
+    known = ", ".join(KV_CACHE_DTYPE_CHOICES + tuple(_VLLM_KV_CACHE_DTYPES))
+    if text.startswith("fp8"):
+        raise argparse.ArgumentTypeError(f"kvjax has no {text!r} KV cache (vLLM's fp8 variants it has: fp8, fp8_e4m3, "
+                                         f"fp8_e5m2); choose from {known}")
+    raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {known})")
+
+
+def _model_dtype(text: str) -> str | None:
+    if text not in MODEL_DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(MODEL_DTYPES)})")
+    return MODEL_DTYPES[text]
+
+
+#: vLLM `serve` flags kvjax does not take, with what to use instead (shown for an unknown flag).
+VLLM_FLAG_HINTS = {
+    "--swap-space": "kvjax's host tier is --secondary-blocks N (blocks, not GiB)",
+    "--cpu-offload-gb": "kvjax offloads KV blocks, not weights: --secondary-blocks N",
+    "--num-gpu-blocks-override": "use --primary-blocks N",
+    "--enforce-eager": "not supported: JAX compiles each program shape once (logged at startup)",
+    "--trust-remote-code": "not needed: kvjax runs its own implementation of the architectures it supports",
+    "--pipeline-parallel-size": "not supported; use --tensor-parallel-size",
+    "-pp": "not supported; use --tensor-parallel-size",
+    "--data-parallel-size": "run one `kvjax serve` per replica behind `kvjax router` (--data-parallel-rank labels events)",
+    "-dp": "run one `kvjax serve` per replica behind `kvjax router`",
+    "--quantization": "not supported (weights in --dtype; an FP8 KV cache with --kv-cache-dtype fp8)",
+    "-q": "not supported (weights in --dtype; an FP8 KV cache with --kv-cache-dtype fp8)",
+    "--enable-chunked-prefill": "always on in kvjax: --max-num-batched-tokens sets the chunk",
+    "--no-enable-chunked-prefill": "chunked prefill is always on in kvjax: --max-num-batched-tokens sets the chunk",
+    "--chat-template": "not supported: the tokenizer's chat template is used",
+    "--uvicorn-log-level": "use --log-level",
+    "--enable-log-requests": "requests are logged at --log-level debug unless --disable-log-requests",
+    "--revision": "kvjax serves a local checkpoint directory as it is",
+    "--download-dir": "kvjax serves a local checkpoint directory as it is",
+    "--load-format": "kvjax reads safetensors checkpoints",
+    "--tokenizer-mode": "not supported; --tokenizer DIR picks the tokenizer",
+    "--scheduling-policy": "use --queue-policy fcfs|lpm",
+    "--preemption-mode": "use --policy guaranteed_no_evict|max_utilization",
+    "--prefix-caching-hash-algo": "use --option 'event_hash=\"sha256\"' (or trtllm64)",
+    "--kv-events-config": "use --kv-events-endpoint, --kv-events-replay-endpoint and --kv-events-topic",
+    "--enable-lora": "not supported",
+    "--generation-config": "kvjax reads the checkpoint's generation_config.json (EOS ids)",
+    "--device": "JAX picks the device: set JAX_PLATFORMS (cpu, cuda, tpu)",
+    "--distributed-executor-backend": "kvjax spans processes with jax.distributed (docs/distributed.md)",
+    # vLLM names only `kvjax serve` takes; the other commands keep kvjax's
+    "--max-model-len": "this command's flag is --max-seq-len",
+    "--max-num-seqs": "this command's flag is --max-batch-size",
+    "--max-num-batched-tokens": "this command's flag is --max-num-tokens",
+    "--block-size": "this command's flag is --tokens-per-block",
+    "--gpu-memory-utilization": "only `kvjax serve` and `kvjax capacity` take it",
+    "--enable-prefix-caching": "on by default; `kvjax run --no-reuse` turns it off",
+    "--no-enable-prefix-caching": "this command's flag is --no-reuse (kvjax run)",
+}
+
+
+def _unknown_flag_hints(message: str, known: Collection[str] = ()) -> str:
+    """`unrecognized arguments: ...` plus, for known vLLM flags, what kvjax takes instead, and
+    for a near miss of a kvjax flag (among `known`), that flag."""
+    hints: list[str] = []
+    for arg in message.split(":", 1)[1].split():
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("-") or any(h.startswith(flag + ":") for h in hints):
+            continue
+        if flag in VLLM_FLAG_HINTS:
+            hints.append(f"{flag}: {VLLM_FLAG_HINTS[flag]}")
+        elif close := difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.8):
+            hints.append(f"{flag}: did you mean {close[0]}?")
+    return message + (" (" + "; ".join(hints) + ")" if hints else "")
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `kvjax: error: ...`, exit status 2."""
+    """argparse with one-line errors: `kvjax: error: ...`, exit status 2; an unknown vLLM flag
+    says what kvjax takes instead."""
 
     def error(self, message: str):  # noqa: D401 (argparse API)
+        if message.startswith("unrecognized arguments:"):
+            message = _unknown_flag_hints(message, self._known_flags())
         raise SystemExit(_fail(message))
+
+    def _known_flags(self) -> set[str]:
+        """Every option string of this parser and its subcommands."""
+        flags = set(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags |= set(sub._option_string_actions)
+        return flags
 
 
 def _fail(message: str) -> int:
@@ -109,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("--model", help="a Hugging Face checkpoint directory, or a random-weight model name / TOML "
                                         "(configs/models/; default: the workload's, else tiny)")
+        sp.add_argument("--strict-config", action="store_true",
+                        help="refuse a checkpoint whose config.json has keys kvjax does not know")
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a [workload] field, e.g. --set users=2 (TOML value syntax)")
         sp.add_argument("--primary-blocks", type=_positive_int)
@@ -154,28 +254,56 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--beam-width", type=_positive_int, default=1)
     c.add_argument("--max-seq-len", type=_positive_int, help="default: the model's")
     c.add_argument("--dtype", help="KV cache dtype (default: the model's), e.g. float8_e4m3fn")
+    c.add_argument("--strict-config", action="store_true",
+                   help="refuse a checkpoint whose config.json has keys kvjax does not know")
     _route_sim_parser(sub)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
+                        description="vLLM's flags have vLLM's meanings; see docs/serving.md for the table.")
     sv.add_argument("model", help="built-in model name (configs/models/), a model TOML, or a checkpoint directory")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     sv.add_argument("--port", type=_int_at_least(0), default=8000)
-    sv.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    sv.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="names clients may send as `model`; the first is reported (default: MODEL as given)")
+    sv.add_argument("--api-key", nargs="+", action="extend", metavar="KEY",
+                    help="require `Authorization: Bearer KEY` on /v1/* (401 otherwise); default: $VLLM_API_KEY, as vLLM")
     sv.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, or the built-in byte tokenizer)")
-    sv.add_argument("--seed", type=int, default=0, help="weights seed of built-in models")
-    sv.add_argument("--dtype", help="model dtype (default: the model's)")
-    sv.add_argument("--primary-blocks", type=_positive_int)
-    sv.add_argument("--secondary-blocks", type=_nonneg_int)
-    sv.add_argument("--tokens-per-block", type=_positive_int)
-    sv.add_argument("--max-seq-len", type=_positive_int)
-    sv.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
-                    help="KV pool dtype (default auto: the model's; fp8 = float8_e4m3fn with per-block scales)")
-    sv.add_argument("--no-prefix-caching", action="store_true", help="disable prefix reuse")
+    sv.add_argument("--seed", type=int, default=0,
+                    help="base seed of the sampling of requests that send no seed, as vLLM's (default 0)")
+    sv.add_argument("--model-seed", type=int, default=0,
+                    help="weights seed of a built-in random-weight model (kvjax's former --seed; default 0)")
+    sv.add_argument("--dtype", type=_model_dtype, default=None, metavar="{auto,bfloat16,float16,half,float32,float}",
+                    help="weights and activations dtype (default auto: the model's)")
+    sv.add_argument("--strict-config", action="store_true",
+                    help="refuse a checkpoint whose config.json has keys kvjax does not read")
+    sv.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
+                    help="devices to shard weights and KV heads over (default 1)")
+    sv.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
+                    help="fraction of each device's memory (JAX's allocator limit) for weights, activations and KV "
+                         "cache; the KV cache gets what is left (default 0.9). A CPU reports no device memory: "
+                         "there the cache gets --kv-cache-memory-bytes (default 1GiB)")
+    sv.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory_bytes", type=_size_arg,
+                    metavar="SIZE", help="KV cache bytes per device, e.g. 4GiB (overrides --gpu-memory-utilization)")
+    sv.add_argument("--primary-blocks", type=_positive_int,
+                    help="KV cache blocks on the device, instead of sizing the cache from memory")
+    sv.add_argument("--secondary-blocks", type=_nonneg_int, help="KV cache blocks in host memory (offload tier)")
+    sv.add_argument("--tokens-per-block", "--block-size", dest="tokens_per_block", type=_positive_int, metavar="N",
+                    help="tokens per KV block, a power of two (default 16)")
+    sv.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int, metavar="N",
+                    help="longest prompt + output in tokens (default: the model's)")
+    kv_dtypes = KV_CACHE_DTYPE_CHOICES + tuple(_VLLM_KV_CACHE_DTYPES)
+    sv.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, metavar="{" + ",".join(kv_dtypes) + "}",
+                    help="KV pool dtype (default auto: the model's; fp8 = fp8_e4m3 = float8_e4m3fn with per-block scales)")
+    sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="reuse cached prefixes (default on)")
+    sv.add_argument("--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching")
     sv.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
     sv.add_argument("--queue-policy", choices=["fcfs", "lpm"], help="waiting-queue order (default fcfs)")
     sv.add_argument("--max-wait-steps", type=_positive_int, help="lpm starvation guard (engine steps)")
-    sv.add_argument("--max-batch-size", type=_positive_int)
-    sv.add_argument("--max-num-tokens", type=_positive_int, help="token budget per step (prefill chunk size)")
+    sv.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, metavar="N",
+                    help="requests running at once (default 8)")
+    sv.add_argument("--max-num-batched-tokens", "--max-num-tokens", dest="max_num_tokens", type=_positive_int, metavar="N",
+                    help="token budget per step (prefill chunk size; default 256)")
     sv.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="any other [cache] / [engine] option, e.g. --option min_chunk_bucket=32 (TOML value syntax)")
     sv.add_argument("--max-pending", type=_positive_int, default=64,
@@ -192,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
                     help="data-parallel rank written into the KV-event batches (default 0)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--disable-log-requests", action="store_true", help="no per-request line (logged at debug level)")
+    sv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    sv.add_argument("--log-stats-interval", type=_positive_float, default=10.0,
+                    help="seconds between two stats lines while serving (default 10)")
     _router_parser(sub)
     return p
 
@@ -226,7 +358,7 @@ def cmd_capacity(args) -> int:
     from kvjax import capacity as C
     from kvjax.model_catalog import load_model_spec
 
-    spec = load_model_spec(args.model)
+    spec = load_model_spec(args.model, strict_config=args.strict_config)
     weights, weights_from = _weights_of(spec, args.model)
     reserve = args.activation_reserve
     reserve_from = "given"
@@ -325,7 +457,7 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny")
+    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny", strict_config=getattr(args, "strict_config", False))
     checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
@@ -562,7 +694,9 @@ def serve_options(args) -> dict[str, Any]:
                  "queue_policy", "max_wait_steps", "max_batch_size", "max_num_tokens"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
-    if args.no_prefix_caching:
+    if args.no_prefix_caching and args.enable_prefix_caching:
+        raise ValueError("--no-prefix-caching contradicts --enable-prefix-caching")
+    if args.no_prefix_caching or args.enable_prefix_caching is False:
         options["enable_block_reuse"] = False
     return options
 
@@ -579,6 +713,111 @@ def kv_events_config(args):
                           topic=args.kv_events_topic, data_parallel_rank=args.data_parallel_rank)
 
 
+@contextlib.contextmanager
+def _logging_to_stderr(level: str):
+    """A stderr handler on the `kvjax` logger at `level` while a command runs (removed after,
+    so repeated `main` calls in one process neither stack handlers nor keep the level)."""
+    root = logging.getLogger("kvjax")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    old_level = root.level
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+
+
+def serve_mesh(tensor_parallel_size: int):
+    """The device mesh of `--tensor-parallel-size` (None for 1); refused when JAX sees fewer devices."""
+    if tensor_parallel_size == 1:
+        return None
+    import jax
+
+    devices = jax.devices()
+    if len(devices) < tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs {tensor_parallel_size} devices, but JAX "
+                         f"sees {len(devices)} ({devices[0].platform})")
+    return jax.make_mesh((tensor_parallel_size,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=devices[:tensor_parallel_size])
+
+
+def _device_memory_stats(mesh) -> dict | None:
+    """JAX's memory figures of the (first) device the cache lives on; None on a CPU backend."""
+    import jax
+
+    if mesh is None:
+        device = jax.local_devices()[0]
+    else:
+        device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return device.memory_stats()
+
+
+def _serve_model(args, mesh):
+    """(model, tokenizer) of `kvjax serve`'s MODEL, with --dtype, --model-seed, --strict-config."""
+    from kvjax.model_catalog import servable_model
+    from kvjax.tokenizer import Tokenizer
+
+    spec, path = servable_model(args.model, strict_config=args.strict_config)
+    if path is None:
+        if args.strict_config:
+            raise ValueError("--strict-config checks a checkpoint's config.json; a built-in model has none")
+        from kvjax.models import Transformer
+
+        return Transformer.from_spec(spec, seed=args.model_seed, dtype=args.dtype), Tokenizer.builtin(spec.vocab_size)
+    from kvjax.models import from_pretrained
+
+    # the config was read (and checked, strictly if asked) by servable_model: read it quietly again
+    return from_pretrained(path, dtype=args.dtype, mesh=mesh, strict_config=args.strict_config), Tokenizer.from_pretrained(path)
+
+
+def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
+    """(LLMEngine, how its KV cache was sized or None) for `kvjax serve`: the model on `mesh`, the
+    engine (which shards it), then the cache: --primary-blocks if given, else sized from memory
+    (`capacity.serving_kv_cache_bytes`); a cache that cannot hold one --max-model-len request is refused."""
+    from kvjax import capacity as C
+    from kvjax.engine.config import EngineConfig, cache_config
+    from kvjax.engine.engine import Engine
+    from kvjax.engine.llm_engine import LLMEngine, split_options
+    from kvjax.llm import _resolve_tokenizer
+    from kvjax.models.parallel import mesh_size
+
+    cache_values, engine_values = split_options(options, "kvjax serve")
+    if "primary_blocks" in cache_values and args.kv_cache_memory_bytes is not None:
+        raise ValueError("--primary-blocks and --kv-cache-memory-bytes both size the KV cache: give one")
+    engine_config = EngineConfig.from_dict(engine_values, "kvjax serve")
+    max_num_tokens = engine_config.scheduler.max_num_tokens
+    model, tokenizer = _serve_model(args, mesh)
+    tokenizer = _resolve_tokenizer(args.tokenizer) or tokenizer
+    engine = Engine(model, engine_config, mesh=mesh)  # shards the weights over the mesh
+    geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
+    sizing = None
+    if "primary_blocks" not in cache_values:
+        reserve = C.activation_reserve_bytes(model.spec, max(max_num_tokens, engine_config.scheduler.max_batch_size))
+        total, sizing = C.serving_kv_cache_bytes(
+            utilization=args.gpu_memory_utilization, activations=reserve, memory_stats=_device_memory_stats(mesh),
+            kv_cache_bytes=args.kv_cache_memory_bytes, num_devices=1 if mesh is None else mesh_size(mesh))
+        sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block)
+        geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
+    C.check_max_seq_len_fits(geometry)
+    return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events), sizing
+
+
+def serve_config(args, engine):
+    """The `ServerConfig` of `kvjax serve`'s flags."""
+    from kvjax.server import ServerConfig
+    from kvjax.server.auth import api_keys
+
+    names = args.served_model_name or [args.model]
+    return ServerConfig(names[0], max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
+                        shutdown_timeout=args.shutdown_timeout, tokenizer_source=args.tokenizer or args.model,
+                        other_model_names=tuple(n for n in names[1:] if n != names[0]), api_keys=api_keys(args.api_key),
+                        log_requests=not args.disable_log_requests,
+                        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
+
+
 def cmd_serve(args) -> int:
     from kvjax.engine.llm_engine import split_options
 
@@ -587,35 +826,34 @@ def cmd_serve(args) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     kv_events = kv_events_config(args)
-    import logging
+    from kvjax.server.auth import api_keys
 
-    from kvjax.engine.llm_engine import LLMEngine
-    from kvjax.llm import _resolve_tokenizer, load_model
-    from kvjax.server import ServerConfig, serve
+    api_keys(args.api_key)  # an empty key fails before the model loads
+    with _logging_to_stderr(args.log_level):
+        _run_server(args, options, kv_events)
+    return 0
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-    server_log = logging.getLogger("kvjax.server")
-    server_log.addHandler(handler)
-    server_log.setLevel(args.log_level.upper())
 
-    model, tokenizer = load_model(args.model, seed=args.seed, dtype=args.dtype)
-    tokenizer = _resolve_tokenizer(args.tokenizer) or tokenizer
-    engine = LLMEngine.from_options(model, tokenizer=tokenizer, kv_events=kv_events, **options)
-    name = args.served_model_name or args.model
-    config = ServerConfig(name, max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
-                          shutdown_timeout=args.shutdown_timeout, tokenizer_source=args.tokenizer or args.model)
-    events = engine.kv_events_info()
-    where = "" if events is None else f"; KV events on {events['endpoint']}" + (
-        f" (replay {events['replay_endpoint']})" if events["replay_endpoint"] else "")
-    print(f"kvjax serve: model {name!r} on http://{args.host}:{args.port} (max_seq_len {engine.max_seq_len}, "
-          f"{engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} primary blocks{where})",
-          file=sys.stderr)
+def _run_server(args, options, kv_events) -> None:
+    from kvjax.server import serve
+    from kvjax.server.stats_logger import log_startup
+
+    mesh = serve_mesh(args.tensor_parallel_size)
+    engine, sizing = serve_engine(args, options, kv_events, mesh)
     try:
+        config = serve_config(args, engine)
+        log_startup(engine, model_name=config.model_name, model_arg=args.model, sizing=sizing,
+                    mesh_size=args.tensor_parallel_size)
+        events = engine.kv_events_info()
+        where = "" if events is None else f"; KV events on {events['endpoint']}" + (
+            f" (replay {events['replay_endpoint']})" if events["replay_endpoint"] else "")
+        auth = "; an API key is required on /v1" if config.api_keys else ""
+        print(f"kvjax serve: model {config.model_name!r} on http://{args.host}:{args.port} (max_model_len "
+              f"{engine.max_seq_len}, {engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} "
+              f"primary blocks{where}{auth})", file=sys.stderr)
         serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()  # idempotent: the server's shutdown closed it already unless serving failed
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,16 +11,26 @@ transformers default of its model type, as transformers itself would.
 
 Every field of a config is one of:
 - numeric: read into the spec, with its supported values (`NUMERIC_FIELDS` documents them);
-  an unsupported value raises `UnsupportedConfigError` naming the field;
-- known not to change the numbers (`NOT_NUMERIC`, each with the reason);
-- anything else raises `UnsupportedConfigError`: kvjax cannot tell whether it matters.
+  an unsupported value raises `UnsupportedConfigError` naming the field, the value and what
+  kvjax supports. That includes fields of other architectures that kvjax lacks
+  (`quantization_config`, `rope_interleaved: true`, biases or softcapping where the family
+  has none, ...), refused whenever their value would change the numbers;
+- known not to change the numbers (`NOT_NUMERIC` and `NOT_NUMERIC_SUFFIXES`, each with the
+  reason: provenance, token ids, generation defaults, training-only settings, tooling blocks):
+  ignored;
+- anything else is unknown: kvjax cannot tell whether it matters, so it reads the rest and
+  names every unknown field in one `UnknownConfigFieldWarning` (also logged on the `kvjax`
+  logger); with `strict=True` it raises `UnsupportedConfigError` instead.
 
 Pure Python (no JAX): `kvjax capacity --model PATH` reads checkpoints without it.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,32 +38,135 @@ from kvjax.errors import KVCacheError
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 
+log = logging.getLogger("kvjax")
+_KVJAX_DIR = str(Path(__file__).parent)  # as frames name their files (no resolving)
+
+
 class UnsupportedConfigError(KVCacheError, ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
+
+
+class UnknownConfigFieldWarning(UserWarning):
+    """`config.json` fields kvjax does not know: ignored, but named so that a user can check them
+    (`strict=True` / `strict_config=True` refuses them instead)."""
 
 
 #: Fields that never change a forward pass's numbers, and why.
 NOT_NUMERIC: dict[str, str] = {
     "architectures": "class names; model_type decides the architecture",
     "model_type": "read to pick the architecture",
+    # provenance and tooling
     "transformers_version": "provenance",
     "_name_or_path": "provenance",
-    "bos_token_id": "tokenizer / generation setting",
-    "eos_token_id": "generation setting (kvjax.Tokenizer reads generation_config.json)",
-    "pad_token_id": "padding id; kvjax never attends to padding",
+    "_model_name_or_path": "provenance (the model name transformers copies from a GGUF file)",
+    "_commit_hash": "provenance",
+    "is_llama_config": "nanotron's marker of a Llama-shaped config (SmolLM); model_type decides",
+    "transformers.js_config": "settings of the transformers.js ONNX runtime",
+    "unsloth_version": "provenance (Unsloth records the version that fine-tuned or saved the model)",
+    "unsloth_fixed": "provenance (Unsloth's marker of a re-uploaded checkpoint with tokenizer / template fixes)",
+    "tokenizer_class": "tokenizer setting",
+    # what transformers returns or which kernel it picks
     "use_cache": "transformers' generate() switch",
     "cache_implementation": "transformers' cache class choice",
-    "initializer_range": "training-time initialisation",
-    "attention_dropout": "training only (inference never drops)",
     "output_attentions": "what transformers returns, not what it computes",
     "output_hidden_states": "what transformers returns",
     "return_dict": "what transformers returns",
     "torchscript": "export switch",
-    "tokenizer_class": "tokenizer setting",
-    "pretraining_tp": "splits the same matmuls into slices during pretraining; same maths",
-    "max_window_layers": "read with use_sliding_window (Qwen); only matters when sliding is on",
     "_attn_implementation_autoset": "transformers' kernel choice",
+    "_attn_implementation": "transformers' kernel choice (eager/sdpa/flash compute the same maths)",
+    "_attn_implementation_internal": "transformers' kernel choice",
     "attn_implementation": "transformers' kernel choice (eager/sdpa/flash compute the same maths)",
+    "chunk_size_feed_forward": "runs the MLP over chunks of tokens; same maths",
+    "is_decoder": "the decoder-only families are causal whatever it says",
+    # training only
+    "initializer_range": "training-time initialisation",
+    "initializer_factor": "training-time initialisation",
+    "pretraining_tp": "splits the same matmuls into slices during pretraining; same maths",
+    "use_bfloat16": "legacy training switch; the weights' dtype comes from torch_dtype / dtype",
+    "tf_legacy_loss": "training loss",
+    "neftune_noise_alpha": "training-time embedding noise",
+    "gradient_checkpointing": "training memory switch",
+    # generation defaults (kvjax takes sampling settings per request)
+    **{
+        k: "generation default (kvjax takes sampling settings per request)"
+        for k in (
+            "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+            "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+            "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+            "num_return_sequences", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+            "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+        )
+    },
+    # task heads kvjax does not build (it serves the causal LM head)
+    **{
+        k: "task-head setting; kvjax serves the causal LM head"
+        for k in ("finetuning_task", "id2label", "label2id", "prefix", "task_specific_params", "problem_type")
+    },
+    "max_window_layers": "read with use_sliding_window (Qwen); only matters when sliding is on",
+}
+
+#: Name endings of fields that never change the numbers (any `*_token_id`, `*_dropout`, ...).
+NOT_NUMERIC_SUFFIXES: dict[str, str] = {
+    "_token_id": "a token id (tokenizer / generation setting)",
+    "_token_ids": "token ids (tokenizer / generation setting)",
+    "_dropout": "dropout: training only (inference never drops)",
+    "_pdrop": "dropout: training only (inference never drops)",
+}
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+def _one_of(*allowed: Any) -> Callable[[Any], bool]:
+    """Membership that keeps JSON's types apart: `true` is not 1, `0` is not false (a float
+    allowed matches the same number written as an int)."""
+
+    def accepted(v: Any) -> bool:
+        for a in allowed:
+            if a is None or isinstance(a, bool):
+                if v is a:
+                    return True
+            elif isinstance(a, float):
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v == a:
+                    return True
+            elif type(v) is type(a) and v == a:
+                return True
+        return False
+
+    return accepted
+
+
+#: Fields of other architectures (or other variants of a supported one) that would change the
+#: numbers and that kvjax lacks: refused unless their value is the one that changes nothing.
+#: A family that reads the field itself (Gemma 3's softcapping, Qwen's sliding window) checks it
+#: there instead. field -> (value accepted?, what kvjax supports).
+UNSUPPORTED_UNLESS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "quantization_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
+    "compression_config": (_never, "absent: kvjax loads float32, float16 and bfloat16 weights only"),
+    "rope_interleaved": (_one_of(False, None), "false (rotate-half RoPE, as transformers computes it)"),
+    "partial_rotary_factor": (_one_of(1.0, None), "1.0 (RoPE over the whole head)"),
+    "attn_logit_softcapping": (_one_of(None), "null (no attention logit softcapping)"),
+    "final_logit_softcapping": (_one_of(None), "null (no final logit softcapping)"),
+    "attention_bias": (_one_of(False, None), "false for this model type (no attention biases)"),
+    "mlp_bias": (_one_of(False, None), "false (no MLP biases)"),
+    "use_sliding_window": (_one_of(False, None), "false for this model type (no sliding window)"),
+    "sliding_window": (_one_of(None), "null for this model type (no sliding window)"),
+    "use_bidirectional_attention": (_one_of(False, None), "false (causal attention)"),
+    "use_qk_norm": (_one_of(False, None), "false for this model type (no q/k norms)"),
+    "qk_layernorm": (_one_of(False, None), "false for this model type (no q/k norms)"),
+    "attention_chunk_size": (_one_of(None), "null (no chunked attention)"),
+    "num_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "num_local_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "n_routed_experts": (_one_of(None, 0), "absent or 0 (dense MLP; mixture-of-experts is not supported)"),
+    "embedding_multiplier": (_one_of(None, 1.0), "1.0 (unscaled embeddings)"),
+    "residual_multiplier": (_one_of(None, 1.0), "1.0 (unscaled residuals)"),
+    "attention_multiplier": (_one_of(None), "absent (attention scale head_dim ** -0.5)"),
+    "logits_scaling": (_one_of(None, 1.0), "1.0 (unscaled logits)"),
+    "is_encoder_decoder": (_one_of(False, None), "false (decoder-only models)"),
+    "add_cross_attention": (_one_of(False, None), "false (no cross-attention)"),
+    "tie_encoder_decoder": (_one_of(False, None), "false (decoder-only models)"),
+    "pruned_heads": (_one_of({}, None), "{} (no pruned heads)"),
 }
 
 #: Numeric fields, per model type, with the values kvjax supports (for docs and errors).
@@ -69,10 +182,13 @@ NUMERIC_FIELDS: dict[str, str] = {
     "mlp_bias (llama)": "false",
     "sliding_window (mistral, gemma3; qwen2/3 with use_sliding_window)": "a positive int or null",
     "use_sliding_window, layer_types, sliding_window_pattern": "sliding_attention / full_attention layers",
+    "layer_types (llama, mistral)": "what the other fields give (full_attention; mistral: sliding_attention with a window)",
+    "hidden_act (gemma3)": "absent, null or equal to hidden_activation (which Gemma 3 reads)",
     "query_pre_attn_scalar (gemma3)": "any positive value",
     "attn_logit_softcapping, final_logit_softcapping (gemma3)": "null (Gemma 3 has none)",
     "use_bidirectional_attention (gemma3)": "false",
     "use_mrope (qwen2)": "false",
+    **{f"{k} (where the model type does not read it)": v[1] for k, v in UNSUPPORTED_UNLESS.items()},
 }
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -119,12 +235,13 @@ _GEMMA3_MULTIMODAL = {
 
 
 class _Fields:
-    """A config being read: remembers which fields were used, refuses the rest at `finish`."""
+    """A config being read: remembers which fields were used and sorts the rest at `finish`."""
 
-    def __init__(self, data: dict, source: str, model_type: str):
+    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None):
         self.data = data
         self.source = source
         self.model_type = model_type
+        self.label = label or model_type  # the model_type errors name (gemma3's outer config reads as gemma3_text)
         self.defaults = _DEFAULTS[model_type]
         self.used: set[str] = set()
 
@@ -171,15 +288,46 @@ class _Fields:
             raise self.error(field, f"value {v!r} is not supported (supported: {', '.join(map(repr, allowed))})")
         return v
 
-    def finish(self, extra_ignored: dict[str, str] | None = None) -> None:
+    def finish(self, extra_ignored: dict[str, str] | None = None, prefix: str = "") -> list[str]:
+        """Check the fields nothing read: refuse those that would change the numbers, ignore the
+        known harmless ones, and return the unknown ones (named with `prefix`)."""
         ignored = {**NOT_NUMERIC, **(extra_ignored or {})}
+        unknown = []
         for field in sorted(self.data):
-            if field not in self.used and field not in ignored:
-                raise self.error(
-                    field,
-                    f"not supported for model_type {self.model_type!r} (kvjax cannot tell whether it changes the "
-                    "model's numbers, so it refuses the checkpoint rather than ignore it)",
-                )
+            if field in self.used or field in ignored or field.endswith(tuple(NOT_NUMERIC_SUFFIXES)):
+                continue
+            if field in UNSUPPORTED_UNLESS:
+                accepted, supported = UNSUPPORTED_UNLESS[field]
+                value = self.data[field]
+                if not accepted(value):
+                    raise self.error(field, f"value {value!r} is not supported for model_type {self.label!r} "
+                                            f"(supported: {supported})")
+                continue
+            unknown.append(prefix + field)
+        return unknown
+
+
+def _unknown_fields(unknown: list[str], source: str, model_type: str, strict: bool) -> None:
+    """One warning (or, strict, one error) naming every unknown field of a config."""
+    if not unknown:
+        return
+    names = ", ".join(map(repr, unknown))
+    fields, they, change = ("fields", "they", "change") if len(unknown) > 1 else ("field", "it", "changes")
+    if strict:
+        raise UnsupportedConfigError(
+            f"{source}: config {fields} {names}: unknown for model_type {model_type!r}; kvjax cannot tell whether "
+            f"{they} {change} the model's numbers, and strict config checking refuses unknown fields (without it "
+            "they are ignored with a warning)"
+        )
+    message = (
+        f"{source}: kvjax ignores config {fields} {names}, unknown for model_type {model_type!r}: it cannot tell "
+        f"whether {they} {change} the model's numbers; check {'them' if len(unknown) > 1 else 'it'} against the "
+        "model's documentation, or refuse such checkpoints with strict_config=True (--strict-config on the command "
+        "line)"
+    )
+    log.warning("%s", message)
+    # attributed to the first caller outside kvjax (whichever kvjax entry point read the config)
+    warnings.warn(message, UnknownConfigFieldWarning, skip_file_prefixes=(_KVJAX_DIR,))
 
 
 # ---------------------------------------------------------------------- pieces
@@ -277,6 +425,13 @@ def _layer_types(f: _Fields, layers: int, fallback: list[str]) -> list[str]:
     return list(types)
 
 
+def _same_layer_types(f: _Fields, implied: list[str]) -> None:
+    """`layer_types` of a family whose layers the other fields decide: it must agree with them."""
+    if f.has("layer_types") and f.get("layer_types", None) not in (None, implied):
+        raise f.error("layer_types", f"{f.data['layer_types']!r} disagrees with the model's other fields, which give "
+                                     f"{implied[0]!r} on every layer; refusing an ambiguous config")
+
+
 def _windows(types: list[str], window: int | None, max_seq_len: int) -> tuple[int, ...] | None:
     """Per-layer windows as the shortest cycle that reproduces them (None: all global)."""
     per_layer = [window if t == "sliding_attention" and window is not None else max_seq_len for t in types]
@@ -332,10 +487,12 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
     if kind == "llama":
         qkv_bias = out_bias = f.flag("attention_bias", False)
         f.require("mlp_bias", (False,), False)
+        _same_layer_types(f, ["full_attention"] * layers)
         windows = None
     elif kind == "mistral":
         qkv_bias = out_bias = False
         window = _sliding(f)
+        _same_layer_types(f, ["sliding_attention" if window is not None else "full_attention"] * layers)
         windows = _windows(["sliding_attention"] * layers, window, values["max_seq_len"])
     else:  # qwen2 / qwen3
         use = f.flag("use_sliding_window", False)
@@ -348,6 +505,7 @@ def _llama_like(f: _Fields, name: str, source: str, dtype: str | None) -> ModelS
         if kind == "qwen2":
             f.require("use_mrope", (False,), False)
             qkv_bias, out_bias = True, False  # Qwen2 always has q/k/v biases, never an output bias
+            f.used.add("attention_bias")  # transformers' Qwen2 ignores it (its biases are fixed)
         else:
             qkv_bias = out_bias = f.flag("attention_bias", False)
     return ModelSpec(
@@ -397,6 +555,11 @@ def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
         f.require(field, (None,), None)
     f.require("use_bidirectional_attention", (False, None), False)
     bias = f.flag("attention_bias", False)
+    activation = _activation(f, "hidden_activation")
+    if f.has("hidden_act") and f.get("hidden_act", None) not in (None, f.get("hidden_activation")):
+        raise f.error("hidden_act", f"{f.data['hidden_act']!r} disagrees with hidden_activation "
+                                    f"{f.get('hidden_activation')!r} (Gemma 3 reads hidden_activation); refusing an "
+                                    "ambiguous config")
     return ModelSpec(
         **values,
         attention_windows=_windows(types, window, values["max_seq_len"]),
@@ -411,22 +574,27 @@ def _gemma3(f: _Fields, name: str, source: str, dtype: str | None) -> ModelSpec:
         out_bias=bias,
         qk_norm=True,
         query_pre_attn_scalar=f.number("query_pre_attn_scalar"),
-        mlp_activation=_activation(f, "hidden_activation"),
+        mlp_activation=activation,
     )
 
 
 # ---------------------------------------------------------------------- entry points
-def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str = "<config.json>") -> ModelSpec:
-    """The `ModelSpec` of a Hugging Face `config.json` (already parsed); see the module docstring."""
+def spec_from_hf_config(
+    config: dict, *, name: str = "checkpoint", source: str = "<config.json>", strict: bool = False
+) -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face `config.json` (already parsed); see the module docstring.
+
+    Unknown fields are named in one `UnknownConfigFieldWarning` and ignored; `strict=True`
+    raises `UnsupportedConfigError` for them instead."""
     if not isinstance(config, dict):
         raise UnsupportedConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type == "gemma3":  # multimodal wrapper: serve its text model
-        outer = _Fields(config, source, "gemma3_text")
+        outer = _Fields(config, source, "gemma3_text", label="gemma3")
         outer.used.update({"model_type", "text_config"})
         dtype = _dtype(outer, None) if any(config.get(k) for k in ("dtype", "torch_dtype")) else None
         outer.get("tie_word_embeddings", None)  # the text config's own value decides
-        outer.finish(_GEMMA3_MULTIMODAL)
+        unknown = outer.finish(_GEMMA3_MULTIMODAL)
         text = config.get("text_config")
         if not isinstance(text, dict):
             raise UnsupportedConfigError(f"{source}: config field 'text_config': expected a table, got {text!r}")
@@ -437,7 +605,8 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
             raise UnsupportedConfigError(f"{source}: text_config model_type {text.get('model_type')!r} is not gemma3_text")
         f = _Fields(text, f"{source} text_config", "gemma3_text")
         spec = _gemma3(f, name, source, dtype)
-        f.finish()
+        unknown += f.finish(prefix="text_config.")
+        _unknown_fields(unknown, source, model_type, strict)
         return spec
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
@@ -446,7 +615,7 @@ def spec_from_hf_config(config: dict, *, name: str = "checkpoint", source: str =
         )
     f = _Fields(config, source, model_type)
     spec = _gemma3(f, name, source, None) if model_type == "gemma3_text" else _llama_like(f, name, source, None)
-    f.finish()
+    _unknown_fields(f.finish(), source, model_type, strict)
     return spec
 
 
@@ -464,9 +633,10 @@ def read_config(path: str | Path) -> dict:
         raise ValueError(f"{file}: invalid JSON ({e})") from None
 
 
-def spec_from_checkpoint(path: str | Path) -> ModelSpec:
-    """The `ModelSpec` of a checkpoint directory (reads only `config.json`)."""
+def spec_from_checkpoint(path: str | Path, *, strict: bool = False) -> ModelSpec:
+    """The `ModelSpec` of a checkpoint directory (reads only `config.json`); `strict` refuses
+    unknown config fields instead of warning about them."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     directory = file.parent
-    return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file))
+    return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file), strict=strict)

@@ -15,13 +15,14 @@ from kvjax.model_spec import MODELS_DIR, ModelSpec, available_models, checkpoint
 __all__ = ["load_model_spec", "servable_model"]
 
 
-def load_model_spec(name_or_path: str | Path) -> ModelSpec:
+def load_model_spec(name_or_path: str | Path, *, strict_config: bool = False) -> ModelSpec:
     """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
-    checkpoint directory (its `config.json`, read by `kvjax.hf_config`)."""
+    checkpoint directory (its `config.json`, read by `kvjax.hf_config`; `strict_config`
+    refuses config fields kvjax does not know instead of warning about them)."""
     text = str(name_or_path)
     path = Path(text)
     if checkpoint_dir(text) is not None:
-        return spec_from_checkpoint(path)
+        return spec_from_checkpoint(path, strict=strict_config)
     if text.endswith(".toml") or path.parent != Path(".") or path.is_file():
         return ModelSpec.from_toml(path)
     candidate = MODELS_DIR / f"{text}.toml"
@@ -30,12 +31,12 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     return ModelSpec.from_toml(candidate)
 
 
-def servable_model(name_or_path: str | Path) -> tuple[ModelSpec, Path | None]:
+def servable_model(name_or_path: str | Path, *, strict_config: bool = False) -> tuple[ModelSpec, Path | None]:
     """(spec, checkpoint directory or None) of a model someone asked to serve.
 
     A built-in spec of a published model (`random_weights = false`) has no weights: refuse it
-    rather than build random parameters of its size."""
-    spec = load_model_spec(name_or_path)
+    rather than build random parameters of its size. `strict_config`: see `load_model_spec`."""
+    spec = load_model_spec(name_or_path, strict_config=strict_config)
     path = checkpoint_dir(name_or_path)
     if path is None and not spec.random_weights:
         demos = ", ".join(n for n in available_models() if load_model_spec(n).random_weights)

@@ -110,6 +110,9 @@ def _read_json(path: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- the tokenizer
+_GIL_FREE_CHARS = 8192  # texts this long are encoded without holding the GIL (`Tokenizer.encode`)
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus special tokens, EOS ids and a chat template."""
 
@@ -214,6 +217,16 @@ class Tokenizer:
             cached = self.__dict__["_fingerprint"] = h.hexdigest()[:32]
         return cached
 
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of input text one token can stand for, so that a text of n
+        characters has at least ceil(n / this) tokens and a server can refuse a text that can
+        never fit before tokenising it. None when no such bound is known: a model other than
+        BPE, unknown characters fused into one token, or a normalizer or pre-tokenizer that
+        may delete text."""
+        if "_max_chars" not in self.__dict__:
+            self.__dict__["_max_chars"] = _max_chars_per_token(self.backend)
+        return self.__dict__["_max_chars"]
+
     def __getattr__(self, name: str):
         if name in _SPECIAL_NAMES:  # bos_token, eos_token, ...: None when the tokenizer has none
             return self.__dict__.get("special_tokens", {}).get(name)
@@ -228,9 +241,13 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS)."""
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS).
+        A long text is encoded as a batch of one: the same ids, but the backend releases the
+        GIL while it works, so a server's other threads (its event loop) keep running."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a string, got {type(text).__name__}")
+        if len(text) >= _GIL_FREE_CHARS:
+            return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -285,6 +302,77 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# ---------------------------------------------------------------------- length bounds
+# normalizers that never delete text; the NF*C forms compose at most 4 code points into one
+_NORMALIZER_SHRINK = {"Prepend": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Lowercase": 1}
+# pre-tokenizers that only split (or map characters one to one), never drop any
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "CharDelimiterSplit"}
+
+
+def _normalizer_shrink(spec) -> int | None:
+    """How many characters of input at most become one normalised character (None: unknown)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a fixed string replaced by one at least as long
+        pattern = spec.get("pattern", {})
+        if "String" in pattern and len(spec.get("content", "")) >= len(pattern["String"]) > 0:
+            return 1
+        return None
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _pre_tokenizer_keeps(spec) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps(p) for p in spec.get("pretokenizers", []))
+    if kind == "Split":
+        return spec.get("behavior") != "Removed"
+    if kind == "Punctuation":
+        return spec.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _has_pre_tokenizer(spec, kind: str) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_pre_tokenizer(p, kind) for p in spec.get("pretokenizers", []))
+    return spec.get("type") == kind
+
+
+def _max_chars_per_token(backend) -> int | None:
+    from tokenizers import pre_tokenizers
+
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not model.get("byte_fallback"):  # what becomes of a character outside the vocabulary?
+        if model.get("unk_token") is not None:
+            if model.get("fuse_unk"):  # a run of them is one token
+                return None
+        elif not (_has_pre_tokenizer(spec.get("pre_tokenizer"), "ByteLevel")
+                  and set(pre_tokenizers.ByteLevel.alphabet()) <= set(vocab)):
+            return None  # dropped without a trace
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not _pre_tokenizer_keeps(spec.get("pre_tokenizer")):
+        return None
+    longest = max(map(len, vocab), default=1)
+    return max(1, longest) * shrink
 
 
 # ---------------------------------------------------------------------- streaming

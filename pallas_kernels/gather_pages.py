@@ -15,13 +15,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels._common import on_gpu, page_ref
+from pallas_kernels._common import fp8_values, on_gpu, page_ref
 
 
-def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str, tpb: int, fields: int, scaled: bool,
-                     value_dtype):
+def _portable_kernel(tbl_ref: Any, lens_ref: Any, layer_ref: Any, pool_ref: Any, *refs: Any, layout: str, tpb: int,
+                     fields: int, scaled: bool, value_dtype: DTypeLike | None) -> None:
     scale_ref: Any = refs[0] if scaled else None  # a Pallas ref (untyped), or None
     out_refs = refs[1:] if scaled else refs
     b = pl.program_id(0)
@@ -29,14 +30,14 @@ def _portable_kernel(tbl_ref, lens_ref, layer_ref, pool_ref, *refs, layout: str,
     layer = layer_ref[0]
     num_blocks = tbl_ref.shape[1]
 
-    def body(m, carry):
+    def body(m: jax.Array, carry: int) -> int:
         slot = tbl_ref[b, m]
         idx = (slot, layer) if layout == "block_first" else (layer, slot)
         pos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (tpb, 1, 1), 0)  # [T, 1, 1]
         for f, out_ref in enumerate(out_refs):
             page = pool_ref[idx + (f,)]  # [H, T, D]
             if scaled:
-                page = jax.lax.bitcast_convert_type(page, value_dtype).astype(jnp.float32)
+                page = fp8_values(page, value_dtype)
                 page = page * scale_ref[idx + (f,)][:, None, None]  # [H, T, D]
             page = jnp.transpose(page, (1, 0, 2)).astype(out_ref.dtype)  # [T, H, D]
             out_ref[0, pl.ds(m * tpb, tpb)] = jnp.where(pos < seq_len, page, jnp.zeros((), page.dtype))
@@ -53,9 +54,9 @@ def gather_pages_portable(
     scales: Float[Array, "a b fields kv_heads"] | None = None,
     *,
     layout: str,
-    out_dtype=None,
-    value_dtype=None,
-    interpret=True,
+    out_dtype: DTypeLike | None = None,
+    value_dtype: DTypeLike | None = None,
+    interpret: bool = True,
 ) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
     """pallas_call, grid over the batch; pool, scales and table are whole-array refs."""
     f_, h, t, d = pool.shape[2:]
@@ -82,7 +83,7 @@ def gather_pages_mgpu(
     layer: Int[Array, " 1"],
     *,
     layout: str,
-    interpret=None,
+    interpret: Any = None,
 ) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
     """Mosaic GPU: one CTA per (request, block). Scalar loads of the layer and the table pick the slot,
     a TMA copy brings `[H, T, D]` into shared memory and per-head TMA stores write it to
@@ -96,7 +97,7 @@ def gather_pages_mgpu(
     null_slot = pool.shape[0 if layout == "block_first" else 1] - 1
     zeros = jnp.zeros((t, d), pool.dtype)
 
-    def body(tbl, lens, lay, pool_g, zeros_g, *rest):
+    def body(tbl: Any, lens: Any, lay: Any, pool_g: Any, zeros_g: Any, *rest: Any) -> None:
         out_refs, (smem, zsmem, bar) = rest[:f_], rest[f_:]
         layer = lay[0]
         i = jax.lax.axis_index("b")
@@ -115,9 +116,9 @@ def gather_pages_mgpu(
             plgpu.wait_smem_to_gmem(0)
 
             @pl.when((valid > 0) & (valid < t))
-            def _zero_tail():
+            def _zero_tail() -> None:
                 @pl.loop(valid, t)
-                def _(r):
+                def _(r: Any) -> None:
                     for hh in range(h):
                         # pl.when / pl.loop trace their bodies at once, inside this iteration
                         plgpu.copy_smem_to_gmem(zsmem.at[pl.ds(r, 1)], out.at[i, pl.ds(start + r, 1), hh])  # noqa: B023
@@ -144,8 +145,8 @@ def dequantize_pages(
     field: int,
     *,
     layout: str,
-    out_dtype,
-    value_dtype,
+    out_dtype: DTypeLike,
+    value_dtype: DTypeLike | None,
 ) -> Float[Array, "batch positions kv_heads head_dim"]:
     """Epilogue of the Mosaic GPU gather on FP8 pools: view the gathered bytes as fp8 and
     multiply them by their block scales (an XLA fusion over the kernel's output; the kernel
@@ -154,7 +155,7 @@ def dequantize_pages(
     idx = (block_table, layer[0]) if layout == "block_first" else (layer[0], block_table)
     s = scales[idx + (field,)]  # [batch, blocks, H]
     s = jnp.repeat(s, tpb, axis=1)  # [batch, positions, H]
-    values = jax.lax.bitcast_convert_type(pages, value_dtype).astype(jnp.float32)
+    values = fp8_values(pages, value_dtype)
     return (values * s[..., None]).astype(out_dtype)
 
 
@@ -166,9 +167,10 @@ def gather_pages(
     scales: Float[Array, "a b fields kv_heads"] | None = None,
     *,
     layout: str,
-    out_dtype=None,
-    value_dtype=None,
+    out_dtype: DTypeLike | None = None,
+    value_dtype: DTypeLike | None = None,
 ) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
+    """The Mosaic GPU kernel (plus a dequantising epilogue for FP8) on a GPU, the portable kernel elsewhere."""
     out_dtype = jnp.dtype(pool.dtype if out_dtype is None else out_dtype)
     if not on_gpu():
         return gather_pages_portable(pool, block_table, seq_lens, layer, scales, layout=layout, out_dtype=out_dtype,
@@ -178,3 +180,26 @@ def gather_pages(
         return tuple(p.astype(out_dtype) for p in pages)
     return tuple(dequantize_pages(p, scales, block_table, layer, f, layout=layout, out_dtype=out_dtype,
                                   value_dtype=value_dtype) for f, p in enumerate(pages))
+
+
+def gather_pages_reference(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    out_dtype: DTypeLike | None = None,
+    value_dtype: DTypeLike | None = None,
+) -> tuple[Shaped[Array, "batch positions kv_heads head_dim"], ...]:
+    """Plain jnp oracle of the kernels: index the pool by the table, dequantise, zero past seq_len."""
+    out_dtype = jnp.dtype(pool.dtype if out_dtype is None else out_dtype)
+    idx = (block_table, layer[0]) if layout == "block_first" else (layer[0], block_table)
+    pages = pool[idx]  # [B, M, F, H, T, D]
+    if scales is not None:
+        pages = fp8_values(pages, value_dtype) * scales[idx][..., None, None]
+    b, m, f_, h, t, d = pages.shape
+    flat = jnp.transpose(pages, (2, 0, 1, 4, 3, 5)).reshape(f_, b, m * t, h, d)  # [F, B, M*T, H, D]
+    live = (jnp.arange(m * t)[None, :] < seq_lens[:, None])[:, :, None, None]  # [B, M*T, 1, 1]
+    return tuple(jnp.where(live, flat[f].astype(out_dtype), jnp.zeros((), out_dtype)) for f in range(f_))

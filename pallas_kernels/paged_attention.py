@@ -17,36 +17,38 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, Shaped
 
-from pallas_kernels._common import on_gpu
+from pallas_kernels._common import fp8_values, on_gpu
+from pallas_kernels.tuning import DEFAULT_ATTENTION_TUNING, AttentionTuning
 
 HIGHEST = jax.lax.Precision.HIGHEST
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of nan
 
 
-def _group_queries(q, kv_heads: int):
+def _group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     """[B, Q, Hq, D] -> [B, Hkv, Q*G, D] (row r = query r // G, head kv*G + r % G)."""
     b, ql, hq, d = q.shape
     g = hq // kv_heads
     return jnp.transpose(q.reshape(b, ql, kv_heads, g, d), (0, 2, 1, 3, 4)).reshape(b, kv_heads, ql * g, d)
 
 
-def _ungroup(o, q_shape):
+def _ungroup(o: jax.Array, q_shape: tuple[int, ...]) -> jax.Array:
     b, ql, hq, d = q_shape
     hkv = o.shape[1]
     return jnp.transpose(o.reshape(b, hkv, ql, hq // hkv, d), (0, 2, 1, 3, 4)).reshape(q_shape)
 
 
-def _block_range(seq_len, q_len: int, window: int, tpb: int, max_blocks: int):
+def _block_range(seq_len: jax.Array, q_len: int, window: int, tpb: int, max_blocks: int) -> tuple[jax.Array, jax.Array]:
     first_key = jnp.maximum(seq_len - q_len - window + 1, 0)
     lo = first_key // tpb
     hi = jnp.minimum((seq_len + tpb - 1) // tpb, max_blocks)
     return lo, hi
 
 
-def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layout, scale, window, q_len, group, scaled,
-                     value_dtype):
+def _portable_kernel(tbl_ref: Any, lens_ref: Any, layer_ref: Any, q_ref: Any, pool_ref: Any, *refs: Any, layout: str,
+                     scale: float, window: int, q_len: int, group: int, scaled: bool, value_dtype: DTypeLike | None) -> None:
     scale_ref: Any = refs[0] if scaled else None  # a Pallas ref (untyped), or None
     o_ref = refs[-1]
     b, kh = pl.program_id(0), pl.program_id(1)
@@ -59,14 +61,14 @@ def _portable_kernel(tbl_ref, lens_ref, layer_ref, q_ref, pool_ref, *refs, layou
     qpos = seq_len - q_len + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
     lo, hi = _block_range(seq_len, q_len, window, tpb, tbl_ref.shape[1])
 
-    def body(m, carry):
+    def body(m: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
         acc, m_i, l_i = carry
         slot = tbl_ref[b, m]
         idx = (slot, layer) if layout == "block_first" else (layer, slot)
         k, v = pool_ref[idx + (0, kh)], pool_ref[idx + (fv, kh)]  # [T, D] each
         if scaled:  # FP8 (uint8 bit patterns): view as fp8, dequantise with the block scale
-            k = jax.lax.bitcast_convert_type(k, value_dtype).astype(jnp.float32) * scale_ref[idx + (0, kh)]
-            v = jax.lax.bitcast_convert_type(v, value_dtype).astype(jnp.float32) * scale_ref[idx + (fv, kh)]
+            k = fp8_values(k, value_dtype) * scale_ref[idx + (0, kh)]
+            v = fp8_values(v, value_dtype) * scale_ref[idx + (fv, kh)]
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=HIGHEST) * scale  # [R, T]
         kpos = m * tpb + jax.lax.broadcasted_iota(jnp.int32, (1, tpb), 1)  # [1, T]
@@ -94,8 +96,8 @@ def paged_attention_portable(
     layout: str,
     scale: float,
     window: int,
-    value_dtype=None,
-    interpret=True,
+    value_dtype: DTypeLike | None = None,
+    interpret: bool = True,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """pallas_call, grid over (request, kv head); pool, scales and tables are whole-array refs."""
     b, ql, hq, d = q.shape
@@ -118,19 +120,53 @@ def paged_attention_portable(
     return _ungroup(out, q.shape)
 
 
+def paged_attention_reference(
+    q: Float[Array, "batch q_len heads head_dim"],
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    block_table: Int[Array, "batch blocks"],
+    seq_lens: Int[Array, " batch"],
+    layer: Int[Array, " 1"],
+    scales: Float[Array, "a b fields kv_heads"] | None = None,
+    *,
+    layout: str,
+    scale: float,
+    window: int,
+    value_dtype: DTypeLike | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Plain jnp oracle of the kernels: gather every table page, dequantise, masked softmax in f32."""
+    b, ql, hq, d = q.shape
+    idx = (block_table, layer[0]) if layout == "block_first" else (layer[0], block_table)
+    pages = pool[idx]  # [B, M, F, H, T, D]
+    if scales is not None:
+        pages = fp8_values(pages, value_dtype) * scales[idx][..., None, None]
+    pages = pages.astype(jnp.float32)
+    m, f_, hkv, t = pages.shape[1], pages.shape[2], pages.shape[3], pages.shape[4]
+    kv = jnp.transpose(pages, (0, 2, 1, 4, 3, 5)).reshape(b, f_, m * t, hkv, d)  # [B, F, S, H, D]
+    k = jnp.repeat(kv[:, 0], hq // hkv, axis=2)  # [B, S, Hq, D]
+    v = jnp.repeat(kv[:, f_ - 1], hq // hkv, axis=2)  # [B, S, Hq, D]
+    s = jnp.einsum("bqhd,bshd->bhqs", q.astype(jnp.float32), k, precision=HIGHEST) * scale  # [B, Hq, Q, S]
+    qpos = seq_lens[:, None] - ql + jnp.arange(ql)[None, :]  # [B, Q]
+    kpos = jnp.arange(m * t)  # [S]
+    vis = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] > qpos[:, :, None] - window)  # [B, Q, S]
+    s = jnp.where(vis[:, None], s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(jnp.where(vis[:, None], s, _NEG), axis=-1, keepdims=True))  # [B, Hq, Q, S]
+    denom = p.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bhqs,bshd->bqhd", p / jnp.where(denom > 0, denom, 1.0), v, precision=HIGHEST)  # [B, Q, Hq, D]
+    return out.astype(q.dtype)
+
+
 # ------------------------------------------------------------------------------ Mosaic GPU
-BLOCK_Q = 64  # wgmma M: query rows per program (q_len * G rows, zero-padded)
-MIN_BLOCK_KV = 64  # keys per step: several pages are TMA'd side by side into one tile
-
-
-def mgpu_supported(dtype, head_dim: int | None, tokens_per_block: int | None) -> bool:
+def mgpu_supported(dtype: DTypeLike, head_dim: int | None, tokens_per_block: int | None,
+                   tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING) -> bool:
     """Shapes the Mosaic GPU kernel handles: 16-bit K/V (wgmma, f32 accumulation),
-    head_dim a multiple of 64 (128-byte swizzle), pages of >= 8 tokens."""
+    head_dim a multiple of 64 (128-byte swizzle), pages of >= 8 tokens that tile
+    `tuning.min_block_kv` (or are a multiple of it)."""
     if head_dim is None or tokens_per_block is None:
         return False
+    kv = tuning.min_block_kv
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 64 == 0
-            and tokens_per_block % 8 == 0 and (tokens_per_block <= MIN_BLOCK_KV and MIN_BLOCK_KV % tokens_per_block == 0
-                                               or tokens_per_block % MIN_BLOCK_KV == 0))
+            and tokens_per_block % 8 == 0 and (tokens_per_block <= kv and kv % tokens_per_block == 0
+                                               or tokens_per_block % kv == 0))
 
 
 def paged_attention_mgpu(
@@ -143,9 +179,10 @@ def paged_attention_mgpu(
     layout: str,
     scale: float,
     window: int,
-    interpret=None,
+    tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING,
+    interpret: Any = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
-    """Mosaic GPU, one warpgroup per (request, kv head, 64-row query tile).
+    """Mosaic GPU, one warpgroup per (request, kv head, `tuning.block_q`-row query tile).
 
     Each step TMA-loads `pages_per_step` pages of K and V (slots from scalar loads of the
     block table) into swizzled shared memory, double-buffered so the next step's copies fly
@@ -158,10 +195,11 @@ def paged_attention_mgpu(
     hkv, tpb = pool.shape[3], pool.shape[4]
     f_ = pool.shape[2]
     group = hq // hkv
-    if not mgpu_supported(pool.dtype, d, tpb):
+    block_q = tuning.block_q
+    if not mgpu_supported(pool.dtype, d, tpb, tuning):
         raise ValueError(f"Mosaic GPU paged attention needs 16-bit K/V, head_dim % 64 == 0 and tokens_per_block "
-                         f"dividing (or a multiple of) {MIN_BLOCK_KV}: got {pool.dtype=}, {d=}, {tpb=}")
-    bk = max(MIN_BLOCK_KV, tpb)  # keys per step
+                         f"dividing (or a multiple of) {tuning.min_block_kv}: got {pool.dtype=}, {d=}, {tpb=}")
+    bk = max(tuning.min_block_kv, tpb)  # keys per step
     pps = bk // tpb  # pages per step
     null_slot = pool.shape[0 if layout == "block_first" else 1] - 1
     m = block_table.shape[1]
@@ -169,16 +207,17 @@ def paged_attention_mgpu(
     table = jnp.pad(block_table, ((0, 0), (0, m_pad - m)), constant_values=null_slot)  # [B, m_pad]
     qg = _group_queries(q.astype(pool.dtype), hkv)  # [B, Hkv, R, D]
     rows = qg.shape[2]
-    tiles = -(-rows // BLOCK_Q)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tiles * BLOCK_Q - rows), (0, 0)))  # [B, Hkv, tiles*64, D]
+    tiles = -(-rows // block_q)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tiles * block_q - rows), (0, 0)))  # [B, Hkv, tiles*block_q, D]
     steps_total = m_pad // pps
     dtype = pool.dtype
 
-    def page(pool_g, slot, layer, field, kh):
+    def page(pool_g: Any, slot: Any, layer: Any, field: int, kh: Any) -> Any:
         idx = (slot, layer, field, kh) if layout == "block_first" else (layer, slot, field, kh)
         return pool_g.at[idx]  # [T, D]
 
-    def body(tbl, lens, lay, q_g, pool_g, o_g, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar):
+    def body(tbl: Any, lens: Any, lay: Any, q_g: Any, pool_g: Any, o_g: Any, q_smem: Any, k_smem: Any, v_smem: Any,
+             q_bar: Any, k_bar: Any, v_bar: Any) -> None:
         bi, kh, tile = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
         layer = lay[0]
         seq_len = lens[bi]
@@ -186,54 +225,54 @@ def paged_attention_mgpu(
         lo = first_key // bk
         hi = jnp.minimum((seq_len + bk - 1) // bk, steps_total)
 
-        def issue(step, slot):
+        def issue(step: Any, slot: Any) -> None:
             for p in range(pps):
                 s = tbl[bi, step * pps + p]
                 plgpu.copy_gmem_to_smem(page(pool_g, s, layer, 0, kh), k_smem.at[slot, pl.ds(p * tpb, tpb)], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(page(pool_g, s, layer, f_ - 1, kh), v_smem.at[slot, pl.ds(p * tpb, tpb)],
                                         v_bar.at[slot])
 
-        plgpu.copy_gmem_to_smem(q_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_g.at[bi, kh, pl.ds(tile * block_q, block_q)], q_smem, q_bar)
 
         @pl.when(lo < hi)
-        def _():
+        def _() -> None:
             issue(lo, 0)
 
         plgpu.barrier_wait(q_bar)
-        row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 0, layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 1, layout=plgpu.Layout.WGMMA)
-        qpos = seq_len - ql + jax.lax.div(row + tile * BLOCK_Q, group)  # [64, bk]
+        row = plgpu.broadcasted_iota(jnp.int32, (block_q, bk), 0, layout=plgpu.Layout.WGMMA)
+        col = plgpu.broadcasted_iota(jnp.int32, (block_q, bk), 1, layout=plgpu.Layout.WGMMA)
+        qpos = seq_len - ql + jax.lax.div(row + tile * block_q, group)  # [block_q, bk]
 
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((block_q,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        def step_fn(step, carry):
+        def step_fn(step: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             acc, m_i, l_i = carry
             slot = jax.lax.rem(step - lo, 2)
 
             @pl.when(step + 1 < hi)
-            def _prefetch():
+            def _prefetch() -> None:
                 issue(step + 1, 1 - slot)
 
             plgpu.barrier_wait(k_bar.at[slot])
 
-            def qk_fn(acc_ref):
+            def qk_fn(acc_ref: Any) -> Any:
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk_fn, plgpu.ACC((BLOCK_Q, bk), jnp.float32)) * scale  # [64, bk]
+            s = pl.run_scoped(qk_fn, plgpu.ACC((block_q, bk), jnp.float32)) * scale  # [block_q, bk]
             kpos = step * bk + col
             vis = (kpos <= qpos) & (kpos > qpos - window)
             s = jnp.where(vis, s, _NEG)
-            m_new = jnp.maximum(m_i, s.max(axis=1))  # [64]
-            p = jnp.where(vis, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)  # [64, bk]
+            m_new = jnp.maximum(m_i, s.max(axis=1))  # [block_q]
+            p = jnp.where(vis, jnp.exp(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)  # [block_q, bk]
             alpha = jnp.exp(m_i - m_new)
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
 
-            def pv_fn(acc_ref):
+            def pv_fn(acc_ref: Any) -> None:
                 plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
 
             acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
@@ -241,11 +280,11 @@ def paged_attention_mgpu(
             return acc, m_new, l_i
 
         acc, m_i, l_i = jax.lax.fori_loop(lo, hi, step_fn, (acc, m_i, l_i))
-        l_b = jax.lax.broadcast_in_dim(l_i, (BLOCK_Q, d), [0])
+        l_b = jax.lax.broadcast_in_dim(l_i, (block_q, d), [0])
         out = jnp.where(l_b > 0, acc / jnp.where(l_b > 0, l_b, 1.0), 0.0)
         q_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_g.at[bi, kh, pl.ds(tile * BLOCK_Q, BLOCK_Q)])
+        plgpu.copy_smem_to_gmem(q_smem, o_g.at[bi, kh, pl.ds(tile * block_q, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
     # jax declares transform_array abstract on the transform base class; these are concrete
@@ -257,7 +296,7 @@ def paged_attention_mgpu(
         grid=(b, hkv, tiles),
         grid_names=("b", "h", "r"),
         scratch_types=(
-            plgpu.SMEM((BLOCK_Q, d), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((block_q, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((2, bk, d), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((2, bk, d), dtype, transforms=(tiling, swizzle)),
             plgpu.Barrier(),
@@ -280,11 +319,14 @@ def paged_attention(
     layout: str,
     scale: float,
     window: int,
-    value_dtype=None,
+    value_dtype: DTypeLike | None = None,
+    tuning: AttentionTuning = DEFAULT_ATTENTION_TUNING,
 ) -> Float[Array, "batch q_len heads head_dim"]:
+    """The Mosaic GPU kernel on a GPU, the portable kernel elsewhere (FP8 pools: XLA path on GPU)."""
     if not on_gpu():
         return paged_attention_portable(q, pool, block_table, seq_lens, layer, scales, layout=layout, scale=scale,
                                         window=window, value_dtype=value_dtype)
     if scales is not None:
         raise ValueError("the Mosaic GPU attention kernel takes 16-bit K/V; FP8 pools run the XLA path (impl='xla')")
-    return paged_attention_mgpu(q, pool, block_table, seq_lens, layer, layout=layout, scale=scale, window=window)
+    return paged_attention_mgpu(q, pool, block_table, seq_lens, layer, layout=layout, scale=scale, window=window,
+                                tuning=tuning)

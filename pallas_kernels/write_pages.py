@@ -8,21 +8,24 @@ The pool is updated in place when the caller donates it.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Int, Shaped
 
 from pallas_kernels._common import on_gpu
 
 
-def _portable_kernel(slot_ref, off_ref, layer_ref, kv_ref, pool_in_ref, pool_ref, *, layout: str):
+def _portable_kernel(slot_ref: Any, off_ref: Any, layer_ref: Any, kv_ref: Any, pool_in_ref: Any, pool_ref: Any, *,
+                     layout: str) -> None:
     del pool_in_ref  # aliased with pool_ref
     i = pl.program_id(0)
     s, o, layer = slot_ref[i], off_ref[i], layer_ref[0]
 
     @pl.when(s >= 0)
-    def _():
+    def _() -> None:
         idx = (s, layer) if layout == "block_first" else (layer, s)
         pool_ref[idx + (slice(None), slice(None), pl.ds(o, 1), slice(None))] = kv_ref[0][:, :, None, :]
 
@@ -35,7 +38,7 @@ def write_pages_portable(
     layer: Int[Array, " 1"],
     *,
     layout: str,
-    interpret=True,
+    interpret: bool = True,
 ) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     """pallas_call, grid over tokens; the whole pool is one aliased ref."""
     n = kv.shape[0]
@@ -61,7 +64,7 @@ def write_pages_mgpu(
     layer: Int[Array, " 1"],
     *,
     layout: str,
-    interpret=None,
+    interpret: Any = None,
 ) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
     """Mosaic GPU: one CTA per token; TMA-load its `[F, H, 1, D]` K/V into shared memory,
     then one TMA store per field into the `[H, 1, D]` box at (slot, layer, field, :, off).
@@ -71,12 +74,12 @@ def write_pages_mgpu(
     n, f_, h, d = kv.shape
     kv5 = kv.reshape(n, f_, h, 1, d)
 
-    def body(slot_g, off_g, lay, kv_g, pool_g, smem, bar):
+    def body(slot_g: Any, off_g: Any, lay: Any, kv_g: Any, pool_g: Any, smem: Any, bar: Any) -> None:
         i = jax.lax.axis_index("t")
         s, o, layer = slot_g[i], off_g[i], lay[0]
 
         @pl.when(s >= 0)
-        def _():
+        def _() -> None:
             plgpu.copy_gmem_to_smem(kv_g.at[i], smem, bar)
             plgpu.barrier_wait(bar)
             for f in range(f_):
@@ -100,6 +103,24 @@ def write_pages(
     *,
     layout: str,
 ) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
+    """The Mosaic GPU kernel on a GPU, the portable kernel elsewhere."""
     if on_gpu():
         return write_pages_mgpu(pool, kv, slot, off, layer, layout=layout)
     return write_pages_portable(pool, kv, slot, off, layer, layout=layout)
+
+
+def write_pages_reference(
+    pool: Shaped[Array, "a b fields kv_heads tpb head_dim"],
+    kv: Shaped[Array, "tokens fields kv_heads head_dim"],
+    slot: Int[Array, " tokens"],
+    off: Int[Array, " tokens"],
+    layer: Int[Array, " 1"],
+    *,
+    layout: str,
+) -> Shaped[Array, "a b fields kv_heads tpb head_dim"]:
+    """Plain jnp oracle of the kernels (for distinct (slot, offset) pairs): one scatter, padding dropped."""
+    num_slots = pool.shape[0 if layout == "block_first" else 1]
+    s = jnp.where(slot >= 0, slot, num_slots)  # padding -> out of range -> dropped
+    if layout == "block_first":
+        return pool.at[s, layer[0], :, :, off].set(kv, mode="drop")  # advanced dims first: [tokens, F, H, D]
+    return pool.at[layer[0], s, :, :, off].set(kv, mode="drop")

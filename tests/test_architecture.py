@@ -33,6 +33,15 @@ ALLOWED_PRIVATE_READS: set[tuple[str, str]] = {
     # its public state; each wants a read-only accessor in the owner module
     ("kvjax.ledger.integrity", "_heap"),  # kvjax/ledger/free_queues.py: the expiry heap's entries
     ("kvjax.ledger.integrity", "_first_key"),  # kvjax/ledger/radix_tree.py: a node's first block and key
+    # kvjax/cli.py lists every subcommand's flags: argparse has no public way to reach them
+    ("kvjax.cli", "_SubParsersAction"),
+    ("kvjax.cli", "_option_string_actions"),
+}
+# import edges left out of the circle check, each with the module that owns the fix:
+ALLOWED_IMPORT_EDGES: set[tuple[str, str]] = {
+    # kvjax/kv_store/url.py loads the Redis store lazily by URL scheme, and the store imports
+    # `redact` from it back; `redact` belongs in a module below both
+    ("kvjax.kv_store.url", "kvjax.kv_store.redis_store"),
 }
 
 
@@ -125,6 +134,9 @@ def test_no_import_cycle_between_kvjax_modules():
     mods = sources()
     graph = import_edges(mods)
     assert graph["kvjax.ledger.kv_cache_manager"]  # the graph is really built
+    for src, dst in ALLOWED_IMPORT_EDGES:
+        assert dst in graph[src], f"allowed edge {src} -> {dst} is gone: drop it from the list"
+        graph[src].discard(dst)
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
@@ -186,13 +198,14 @@ def test_private_read_check_catches_a_read():
 
 def test_every_kvjax_exception_derives_from_kvcacheerror():
     """Import every module of kvjax and check every exception class it defines, so `except
-    KVCacheError` catches whatever kvjax raises on purpose."""
+    KVCacheError` catches whatever kvjax raises on purpose. Warning categories are left out:
+    they are issued with `warnings.warn`, never raised as errors, and derive from `Warning`."""
     outside = []
     checked = 0
     for info in pkgutil.walk_packages(kvjax.__path__, "kvjax."):
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == info.name and issubclass(cls, BaseException):
+            if cls.__module__ == info.name and issubclass(cls, BaseException) and not issubclass(cls, Warning):
                 checked += 1
                 if not issubclass(cls, KVCacheError):
                     outside.append(f"{info.name}.{cls.__qualname__}{tuple(b.__name__ for b in cls.__bases__)}")
@@ -258,3 +271,11 @@ def test_one_writer_of_a_sequences_block_lists():
     assert not bad, "\n".join(f"{m}:{line}: {code}" for m, line, code in bad)
     mods = {"kvjax.x": (pathlib.Path("x.py"), ast.parse("sw.blocks[0].append(1)\nsw.blocks[0][2] = 3\nn = len(sw.blocks[0])\n"))}
     assert sorted(line for _, line, _ in block_list_writes(mods)) == [1, 2]
+
+
+def test_nothing_below_the_facade_imports_it():
+    """`KVCacheManager` is the top of the ledger: the modules it hands work to take the owners
+    they need (`BlockManager`, `LiveSequences`...), never the facade, not even for annotations."""
+    graph = import_edges(sources())
+    below = [m for m, deps in graph.items() if m.startswith("kvjax.ledger.") and "kvjax.ledger.kv_cache_manager" in deps]
+    assert not below, below

@@ -275,3 +275,10 @@ def test_run_a_checkpoint_directory(capsys, tmp_path):
     data = json.loads((tmp_path / "run-chat.json").read_text())
     (run,) = data["runs"]
     assert data["model"] == "mistral" and run["summary"]["requests"] == 2 and run["summary"]["prefill_reused_tokens"] > 0
+
+
+def test_run_refuses_a_max_seq_len_beyond_the_model(capsys):
+    """The chat workload asks 512 tokens of a fixture trained for 256: refused by name, with the flag that fixes it."""
+    assert main(["run", "--model", "tests/fixtures/hf/llama3", "--workload", "chat"]) == 2
+    err = capsys.readouterr().err
+    assert "max_seq_len=512 exceeds the model's 256" in err and "--max-seq-len" in err

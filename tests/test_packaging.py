@@ -13,11 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pyproject_ships_configs_as_package_data():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"]["kvjax.configs"] == "configs"
-    assert set(setuptools["package-data"]["kvjax.configs"]) == {"models/*.toml", "workloads/*.toml"}
+    # every configs/ subdirectory is a data-only package of its own (setuptools warns about an
+    # importable data directory missing from `packages`), shipping its TOML files
+    data = {"kvjax.configs." + d.name for d in (ROOT / "configs").iterdir() if d.is_dir()}
+    assert data == {"kvjax.configs.models", "kvjax.configs.workloads"}
+    assert setuptools["package-data"] == {name: ["*.toml"] for name in data}
     # the package list is explicit (to add kvjax.configs): every package directory must be in it
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("kvjax/**/__init__.py")}
     on_disk |= {".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.glob("pallas_kernels/**/__init__.py")}
-    assert on_disk | {"kvjax.configs"} == set(setuptools["packages"])
+    assert on_disk | {"kvjax.configs"} | data == set(setuptools["packages"])
 
 
 def test_installed_layout_finds_its_configs(tmp_path):

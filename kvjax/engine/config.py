@@ -116,6 +116,12 @@ def cache_config(
     if v["kv_cache_dtype"] not in KV_CACHE_DTYPES:
         raise ValueError(f"{source}: [cache] kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {v['kv_cache_dtype']!r}")
+    model_len = getattr(model_spec, "max_seq_len", None)
+    if v["max_seq_len"] is not None and model_len is not None and v["max_seq_len"] > model_len:
+        # as vLLM refuses a max_model_len above the derived one: positions past it were never trained
+        raise ValueError(f"{source}: [cache] max_seq_len={v['max_seq_len']} exceeds the model's {model_len} "
+                         f"(its max_position_embeddings); use max_seq_len <= {model_len} "
+                         f"(--max-seq-len / --max-model-len on the command line)")
     try:
         return model_spec.cache_config(
             primary_blocks=v["primary_blocks"],

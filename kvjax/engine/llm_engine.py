@@ -21,6 +21,7 @@ format on ZeroMQ, docs/kv_events.md) after every step; `close()` stops the publi
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ from kvjax.engine.event_publishing import KVEventsConfig
 from kvjax.engine.outputs import CompletionOutput, OutputText, RequestMetrics, RequestOutput
 from kvjax.engine.sampling import SamplingParams, key_seed
 from kvjax.engine.workloads import WorkItem
+
+log = logging.getLogger("kvjax.engine")
 
 
 def split_options(options: Mapping[str, Any], source: str = "options") -> tuple[dict, dict]:
@@ -175,19 +178,40 @@ class LLMEngine:
         finished in it."""
         results = []
         for out in self.core.step():
-            r = out.request
-            text = self._texts[r.request_id]
-            stop_token = out.finished and r.finish_reason == "stop" and bool(out.new_token_ids)
-            hit = text.add(out.new_token_ids, ends_with_stop_token=stop_token, finished=out.finished)
-            if hit is not None:
-                if out.finished:  # stopped by length in the same step: the stop string says why
-                    r.finish_reason, r.stop_reason = "stop", hit
-                else:
-                    stopped = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
-                    assert stopped is not None  # the request was running this step
-                    out = stopped
-            results.append(self._output(out))
+            try:
+                results.append(self._step_output(out))
+            except Exception as e:  # this request's text failed: it alone ends, with "error"
+                results.append(self._failed(out, e))
         return results
+
+    def _step_output(self, out: CoreOutput) -> RequestOutput:
+        r = out.request
+        text = self._texts[r.request_id]
+        stop_token = out.finished and r.finish_reason == "stop" and bool(out.new_token_ids)
+        hit = text.add(out.new_token_ids, ends_with_stop_token=stop_token, finished=out.finished)
+        if hit is not None:
+            if out.finished:  # stopped by length in the same step: the stop string says why
+                r.finish_reason, r.stop_reason = "stop", hit
+            else:
+                stopped = self.core.abort_request(r.request_id, reason="stop", stop_reason=hit)
+                assert stopped is not None  # the request was running this step
+                out = stopped
+        return self._output(out)
+
+    def _failed(self, out: CoreOutput, error: Exception) -> RequestOutput:
+        """End a request whose output could not be made (e.g. its detokenisation raised): out
+        of the core (blocks stored and freed, as an abort) if it still runs, finish reason
+        "error", no text; the other requests of the step are untouched."""
+        r = out.request
+        log.error("request %s failed: %s: %s", r.request_id, type(error).__name__, error, exc_info=error)
+        self.core.abort_request(r.request_id, reason="error")  # None if it had finished already
+        r.finish_reason, r.stop_reason = "error", None
+        self._texts.pop(r.request_id, None)
+        prompt = self._prompts.pop(r.request_id, None)
+        metrics = RequestMetrics(r.arrival_time, r.admit_time, r.first_token_time, r.finish_time)
+        cached = r.admissions[0].reused if r.admissions else 0
+        return RequestOutput(r.request_id, prompt, r.prompt, [CompletionOutput(0, "", list(r.output), "error", None)], True,
+                             cached, metrics)
 
     def _output(self, out: CoreOutput) -> RequestOutput:
         r = out.request

@@ -21,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the request failed)
     stop_reason: int | str | None = None  # stop token id or stop string; None for EOS / length
 
     def finished(self) -> bool:

@@ -15,6 +15,8 @@ the same tokens.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import jax
@@ -24,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.engine.batching import ForwardBatch, build_batch
 from kvjax.engine.sampling import sample
+
+log = logging.getLogger("kvjax.engine.runner")
 
 
 class ModelRunner:
@@ -102,7 +106,10 @@ class ModelRunner:
             out[:n] = a
             return out
 
+        if batch.shape not in self.shapes:  # the wait a first request of a new shape sees, said when it starts
+            log.info("compiling the forward for a new shape [B=%d, T=%d, blocks=%d]", *batch.shape)
         self.shapes.add(batch.shape)
+        traces, start = self.num_traces, time.perf_counter()
         g = self._global
         tok, chosen, margin, pools = self._step(
             self._state,
@@ -119,4 +126,7 @@ class ModelRunner:
             g(pad(index, np.int32, 0)),
         )
         tok, chosen, margin = jax.device_get((tok, chosen, margin))
+        if self.num_traces != traces:
+            log.info("compiled the forward for [B=%d, T=%d, blocks=%d] in %.2f s (%d programs so far)", *batch.shape,
+                     time.perf_counter() - start, self.num_traces)
         return np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools

@@ -23,6 +23,10 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+INT32_MAX = 2**31 - 1  # top_k, max_tokens and token ids travel to the device as int32
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds: OpenAI's (and vLLM's) range
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to draw a request's tokens and when to stop (vLLM's names and meanings).
@@ -54,16 +58,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 1, or 0 / -1 for all tokens, got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an int in [{INT64_MIN}, {INT64_MAX}] or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an int in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be an int in [1, {INT32_MAX}], or 0 / -1 for all tokens, got {self.top_k!r}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -73,8 +77,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids in [0, {INT32_MAX}], got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -153,6 +153,7 @@ class LedgerEventAdapter:
             block_size=self.block_size,
             lora_id=lora_id,
             medium=MEDIA[level],
+            lora_name=None,  # kvjax's LoRA adapters have integer ids only
             extra_keys=extra if extra is not None and extra.count(None) != len(extra) else None,
             group_idx=self._group[window],
             kv_cache_spec_kind=kind,

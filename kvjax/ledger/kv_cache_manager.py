@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -247,8 +247,8 @@ class KVCacheManager:
         storing.pin(self._bm, self._seq(request_id))
 
     @writer
-    def unpin_blocks(self, block_ids: Sequence[int] | dict[int, Sequence[int]]) -> None:
-        """Drop one pin per listed id (a list for one window, or a dict window -> ids)."""
+    def unpin_blocks(self, block_ids: Iterable[int] | Mapping[int, Iterable[int]]) -> None:
+        """Drop one pin per listed id (any collection of ids for one window, or a dict window -> ids)."""
         storing.unpin(self._bm, block_ids)
 
     @writer

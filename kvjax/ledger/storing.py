@@ -5,7 +5,7 @@ The block work itself is the block manager's (`BlockManager.store`, `RefCounts`)
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from kvjax.errors import InvalidArgumentError
@@ -63,14 +63,10 @@ def pin(bm: BlockManager, seq: TrackedSequence) -> None:
             wm.refs.pin_block(b)
 
 
-def unpin(bm: BlockManager, block_ids: Sequence[int] | dict[int, Sequence[int]]) -> None:
-    """Drop one pin per listed id (a list for one window, or a dict window -> ids); every id
-    and count is checked before the first pin is dropped."""
-    check_unpin_ids(block_ids)
-    if isinstance(block_ids, dict):
-        items = [(window_manager(bm, w), list(ids)) for w, ids in block_ids.items()]
-    else:
-        items = [(window_manager(bm, None), list(block_ids))]
+def unpin(bm: BlockManager, block_ids: Iterable[int] | Mapping[int, Iterable[int]]) -> None:
+    """Drop one pin per listed id (any collection of ids for one window, or a mapping window ->
+    ids); every id and count is checked before the first pin is dropped."""
+    items = [(window_manager(bm, w), ids) for w, ids in check_unpin_ids(block_ids)]
     checked = []
     for wm, ids in items:
         counts: dict[int, int] = {}

@@ -106,29 +106,30 @@ def check_token_arg(token: object) -> int | list[int]:
     return [check_int("token", t, 0, INT32_MAX, error=InvalidRequestError) for t in token]
 
 
-def check_unpin_ids(block_ids: object) -> None:
-    """A list/tuple/1-D array of block ids, or a dict window -> such a list."""
-    groups = block_ids.values() if isinstance(block_ids, Mapping) else [block_ids]
+def check_unpin_ids(block_ids: object) -> list[tuple[int | None, list | tuple]]:
+    """Any collection of block ids (list, tuple, range, set, 1-D array, generator, ...), or a
+    mapping window -> such a collection, as `(window or None, ids)` pairs: a generator is read
+    once, here, before anything changes."""
     if isinstance(block_ids, Mapping):
-        for w in block_ids:
+        out = []
+        for w, ids in block_ids.items():
             check_window(w)
-    for ids in groups:
-        if isinstance(ids, np.ndarray) and ids.ndim != 1:
-            raise InvalidArgumentError(f"block ids must be one-dimensional, got shape {ids.shape}")
-        if not isinstance(ids, (list, tuple, range, np.ndarray)):
-            raise InvalidArgumentError(f"block_ids must be a list of ints (or a dict window -> list), got {ids!r}")
+            out.append((w, _id_collection("block_ids", ids)))
+        return out
+    return [(None, _id_collection("block_ids", block_ids))]
+
+
+def _id_collection(name: str, ids: object) -> list | tuple:
+    if isinstance(ids, np.ndarray) and ids.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be one-dimensional, got shape {ids.shape}")
+    return check_id_list(name, ids)
 
 
 def check_op_indices(op_indices: object, num_ops: int) -> set[int]:
     """The failed ops of a plan: None (all of them) or distinct indices into the plan."""
     if op_indices is None:
         return set(range(num_ops))
-    if isinstance(op_indices, np.ndarray):
-        if op_indices.ndim != 1:
-            raise InvalidArgumentError(f"op_indices must be one-dimensional, got shape {op_indices.shape}")
-        op_indices = op_indices.tolist()
-    if not isinstance(op_indices, (list, tuple, range, set, frozenset)):
-        raise InvalidArgumentError(f"op_indices must be a list of op indices or None, got {op_indices!r}")
+    op_indices = _id_collection("op_indices", op_indices)  # any collection; a generator is read once
     out = [check_int("op index", i, 0, num_ops - 1) for i in op_indices] if num_ops else list(op_indices)
     if op_indices and not num_ops:
         raise InvalidArgumentError("the plan has no ops")

@@ -141,7 +141,9 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None) -> Transformer:
+def from_pretrained(
+    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False
+) -> Transformer:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
@@ -149,10 +151,11 @@ def from_pretrained(path: str | Path, *, dtype: Any = None, mesh: Mesh | None = 
     the pools on the same mesh), heads and MLP columns are sharded over all of its axes; query
     heads, KV heads and the MLP width must divide by its size.
     Raises `UnsupportedConfigError` for a config kvjax would compute wrong, `CheckpointError`
-    for missing, truncated or mismatched weight files.
+    for missing, truncated or mismatched weight files. Config fields kvjax does not know are
+    named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
     """
     path = Path(path)
-    spec = spec_from_checkpoint(path)
+    spec = spec_from_checkpoint(path, strict=strict_config)
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=_dtype_name(dtype))
     tensors = CheckpointTensors(path)  # every header read and checked before any allocation

@@ -7,13 +7,19 @@ import threading
 import time
 
 from kvjax.router.app import RouterConfig, build_router_app
+from kvjax.server.protocol import MAX_HEADER_BYTES
+
+# h11 buffers at most this much of an incomplete request head (more: a plain 400, connection
+# closed); twice the app's limit, so a head between the two always gets the app's 431
+H11_MAX_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 
 
 def _server(app, host: str, port: int, log_level: str):
     import uvicorn
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                         access_log=False, timeout_graceful_shutdown=10))
+                                         access_log=False, timeout_graceful_shutdown=10, http="h11",
+                                         h11_max_incomplete_event_size=H11_MAX_HEAD_BYTES))
 
 
 def serve_router(config: RouterConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

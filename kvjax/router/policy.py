@@ -1,7 +1,7 @@
 """Routing policies: pick a replica for a request from each replica's load and cached prefix.
 
-Pure functions of their inputs (plus a rotation counter for ties), so they are unit-tested
-without a network. The KV-aware cost function (docs/routing.md):
+Pure functions of their inputs (plus, for ties, when each replica was last chosen), so they
+are unit-tested without a network. The KV-aware cost function (docs/routing.md):
 
     mean   = (sum of loads + 1) / replicas          the mean load once this request is placed
     hit_r  = (gpu_tokens_r + w * other_tokens_r) / prompt_tokens      in [0, 1]
@@ -10,7 +10,10 @@ without a network. The KV-aware cost function (docs/routing.md):
 A replica is eligible only if placing the request there keeps it under the imbalance cap:
 `load_r + 1 <= max(cap * mean, min_load + 1 + slack)` (the slack keeps a few requests of
 freedom when loads are small, where a ratio means little). The highest score wins; ties go to
-the lower load, then rotate.
+the lower load, then to the replica chosen least recently (never chosen: the first in order),
+so replicas that keep tying take turns, whatever the requests between the ties did. (A
+rotation by call count would not: with two of four replicas tied on every other call, it gave
+the first of them three ties in four.)
 """
 from __future__ import annotations
 
@@ -40,20 +43,26 @@ class RoutingPolicy(abc.ABC):
     name: str = ""
 
     def __init__(self) -> None:
-        self._turn = 0  # rotates ties so equal replicas share new work
+        self._turn = 0  # calls of choose so far
+        self._last: dict[Hashable, int] = {}  # replica -> the turn it was last chosen
 
     def choose(self, prompt_tokens: int, candidates: Sequence[Candidate]) -> int:
-        """Index into `candidates` of the replica that gets the request."""
+        """Index into `candidates` (distinct replicas) of the replica that gets the request."""
         if not candidates:
             raise ValueError("no replica to route to")
         if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be a positive int, got {prompt_tokens!r}")
+        if len({c.replica for c in candidates}) != len(candidates):
+            raise ValueError(f"candidates must be distinct replicas, got {[c.replica for c in candidates]!r}")
         i = self._choose(prompt_tokens, candidates)
+        self._last[candidates[i].replica] = self._turn
         self._turn += 1
         return i
 
-    def _rotation(self, i: int, n: int) -> int:
-        return (i - self._turn) % n
+    def _least_recent(self, tied: Sequence[int], candidates: Sequence[Candidate]) -> int:
+        """Of equally good candidates, the one chosen least recently (never chosen first)."""
+        last = self._last
+        return min(tied, key=lambda i: last.get(candidates[i].replica, -1))
 
     @abc.abstractmethod
     def _choose(self, prompt_tokens: int, candidates: Sequence[Candidate]) -> int: ...
@@ -70,8 +79,8 @@ class LeastLoadedPolicy(RoutingPolicy):
     name = "least-loaded"
 
     def _choose(self, prompt_tokens, candidates):
-        n = len(candidates)
-        return min(range(n), key=lambda i: (candidates[i].load, self._rotation(i, n)))
+        least = min(c.load for c in candidates)
+        return self._least_recent([i for i, c in enumerate(candidates) if c.load == least], candidates)
 
 
 class KVAwarePolicy(RoutingPolicy):
@@ -109,10 +118,12 @@ class KVAwarePolicy(RoutingPolicy):
         return out
 
     def _choose(self, prompt_tokens, candidates):
-        n = len(candidates)
         scores = self.scores(prompt_tokens, candidates)
         eligible = {i: s for i, s in enumerate(scores) if s is not None}
-        return min(eligible, key=lambda i: (-eligible[i], candidates[i].load, self._rotation(i, n)))
+        best = max(eligible.values())
+        top = [i for i, s in eligible.items() if s == best]
+        least = min(candidates[i].load for i in top)
+        return self._least_recent([i for i in top if candidates[i].load == least], candidates)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

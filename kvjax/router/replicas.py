@@ -10,7 +10,8 @@ its tokenizer's fingerprint). A health round asks every replica at once:
   replay buffer holds) and routes to it;
 - a replica that does not answer, drains, or turns incompatible becomes unavailable: its
   subscription is closed and the index forgets its blocks (`Router.set_available(False)`);
-- a replica whose instance id changed restarted: its old blocks are forgotten and a new
+- a replica whose instance id changed restarted (counted, whether the old process was still
+  routed to or had already been marked down): its old blocks are forgotten and a new
   subscription reads the new process's stream from its start.
 
 Request handlers call `mark_down` when a replica refuses connections, so a dead replica stops
@@ -79,11 +80,11 @@ class Replica:
     url: str
     available: bool = False
     problem: str | None = "not checked yet"  # why it is not routed to
-    instance_id: str | None = None
+    instance_id: str | None = None  # of the process that last answered a health check
     info: dict | None = None
     subscriber: KVEventSubscriber | None = None
     generation: int = 0  # bumped whenever the index must stop taking this replica's batches
-    restarts: int = 0  # instance changes seen by health checks
+    restarts: int = 0  # instance id changes seen by health checks
     marked_down: int = 0
     closed_stats: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_SUB_STATS, 0))
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -150,6 +151,14 @@ class ReplicaSet:
             self.mark_down(rep, info)
             return
         instance = info["instance_id"]
+        if rep.instance_id is not None and instance != rep.instance_id:
+            # a new process behind the same URL: between two rounds (still routed to), or after
+            # the old one died and was marked down (the usual case: its requests failed first)
+            rep.restarts += 1
+            log.warning("replica %s restarted (instance %s -> %s): relearning its cache", rep.url, rep.instance_id, instance)
+            if rep.available:
+                self.mark_down(rep, "restarted")
+        rep.instance_id = instance  # the process last seen, routed to or not
         if info["status"] != "ok":
             self.mark_down(rep, f"not taking requests ({info['status']})")
             return
@@ -157,12 +166,8 @@ class ReplicaSet:
         if problem is not None:
             self.mark_down(rep, problem)
             return
-        if rep.available and instance == rep.instance_id:
+        if rep.available:  # the same process, already routed to
             return
-        if rep.available:  # a new process behind the same URL between two rounds
-            rep.restarts += 1
-            log.warning("replica %s restarted (instance %s -> %s): relearning its cache", rep.url, rep.instance_id, instance)
-            self.mark_down(rep, "restarted")
         if self._closing:
             return
         self._bring_up(rep, info)

@@ -302,35 +302,53 @@ def simulate(
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     if not tick_s > 0:
         raise ValueError(f"tick_s must be > 0, got {tick_s!r}")
-    by_id = {it.request_id: it for it in items}
-    if len(by_id) != len(items):
-        raise ValueError("work item ids must be unique")
-    clock = VirtualClock()
-    avoid = {it.eos_id for it in items if it.eos_id is not None}
-    reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size, clock, avoid) for i in range(replicas)]
-    router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block,
-                    hash_kind=cache_config.event_hash)
-    children: dict[str, list[WorkItem]] = collections.defaultdict(list)
-    heap: list[tuple] = []
-    seq = 0
-    for it in items:
-        if it.parent is None:
-            heapq.heappush(heap, (it.arrival_step * tick_s, 1, seq, "arrive", (it, list(it.tokens))))
-            seq += 1
-        elif it.parent not in by_id:
-            raise ValueError(f"work item {it.request_id!r}: unknown parent {it.parent!r}")
-        else:
-            children[it.parent].append(it)
+    sim = _Simulation(items, replicas, policy, cache_config, scheduler, time_model, tick_s, vocab_size)
+    sim.run()
+    sim.final_checks(check_integrity)
+    if inspect is not None:
+        inspect(sim.reps, sim.router)
+    return sim.result(label or policy.name)
 
-    ttft: dict[str, float] = {}
-    arrival: dict[str, float] = {}
-    where: dict[str, int] = {}
-    outstanding_area = [0.0] * replicas
-    predicted = 0
-    last_t = 0.0
 
-    def start(rep: SimReplica, t: float) -> None:
-        nonlocal seq
+class _Simulation:
+    """One `simulate` run: an event heap of arrivals and step ends over the replicas and the router."""
+
+    def __init__(self, items: Sequence[WorkItem], replicas: int, policy: RoutingPolicy, cache_config: CacheConfig,
+                 scheduler: SchedulerConfig, time_model: TimeModel, tick_s: float, vocab_size: int) -> None:
+        by_id = {it.request_id: it for it in items}
+        if len(by_id) != len(items):
+            raise ValueError("work item ids must be unique")
+        self.items = items
+        self.cache_config = cache_config
+        self.tick_s = tick_s
+        self.clock = VirtualClock()
+        avoid = {it.eos_id for it in items if it.eos_id is not None}
+        self.reps = [SimReplica(i, cache_config, scheduler, time_model, vocab_size, self.clock, avoid)
+                     for i in range(replicas)]
+        self.router = Router(list(range(replicas)), policy, tokens_per_block=cache_config.tokens_per_block,
+                             hash_kind=cache_config.event_hash)
+        self.children: dict[str, list[WorkItem]] = collections.defaultdict(list)
+        self.heap: list[tuple] = []
+        self.seq = 0
+        for it in items:
+            if it.parent is None:
+                self._push(it.arrival_step * tick_s, 1, "arrive", (it, list(it.tokens)))
+            elif it.parent not in by_id:
+                raise ValueError(f"work item {it.request_id!r}: unknown parent {it.parent!r}")
+            else:
+                self.children[it.parent].append(it)
+        self.ttft: dict[str, float] = {}
+        self.arrival: dict[str, float] = {}
+        self.where: dict[str, int] = {}
+        self.outstanding_area = [0.0] * replicas
+        self.predicted = 0
+        self.last_t = 0.0
+
+    def _push(self, t: float, order: int, kind: str, payload: tuple) -> None:
+        heapq.heappush(self.heap, (t, order, self.seq, kind, payload))
+        self.seq += 1
+
+    def _start(self, rep: SimReplica, t: float) -> None:
         st = rep.step()
         for _ in range(8):  # a step that only paused requests: the next one admits them again
             if st.duration or not rep.has_work():
@@ -339,74 +357,79 @@ def simulate(
         if st.duration == 0.0:
             return
         rep.busy = True
-        heapq.heappush(heap, (t + st.duration, 0, seq, "step_end", (rep, st)))
-        seq += 1
+        self._push(t + st.duration, 0, "step_end", (rep, st))
 
-    while heap:
-        t, _, _, kind, payload = heapq.heappop(heap)
-        for i in range(len(reps)):
-            outstanding_area[i] += router.loads[i] * (t - last_t)
-        last_t = clock.t = t
-        if kind == "arrive":
-            item, prompt = payload
-            if len(prompt) + item.max_new_tokens > cache_config.max_seq_len:
-                raise ValueError(f"request {item.request_id!r}: {len(prompt)} prompt tokens + max_new_tokens="
-                                 f"{item.max_new_tokens} exceed max_seq_len={cache_config.max_seq_len}")
-            decision = router.route(prompt, lora_task_id=item.lora_task_id, cache_salt=item.cache_salt)
-            predicted += decision.match.blocks * cache_config.tokens_per_block
-            rep = reps[cast(int, decision.replica)]  # the simulated replicas are numbered
-            arrival[item.request_id] = t
-            where[item.request_id] = rep.rid
-            rep.add(item, prompt)
-            if not rep.busy:
-                start(rep, t)
-            continue
-        rep, st = payload
+    def _arrive(self, t: float, item: WorkItem, prompt: list[int]) -> None:
+        max_seq_len = self.cache_config.max_seq_len
+        if len(prompt) + item.max_new_tokens > max_seq_len:
+            raise ValueError(f"request {item.request_id!r}: {len(prompt)} prompt tokens + max_new_tokens="
+                             f"{item.max_new_tokens} exceed max_seq_len={max_seq_len}")
+        decision = self.router.route(prompt, lora_task_id=item.lora_task_id, cache_salt=item.cache_salt)
+        self.predicted += decision.match.blocks * self.cache_config.tokens_per_block
+        rep = self.reps[cast(int, decision.replica)]  # the simulated replicas are numbered
+        self.arrival[item.request_id] = t
+        self.where[item.request_id] = rep.rid
+        rep.add(item, prompt)
+        if not rep.busy:
+            self._start(rep, t)
+
+    def _step_end(self, t: float, rep: SimReplica, st: _Step) -> None:
         rep.busy = False
         wire = rep.publish()
         if wire is not None:
-            router.index.apply(rep.rid, decode_batch(wire))
+            self.router.index.apply(rep.rid, decode_batch(wire))
         for r in st.first_tokens:
-            ttft[r.request_id] = t - arrival[r.request_id]
+            self.ttft[r.request_id] = t - self.arrival[r.request_id]
         for r in st.finished:
-            router.finished(rep.rid)
-            ttft.setdefault(r.request_id, t - arrival[r.request_id])  # max_new_tokens == 0
-            for child in children.pop(r.request_id, ()):
+            self.router.finished(rep.rid)
+            self.ttft.setdefault(r.request_id, t - self.arrival[r.request_id])  # max_new_tokens == 0
+            for child in self.children.pop(r.request_id, ()):
                 prompt = r.prompt + r.output + list(child.tokens)
-                heapq.heappush(heap, (t + child.arrival_step * tick_s, 1, seq, "arrive", (child, prompt)))
-                seq += 1
+                self._push(t + child.arrival_step * self.tick_s, 1, "arrive", (child, prompt))
         if rep.has_work():
-            start(rep, t)
+            self._start(rep, t)
 
-    if len(ttft) != len(items):
-        raise RuntimeError(f"simulation ended with {len(items) - len(ttft)} requests unserved")
-    for rep in reps:
-        if rep.has_work():
-            raise RuntimeError(f"replica {rep.rid} still holds requests at the end")
-        if check_integrity:
-            rep.core.verify_idle()
-    if inspect is not None:
-        inspect(reps, router)
-    makespan = last_t
-    stats = [rep.ledger.stats() for rep in reps]
-    return SimResult(
-        label=label or policy.name,
-        replicas=replicas,
-        requests=len(items),
-        prompt_tokens=sum(rep.core.counters.admitted_prompt_tokens for rep in reps),
-        reused_tokens=sum(rep.core.counters.reused_prompt_tokens for rep in reps),
-        ttft_s=tuple(ttft[k] for k in sorted(ttft)),
-        makespan_s=makespan,
-        routed=tuple(sum(1 for v in where.values() if v == i) for i in range(replicas)),
-        mean_running=tuple(rep.running_area / makespan if makespan else 0.0 for rep in reps),
-        mean_outstanding=tuple(a / makespan if makespan else 0.0 for a in outstanding_area),
-        predicted_tokens=predicted,
-        wire_batches=sum(rep.wire_batches for rep in reps),
-        wire_bytes=sum(rep.wire_bytes for rep in reps),
-        evicted_blocks=sum(s.evicted_blocks for s in stats),
-        offloaded_blocks=sum(s.offloaded_blocks for s in stats),
-        onboarded_blocks=sum(s.onboarded_blocks for s in stats),
-    )
+    def run(self) -> None:
+        while self.heap:
+            t, _, _, kind, payload = heapq.heappop(self.heap)
+            for i in range(len(self.reps)):
+                self.outstanding_area[i] += self.router.loads[i] * (t - self.last_t)
+            self.last_t = self.clock.t = t
+            if kind == "arrive":
+                self._arrive(t, *payload)
+            else:
+                self._step_end(t, *payload)
+
+    def final_checks(self, check_integrity: bool) -> None:
+        if len(self.ttft) != len(self.items):
+            raise RuntimeError(f"simulation ended with {len(self.items) - len(self.ttft)} requests unserved")
+        for rep in self.reps:
+            if rep.has_work():
+                raise RuntimeError(f"replica {rep.rid} still holds requests at the end")
+            if check_integrity:
+                rep.core.verify_idle()
+
+    def result(self, label: str) -> SimResult:
+        reps, makespan = self.reps, self.last_t
+        stats = [rep.ledger.stats() for rep in reps]
+        return SimResult(
+            label=label,
+            replicas=len(reps),
+            requests=len(self.items),
+            prompt_tokens=sum(rep.core.counters.admitted_prompt_tokens for rep in reps),
+            reused_tokens=sum(rep.core.counters.reused_prompt_tokens for rep in reps),
+            ttft_s=tuple(self.ttft[k] for k in sorted(self.ttft)),
+            makespan_s=makespan,
+            routed=tuple(sum(1 for v in self.where.values() if v == i) for i in range(len(reps))),
+            mean_running=tuple(rep.running_area / makespan if makespan else 0.0 for rep in reps),
+            mean_outstanding=tuple(a / makespan if makespan else 0.0 for a in self.outstanding_area),
+            predicted_tokens=self.predicted,
+            wire_batches=sum(rep.wire_batches for rep in reps),
+            wire_bytes=sum(rep.wire_bytes for rep in reps),
+            evicted_blocks=sum(s.evicted_blocks for s in stats),
+            offloaded_blocks=sum(s.offloaded_blocks for s in stats),
+            onboarded_blocks=sum(s.onboarded_blocks for s in stats),
+        )
 
 
 def scaled(cache_config: CacheConfig, scheduler: SchedulerConfig, time_model: TimeModel,

@@ -13,12 +13,23 @@ Endpoints:
                               prompts with, the tokenizer (source and fingerprint), and an
                               instance id that changes when the server restarts
 
+With `ServerConfig.api_keys`, /v1/* and /reset_prefix_cache need `Authorization: Bearer KEY`
+(`auth.py`); the engine thread logs per-request and periodic stats lines (`stats_logger.py`).
+
 Handlers parse and check a request completely (protocol, tokenisation, lengths against the
 cache's limits, from configuration only) before submitting it to the engine thread
 (`EngineLoop`); they never touch the ledger. Streams are server-sent events ending with
 `data: [DONE]`; with `stream_options: {"include_usage": true}` a last chunk carries the usage,
 as in OpenAI's API. A client that disconnects (streaming or not) aborts its request: its blocks
 are stored for reuse and freed.
+
+Robustness: the body is read up to `ServerConfig.max_body_bytes` (413 beyond), parsed as strict
+JSON with bounded nesting and valid Unicode (`protocol.parse_body`); JSON parsing, chat-template
+rendering and tokenisation run in worker threads, never on the event loop, so a huge prompt
+delays nobody else (a text prompt that cannot fit the context is refused before it is
+tokenised). A request that fails inside the server fails alone (500, or an error event in its
+stream); if the engine thread dies, in-flight requests get errors and `on_engine_death` (set by
+`launch.py`: stop and exit non-zero) lets a supervisor restart the server.
 """
 from __future__ import annotations
 
@@ -31,9 +42,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import anyio.to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,9 +54,11 @@ from starlette.routing import Route
 from kvjax.engine.core import EngineBusyError
 from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.engine.llm_engine import LLMEngine
-from kvjax.server.engine_loop import EngineLoop, OutputStream, QueueFull, ShuttingDown
+from kvjax.server.auth import APIKeyMiddleware
+from kvjax.server.engine_loop import EngineFailed, EngineLoop, OutputStream, QueueFull, RequestFailed, ShuttingDown
 from kvjax.server.metrics import ServerMetrics
-from kvjax.server.protocol import APIError, Parsed, bad, parse_chat, parse_completion
+from kvjax.server.protocol import APIError, HeaderLimit, Parsed, bad, parse_body, parse_chat, parse_completion
+from kvjax.server.stats_logger import StatsLogger
 
 log = logging.getLogger("kvjax.server")
 
@@ -53,14 +68,21 @@ class ServerConfig:
     """`max_pending`: requests queued or running at once (more get 429);
     `default_max_tokens`: a chat request's limit when it sets none (completions default to 16,
     as OpenAI's API), never beyond the context left; `shutdown_timeout`: seconds in-flight
-    requests get to finish at shutdown before they are aborted."""
+    requests get to finish at shutdown before they are aborted; `max_body_bytes`: the largest
+    request body read (larger ones get 413); `other_model_names`: further names requests may use
+    (`model_name` is the one reported); `api_keys`: Bearer keys required on /v1/* (`auth.py`);
+    `log_requests` / `log_stats_interval`: `stats_logger.py`."""
 
     model_name: str
     max_pending: int = 64
     default_max_tokens: int = 256
     shutdown_timeout: float = 10.0
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: int = 32 << 20
     tokenizer_source: str | None = None  # what a router loads to tokenise alike (model name or directory)
+    other_model_names: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    log_requests: bool = True
+    log_stats_interval: float | None = 10.0
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -70,6 +92,22 @@ def _error(e: APIError) -> JSONResponse:
 
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+MAX_SEQ_LEN_OPTION = "kvjax serve --max-model-len"  # what raises the context limit (vLLM's name; --max-seq-len too)
+
+
+def request_error(e: BaseException) -> APIError:
+    """The HTTP error of a request the engine thread failed (`OutputStream.next` raised `e`)."""
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), type="server_error", code="unavailable")
+    if isinstance(e, EngineFailed):
+        return APIError(500, str(e), type="server_error", code="engine_failed")
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), type="server_error", code="request_failed")
+    if isinstance(e, ValueError):  # the engine refused it (a race with the handler's checks)
+        return bad(str(e))
+    return APIError(500, f"this request failed inside the server ({type(e).__name__})", type="server_error")
 
 
 class EventStream:
@@ -85,8 +123,22 @@ class EventStream:
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
 
+        failed = False
+
         async def produce():
-            async for chunk in self.events:
+            nonlocal failed
+            events = aiter(self.events)
+            while True:
+                try:
+                    chunk = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # making this request's events failed: end its stream in-band
+                    log.exception("the event stream of a request failed")
+                    failed = True
+                    chunk = _sse(request_error(e).body()) + b"data: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -95,12 +147,12 @@ class EventStream:
         completed = False
         try:
             done, _ = await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            completed = producer in done and producer.exception() is None
+            completed = producer in done and producer.exception() is None and not failed
         finally:
             for task in (producer, watcher):
                 task.cancel()
             await asyncio.gather(producer, watcher, return_exceptions=True)
-            if not completed:  # the client left (or sending failed): abort the request
+            if not completed:  # the client left, sending or making events failed: abort the request
                 self.on_disconnect()
 
 
@@ -112,34 +164,78 @@ async def _wait_disconnect(receive) -> None:
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
-    """The ASGI app; its lifespan starts the engine thread and shuts it down gracefully."""
+    """The ASGI app; its lifespan starts the engine thread and shuts it down gracefully.
+    `app.state.on_engine_death` (None: nothing) is called on the event loop if the engine
+    thread dies; `launch.py` sets it to stop the server."""
+
+    def engine_died(error: BaseException) -> None:  # on the engine thread, once it failed every request
+        log.critical("the engine thread died: the server stops so that a supervisor can restart it")
+        hook = app.state.on_engine_death
+        if hook is not None and running_loop is not None:
+            running_loop.call_soon_threadsafe(hook)
+
     metrics = ServerMetrics(config.model_name)
-    loop_ = EngineLoop(engine, max_pending=config.max_pending, metrics=metrics)
+    stats = StatsLogger(interval=config.log_stats_interval, log_requests=config.log_requests)
+    loop_ = EngineLoop(engine, max_pending=config.max_pending, metrics=metrics, stats=stats, on_death=engine_died)
+    running_loop: asyncio.AbstractEventLoop | None = None
     tokenizer = engine.tokenizer
     max_seq_len = engine.max_seq_len
+    chars_per_token = None if tokenizer is None else tokenizer.max_chars_per_token()
 
     # ------------------------------------------------------------------ helpers
-    async def read_json(request: Request):
+    async def read_request(request: Request, parse: Callable[[object], Parsed]) -> Parsed:
+        """The checked request (`parse` of the JSON body); at most `max_body_bytes` are read
+        (413); parsing and checking (linear in the body: a prompt of a million token ids) run
+        off the event loop."""
+        too_large = APIError(413, f"the request body exceeds {config.max_body_bytes} bytes", code="body_too_large")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            raise APIError(413, f"the request body exceeds {config.max_body_bytes} bytes", code="body_too_large")
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise APIError(413, f"the request body exceeds {config.max_body_bytes} bytes", code="body_too_large")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return await anyio.to_thread.run_sync(lambda: parse(parse_body(b"".join(chunks))))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name:
+        if name is not None and name != config.model_name and name not in config.other_model_names:
             raise bad(f"the model `{name}` does not exist; this server serves `{config.model_name}`", param="model",
                       code="model_not_found")
 
     def check_fits(ids: list[int], max_tokens: int, param: str) -> None:
         if len(ids) + max_tokens > max_seq_len:
-            raise bad(f"this model's maximum context length is {max_seq_len} tokens; the request has {len(ids)} "
-                      f"prompt tokens and asks for {max_tokens} more", param=param, code="context_length_exceeded")
+            raise bad(f"this model's maximum context length is {max_seq_len} tokens ({MAX_SEQ_LEN_OPTION}); the "
+                      f"request has {len(ids)} prompt tokens and asks for {max_tokens} more", param=param,
+                      code="context_length_exceeded")
+
+    def check_text_fits(text: str, max_tokens: int | None, param: str) -> None:
+        """Refuse a text too long to fit the context whatever its tokens, before tokenising it:
+        no token of this tokenizer covers more than `chars_per_token` characters."""
+        if chars_per_token is None:
+            return
+        least = -(-len(text) // chars_per_token)
+        if least + (max_tokens or 1) > max_seq_len:
+            raise bad(f"this model's maximum context length is {max_seq_len} tokens ({MAX_SEQ_LEN_OPTION}); the "
+                      f"request's {len(text)} characters make at least {least} prompt tokens", param=param,
+                      code="context_length_exceeded")
+
+    def encode_prompt(text: str, max_tokens: int | None) -> list[int]:  # in a worker thread
+        assert tokenizer is not None  # the handler checked
+        check_text_fits(text, max_tokens, "prompt")
+        return tokenizer.encode(text, add_special_tokens=True)
+
+    def render_chat(parsed: Parsed) -> tuple[str, list[int]]:  # in a worker thread
+        assert tokenizer is not None and parsed.messages is not None  # the handler checked; parse_chat set them
+        try:
+            text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                                 **parsed.template_kwargs)
+        except (ValueError, TypeError, LookupError, AttributeError) as e:  # the template refused these messages
+            raise bad(f"the chat template cannot render these messages: {e}", param="messages") from None
+        assert isinstance(text, str)  # not tokenised by the template
+        check_text_fits(text, parsed.max_tokens, "messages")
+        return text, tokenizer.encode(text, add_special_tokens=False)
 
     def check_request(rid: str, ids: list[int], params, param: str) -> None:
         try:
@@ -191,10 +287,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
         except asyncio.CancelledError:
             loop_.abort(rid)
             raise
-        except ShuttingDown as e:
-            raise APIError(503, str(e), type="server_error", code="unavailable") from None
-        except ValueError as e:
-            raise bad(str(e)) from None
+        except (ShuttingDown, RequestFailed, EngineFailed, ValueError) as e:
+            raise request_error(e) from None
         if out is None:
             return Response(status_code=499)  # nobody is listening
         c = out.outputs[0]
@@ -214,12 +308,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     # ------------------------------------------------------------------ endpoints
     async def completions(request: Request):
         try:
-            parsed = parse_completion(await read_json(request))
+            parsed = await read_request(request, parse_completion)
             check_model(parsed.model)
             if isinstance(parsed.prompt, str):
                 if tokenizer is None:
                     raise bad("this model has no tokenizer: send the prompt as token ids", param="prompt")
-                text, ids = parsed.prompt, tokenizer.encode(parsed.prompt, add_special_tokens=True)
+                text, ids = parsed.prompt, await anyio.to_thread.run_sync(encode_prompt, parsed.prompt, parsed.max_tokens)
             else:
                 assert parsed.prompt is not None  # a completion request without a prompt was refused when parsed
                 text, ids = None, list(parsed.prompt)
@@ -236,16 +330,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 
     async def chat_completions(request: Request):
         try:
-            parsed = parse_chat(await read_json(request))
+            parsed = await read_request(request, parse_chat)
             check_model(parsed.model)
             if tokenizer is None:
                 raise bad("this model has no tokenizer: chat needs one", param="messages")
-            try:
-                text = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                                     **parsed.template_kwargs)
-            except ValueError as e:
-                raise bad(str(e), param="messages") from None
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            text, ids = await anyio.to_thread.run_sync(render_chat, parsed)
             if parsed.max_tokens is None:
                 if len(ids) >= max_seq_len:
                     check_fits(ids, 1, "messages")
@@ -263,8 +352,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
             return _error(e)
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": started, "owned_by": "kvjax", "max_model_len": max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "kvjax", "max_model_len": max_seq_len}
+            for name in (config.model_name, *config.other_model_names)]})
 
     async def health(request: Request):
         if loop_.alive and loop_.accepting:
@@ -310,6 +400,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        nonlocal running_loop
+        running_loop = asyncio.get_running_loop()
         loop_.start()
         try:
             yield
@@ -331,11 +423,15 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
         # starlette types every handler as taking Exception; http_error is registered for HTTPException only
         exception_handlers={HTTPException: http_error, Exception: server_error},  # type: ignore[dict-item]
         lifespan=lifespan,
+        middleware=[Middleware(HeaderLimit)],
     )
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect=("/v1", "/reset_prefix_cache"))
     app.state.engine_loop = loop_
     app.state.metrics = metrics
     app.state.config = config
     app.state.instance_id = instance_id
+    app.state.on_engine_death = None
     return app
 
 
@@ -374,6 +470,6 @@ async def _events(stream: OutputStream, rid: str, created: int, model: str, chat
                 yield _sse(chunk(None if chat else "", c.finish_reason, ids=c.token_ids[sent_ids:]))
         if include_usage and last is not None:
             yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(last)})
-    except (ShuttingDown, ValueError, RuntimeError) as e:
-        yield _sse(APIError(503 if isinstance(e, ShuttingDown) else 500, str(e), type="server_error").body())
+    except (ShuttingDown, RequestFailed, EngineFailed, ValueError) as e:  # the engine failed this request
+        yield _sse(request_error(e).body())
     yield b"data: [DONE]\n\n"

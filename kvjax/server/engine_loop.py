@@ -12,6 +12,14 @@ number and the pools. `drain` stops accepting (`ShuttingDown`, HTTP 503), lets i
 requests finish for up to a timeout and aborts the rest (their streams end normally, with
 finish reason "abort"); `shutdown` drains, stops the thread, closes the engine (its KV-event
 publisher) and checks that the ledger is empty and consistent.
+
+Isolation: a failure that belongs to one request fails that request alone, with `RequestFailed`
+on its stream: its output could not be made (`LLMEngine.step` ends it with finish reason
+"error"), or handing its output over raised. The request leaves the engine like an abort (its
+blocks freed), the others keep running, and the ledger's integrity is checked at once. Any
+other error in the engine thread (the batched step itself, a broken ledger) cannot be pinned
+on a request: every in-flight request fails with `EngineFailed`, the loop takes nothing more,
+and `on_death` is called so that the server exits and a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
@@ -37,6 +45,14 @@ class QueueFull(KVCacheError):
 
 class ShuttingDown(KVCacheError):
     """The server is shutting down (or its engine stopped) and takes no new request."""
+
+
+class RequestFailed(KVCacheError, RuntimeError):
+    """This request failed inside the server (an internal error); the others were not affected."""
+
+
+class EngineFailed(KVCacheError, RuntimeError):
+    """The engine thread died with this request in flight (an error no single request explains)."""
 
 
 class OutputStream:
@@ -86,11 +102,15 @@ class OutputStream:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, max_pending: int, metrics=None) -> None:
+    def __init__(self, engine: LLMEngine, *, max_pending: int, metrics=None, stats=None,
+                 on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`stats` logs the periodic stats line; `on_death(error)` is called on the engine thread
+        once it died of `error` (every in-flight request was failed first)."""
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.engine = engine
         self.metrics = metrics
+        self.stats = stats  # a `StatsLogger` (log lines), or None
         self.max_pending = max_pending
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # engine thread only
@@ -98,6 +118,7 @@ class EngineLoop:
         self._pending = 0  # requests submitted and not finished (guarded by _lock)
         self._accepting = True
         self.error: BaseException | None = None
+        self.on_death = on_death
         self._thread = threading.Thread(target=self._run, name="kvjax-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -139,6 +160,9 @@ class EngineLoop:
         """Reset the prefix cache between two steps; the future fails with `EngineBusyError`
         while requests run."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.alive:  # nobody would answer
+            fut.set_exception(ShuttingDown("the engine is not running"))
+            return fut
         self._commands.put(("reset", fut))
         return fut
 
@@ -191,17 +215,23 @@ class EngineLoop:
                 if eng.has_unfinished_requests():
                     outputs = eng.step()
                     now = time.perf_counter()
+                    failed = False
                     for out in outputs:
-                        self._deliver(out, now)
+                        failed |= not self._deliver_isolated(out, now)
+                    if failed:  # the failed requests left the ledger: the rest of it must hold
+                        eng.core.ledger.verify_integrity()
                 if self.metrics is not None:
                     self.metrics.publish(eng.core)
-        except BaseException as e:  # an engine bug: fail every request, take no new ones
-            log.exception("engine thread failed")
+                if self.stats is not None:
+                    self.stats.step(eng.core, time.perf_counter())
+        except BaseException as e:  # no request explains it: fail them all, take no new ones, die
+            log.critical("the engine thread died (%s: %s); failing %d in-flight request(s)", type(e).__name__, e,
+                         len(self._streams), exc_info=e)
             self.error = e
             with self._lock:
                 self._accepting = False
             for stream in list(self._streams.values()):
-                stream._deliver(None, RuntimeError(f"engine failed: {e}"))
+                stream._deliver(None, EngineFailed(f"the engine failed ({type(e).__name__}); the server restarts"))
             self._streams.clear()
             with self._lock:
                 self._pending = 0
@@ -210,6 +240,33 @@ class EngineLoop:
                 self._abort_all()
             except Exception:  # the engine is broken; its streams were failed above
                 log.exception("aborting requests at engine stop failed")
+        if self.error is not None and self.on_death is not None:
+            try:
+                self.on_death(self.error)
+            except Exception:
+                log.exception("the engine's on_death hook failed")
+
+    def _deliver_isolated(self, out: RequestOutput, now: float) -> bool:
+        """Hand one output over; False if its request failed (it alone is ended)."""
+        rid = out.request_id
+        error: Exception | None = None
+        if out.finished and out.outputs[0].finish_reason == "error":  # LLMEngine ended it (and logged why)
+            error = RequestFailed("this request failed inside the server (an internal error, logged)")
+        else:
+            try:
+                self._deliver(out, now)
+                return True
+            except Exception as e:
+                log.exception("handing over the output of request %s failed", rid)
+                error = RequestFailed(f"this request failed inside the server ({type(e).__name__}, logged)")
+                self.engine.abort_request(rid)  # blocks freed; None if it had finished
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            self._release()
+            stream._deliver(None, error)
+            if self.metrics is not None:
+                self.metrics.request_finished("error", now - stream.arrival)
+        return False
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands (waiting for one when `block`). False once told to stop."""
@@ -249,6 +306,8 @@ class EngineLoop:
             stream._deliver(None, e)
             return
         self._streams[stream.request_id] = stream
+        if self.stats is not None:
+            self.stats.request_added(stream.request_id, len(prompt_ids), params.max_tokens, stream.arrival)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -264,6 +323,8 @@ class EngineLoop:
                 self.metrics.request_tokens(first, since, new)
                 stream.last_token_time = now
         stream.tokens_seen = n
+        if self.stats is not None:
+            self.stats.request_output(out, now)
         stream._deliver(out, None)
         if out.finished:
             del self._streams[out.request_id]

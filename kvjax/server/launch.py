@@ -6,15 +6,25 @@ Graceful shutdown (SIGINT / SIGTERM, or `ServerThread.stop`): the engine first d
 (`EngineLoop.drain`: new requests get 503 and /health turns 503, in-flight ones get
 `shutdown_timeout` seconds to finish, the rest are aborted and their responses end normally
 with finish reason "abort"); then uvicorn closes the listening socket and the connections, and
-the app's lifespan stops the engine thread and checks that the ledger is empty."""
+the app's lifespan stops the engine thread and checks that the ledger is empty.
+
+If the engine thread dies, the server stops the same way (in-flight requests were already
+answered with errors) and `serve` exits with status 1, so that a supervisor restarts it.
+Request heads (path, query and headers) over `MAX_HEADER_BYTES` get 431 (`HeaderLimit`)."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.server.app import ServerConfig, build_app
+from kvjax.server.protocol import MAX_HEADER_BYTES
+
+# h11 buffers at most this much of an incomplete request head (more: a plain 400, connection
+# closed); twice the app's limit, so a head between the two always gets the app's 431
+H11_MAX_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 
 
 def _server(app, config: ServerConfig, host: str, port: int, log_level: str):
@@ -28,13 +38,23 @@ def _server(app, config: ServerConfig, host: str, port: int, log_level: str):
             await super().shutdown(sockets)
 
     # uvicorn's own grace period only matters if a response outlives the drain
-    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
-                                 timeout_graceful_shutdown=int(config.shutdown_timeout) + 5))
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
+                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5, http="h11",
+                                   h11_max_incomplete_event_size=H11_MAX_HEAD_BYTES))
+    app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def serve(engine: LLMEngine, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until SIGINT / SIGTERM, then shut down gracefully (module docstring)."""
-    _server(build_app(engine, config), config, host, port, log_level).run()
+    """Serve until SIGINT / SIGTERM, then shut down gracefully (module docstring); exits with
+    status 1 (`SystemExit`) if the engine thread died."""
+    app = build_app(engine, config)
+    _server(app, config, host, port, log_level).run()
+    error = app.state.engine_loop.error
+    if error is not None:
+        logging.getLogger("kvjax.server").critical("exiting with status 1: the engine thread died (%s: %s)",
+                                                   type(error).__name__, error)
+        raise SystemExit(1)
 
 
 class ServerThread:

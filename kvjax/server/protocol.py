@@ -13,11 +13,12 @@ greedy decoding). Extensions, as vLLM names them: `top_k`, `stop_token_ids`, `ig
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvjax.engine.sampling import SamplingParams
+from kvjax.engine.sampling import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
 from kvjax.errors import KVCacheError
 
 
@@ -39,6 +40,86 @@ class APIError(KVCacheError):
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------- the body
+MAX_JSON_DEPTH = 32  # the deepest request (a chat message's content part) needs 5 levels
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> Any:
+    """The request body as JSON, or a 400: strict JSON (no NaN / Infinity), UTF-8, nested at
+    most `MAX_JSON_DEPTH` levels, every string valid Unicode (a lone surrogate such as
+    `"\\ud800"` cannot be encoded or tokenised). Linear in the body's size: a server runs it
+    off its event loop."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, bad UTF-8, NaN, ints over 4300 digits
+        raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    except RecursionError:  # the decoder's own limit (about 1000 levels)
+        raise bad(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json") from None
+    check_json(body)
+    return body
+
+
+def check_json(body: Any) -> None:
+    """Refuse (400) JSON nested deeper than `MAX_JSON_DEPTH` or holding a string (or key) that
+    is not valid Unicode; `param` names the field where it was found."""
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if isinstance(v, str):
+            _check_unicode(v, top)
+        elif isinstance(v, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", param=top,
+                          code="invalid_json")
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    _check_unicode(k, top)  # a bad key cannot name itself
+                    if isinstance(x, (str, dict, list)):
+                        stack.append((x, depth + 1, top if top is not None else k))
+            else:
+                stack.extend((x, depth + 1, top) for x in v if isinstance(x, (str, dict, list)))
+
+
+def _check_unicode(s: str, param: str | None) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(f"{param or 'the request'}: a string holds {s[e.start]!r}, a lone UTF-16 surrogate, which is not valid "
+                  "Unicode", param=param, code="invalid_unicode") from None
+
+
+MAX_HEADER_BYTES = 64 << 10
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose head (path, query string, header names and values)
+    exceeds `max_bytes` gets 431 in OpenAI's error shape. uvicorn's h11 limit only catches a
+    head that arrives in pieces; this one holds whatever the socket delivered at once."""
+
+    def __init__(self, app, max_bytes: int = MAX_HEADER_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self._size(scope) > self.max_bytes:
+            body = json.dumps(APIError(431, f"the request head (path and headers) exceeds {self.max_bytes} bytes",
+                                       code="headers_too_large").body()).encode()
+            await send({"type": "http.response.start", "status": 431,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _size(scope) -> int:
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        return head + sum(len(k) + len(v) for k, v in scope["headers"])
 
 
 # ---------------------------------------------------------------------- field checks
@@ -110,6 +191,10 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
                          "add_generation_prompt", "chat_template_kwargs", "parallel_tool_calls"}
 
 
+# what `Tokenizer.apply_chat_template` takes as its own arguments: never template variables
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "tokenize", "tools", "documents", "chat_template"})
+
+
 @dataclasses.dataclass
 class Parsed:
     """A checked request: the prompt (text or token ids, or chat messages), sampling values
@@ -148,8 +233,10 @@ def _common(f: _Fields) -> dict:
     ids = f.body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids)):
         raise bad("stop_token_ids must be a list of token ids >= 0", param="stop_token_ids", code="invalid_type")
-    seed = f.int_("seed")
-    top_k = f.int_("top_k", lo=-1, default=0)
+    if ids and max(ids) > INT32_MAX:
+        raise bad(f"stop_token_ids must be <= {INT32_MAX}, got {max(ids)}", param="stop_token_ids")
+    seed = f.int_("seed", lo=INT64_MIN, hi=INT64_MAX)
+    top_k = f.int_("top_k", lo=-1, hi=INT32_MAX, default=0)
     return dict(
         temperature=f.number("temperature", 0.0, 2.0, default=1.0),
         top_p=f.number("top_p", 0.0, 1.0, default=1.0, lo_open=True),
@@ -185,8 +272,8 @@ def parse_completion(body: Any) -> Parsed:
         if not prompt:
             raise bad("prompt must not be empty", param="prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if min(prompt) < 0:
-            raise bad("prompt token ids must be >= 0", param="prompt")
+        if min(prompt) < 0 or max(prompt) > INT32_MAX:
+            raise bad(f"prompt token ids must be in [0, {INT32_MAX}]", param="prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("only one prompt per request is supported", param="prompt", code="unsupported_parameter")
     else:
@@ -197,7 +284,7 @@ def parse_completion(body: Any) -> Parsed:
     f.unsupported("logprobs", lambda v: False)
     sampling = _common(f)
     stream = f.bool_("stream", default=False)
-    return Parsed(model, prompt, None, sampling, f.int_("max_tokens", lo=1), stream, _stream_options(f, stream),
+    return Parsed(model, prompt, None, sampling, f.int_("max_tokens", lo=1, hi=INT32_MAX), stream, _stream_options(f, stream),
                   return_token_ids=f.bool_("return_token_ids", default=False))
 
 
@@ -234,6 +321,8 @@ def parse_chat(body: Any) -> Parsed:
         if m.get("tool_calls"):
             raise bad("tool calls are not supported", param=f"messages[{i}].tool_calls", code="unsupported_parameter")
         entry = {"role": m["role"], "content": _message_content(m, i)}
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad(f"messages[{i}].name must be a string", param=f"messages[{i}].name", code="invalid_type")
         if isinstance(m.get("name"), str):
             entry["name"] = m["name"]
         clean.append(entry)
@@ -245,11 +334,15 @@ def parse_chat(body: Any) -> Parsed:
     f.unsupported("response_format", lambda v: v == {"type": "text"})
     sampling = _common(f)
     stream = f.bool_("stream", default=False)
-    max_tokens = f.int_("max_tokens", lo=1)
-    mct = f.int_("max_completion_tokens", lo=1)
+    max_tokens = f.int_("max_tokens", lo=1, hi=INT32_MAX)
+    mct = f.int_("max_completion_tokens", lo=1, hi=INT32_MAX)
     if max_tokens is not None and mct is not None and max_tokens != mct:
         raise bad("max_tokens and max_completion_tokens differ", param="max_completion_tokens")
     kwargs = f.get("chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    reserved = sorted(set(kwargs) & TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise bad(f"chat_template_kwargs must not set {reserved[0]!r}: the server sets it (pass "
+                  "add_generation_prompt as a request field)", param="chat_template_kwargs")
     return Parsed(model, None, clean, sampling, max_tokens if max_tokens is not None else mct, stream,
                   _stream_options(f, stream), f.bool_("add_generation_prompt", default=True), dict(kwargs),
                   f.bool_("return_token_ids", default=False))

@@ -1,8 +1,10 @@
 """Pallas kernels on CPU: Mosaic GPU kernels run under the GPU interpreter with race
 detection and must agree exactly with their references; every Mosaic GPU kernel is
 cross-lowered for CUDA against an abstract "NVIDIA H200"."""
+import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import copy_pages, gather_pages, paged_attention, write_pages
 from pallas_kernels.cross_lower import lower_for_h200
+from pallas_kernels.tuning import AttentionTuning, CopyTuning
 
 S = jax.ShapeDtypeStruct
 LAYOUTS = ("block_first", "layer_first")
@@ -215,3 +218,115 @@ def test_mgpu_attention_refuses_fp8():
         paged_attention.paged_attention_mgpu(jnp.ones((1, 1, 2, 64)), jnp.ones((3, 1, 2, 2, 8, 64), jnp.uint8),
                                              jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
                                              jnp.zeros((1,), jnp.int32), layout="block_first", scale=1.0, window=8)
+
+
+# ------------------------------------------------------------------ each kernel file's own jnp reference
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gather_kernels_match_their_reference(layout):
+    rng = np.random.default_rng(7)
+    pool = small_pool(layout, jnp.bfloat16, rng)
+    table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 6], [4, 4, 0, 1]], jnp.int32)
+    lens = jnp.array([11, 24, 32], jnp.int32)
+    layer = jnp.array([1], jnp.int32)
+    want = gather_pages.gather_pages_reference(pool, table, lens, layer, layout=layout)
+    chex.assert_shape(want, ((3, 32, 2, 64),) * 2)
+    port = gather_pages.gather_pages_portable(pool, table, lens, layer, layout=layout)
+    mgpu = jax.jit(functools.partial(gather_pages.gather_pages_mgpu, layout=layout, interpret=interp()))(pool, table, lens, layer)
+    assert_no_races()
+    chex.assert_trees_all_equal(tuple(port), tuple(want))
+    chex.assert_trees_all_equal(tuple(mgpu), tuple(want))
+    fp8, scales = _fp8_pool(layout, rng)
+    args = dict(layout=layout, out_dtype=jnp.float32, value_dtype=jnp.float8_e4m3fn)
+    chex.assert_trees_all_equal(tuple(gather_pages.gather_pages_portable(fp8, table, lens, layer, scales, **args)),
+                                tuple(gather_pages.gather_pages_reference(fp8, table, lens, layer, scales, **args)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_write_kernels_match_their_reference(layout):
+    rng = np.random.default_rng(8)
+    pool = small_pool(layout, jnp.float32, rng)
+    kv = jnp.asarray(rng.standard_normal((6, 2, 2, 64)), jnp.float32)
+    slot = jnp.array([0, 3, -1, 5, 3, -7], jnp.int32)  # negatives are padding
+    off = jnp.array([1, 7, 0, 2, 0, 3], jnp.int32)
+    layer = jnp.array([1], jnp.int32)
+    want = write_pages.write_pages_reference(pool, kv, slot, off, layer, layout=layout)
+    chex.assert_trees_all_equal(write_pages.write_pages_portable(pool, kv, slot, off, layer, layout=layout), want)
+    mgpu = jax.jit(functools.partial(write_pages.write_pages_mgpu, layout=layout, interpret=interp()))(pool, kv, slot, off, layer)
+    assert_no_races()
+    chex.assert_trees_all_equal(mgpu, want)
+    assert not np.array_equal(np.asarray(want), np.asarray(pool))  # the reference did write
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_kernels_match_their_reference(layout):
+    rng = np.random.default_rng(9)
+    ba = 0 if layout == "block_first" else 1
+    pool = small_pool(layout, jnp.bfloat16, rng)
+    idx = jnp.array([3, 0, 6, 2], jnp.int32)
+    staged = copy_pages.gather_blocks_reference(pool, idx, block_axis=ba)
+    chex.assert_shape(staged, (4, 2, 2, 2, 8, 64))
+    chex.assert_trees_all_equal(copy_pages.gather_blocks_portable(pool, idx, block_axis=ba), staged)
+    staged = staged[::-1]
+    dst = jnp.array([1, -1, 4, 5], jnp.int32)
+    num = jnp.array([8, 8, 3, 0], jnp.int32)  # full, padding, partial, nothing
+    want = copy_pages.scatter_blocks_reference(pool, staged, dst, num, block_axis=ba)
+    chex.assert_trees_all_equal(copy_pages.scatter_blocks_portable(pool, staged, dst, num, block_axis=ba), want)
+    mgpu = jax.jit(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=ba, interpret=interp()))(pool, staged, dst, num)
+    assert_no_races()
+    chex.assert_trees_all_equal(mgpu, want)
+
+
+@pytest.mark.parametrize("window,q_len", [(100, 1), (100, 3), (5, 2)])
+def test_attention_kernel_matches_its_reference(window, q_len):
+    rng = np.random.default_rng(10)
+    pool = small_pool("layer_first", jnp.float32, rng, t=4, d=16)
+    table = jnp.array([[0, 3, 6, 6], [5, 1, 2, 4]], jnp.int32)
+    lens = jnp.array([7, 16], jnp.int32)
+    layer = jnp.array([1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((2, q_len, 4, 16)), jnp.float32)
+    kw = dict(layout="layer_first", scale=0.25, window=window)
+    want = paged_attention.paged_attention_reference(q, pool, table, lens, layer, **kw)
+    chex.assert_shape(want, q.shape)
+    chex.assert_trees_all_close(paged_attention.paged_attention_portable(q, pool, table, lens, layer, **kw), want, atol=1e-5)
+    fp8, scales = _fp8_pool("layer_first", rng, t=4, d=16)
+    fkw = dict(kw, value_dtype=jnp.float8_e4m3fn)
+    chex.assert_trees_all_close(paged_attention.paged_attention_portable(q, fp8, table, lens, layer, scales, **fkw),
+                                paged_attention.paged_attention_reference(q, fp8, table, lens, layer, scales, **fkw), atol=1e-5)
+
+
+def test_fp8_without_value_dtype_is_refused():
+    rng = np.random.default_rng(11)
+    pool, scales = _fp8_pool("block_first", rng)
+    table, lens, layer = jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="value_dtype"):
+        gather_pages.gather_pages_reference(pool, table, lens, layer, scales, layout="block_first")
+
+
+# ------------------------------------------------------------------ tuning configs
+def test_tuning_configs_validate_and_are_static():
+    with pytest.raises(ValueError, match="block_q"):
+        AttentionTuning(block_q=48)
+    with pytest.raises(ValueError, match="min_block_kv"):
+        AttentionTuning(min_block_kv=12)
+    with pytest.raises(ValueError, match="smem_chunk_bytes"):
+        CopyTuning(smem_chunk_bytes=1 << 20)
+    with pytest.raises(ValueError, match="smem_chunk_bytes"):
+        CopyTuning(smem_chunk_bytes=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        AttentionTuning().block_q = 128  # type: ignore[misc]
+    assert hash(AttentionTuning()) == hash(AttentionTuning(64, 64))
+    # 32-token pages neither divide nor are a multiple of a 48-key step
+    assert paged_attention.mgpu_supported(jnp.bfloat16, 128, 32)
+    assert not paged_attention.mgpu_supported(jnp.bfloat16, 128, 32, AttentionTuning(min_block_kv=48))
+    assert paged_attention.mgpu_supported(jnp.bfloat16, 128, 16, AttentionTuning(min_block_kv=128))
+
+
+def test_non_default_tuning_cross_lowers():
+    pool = S((65, 2, 2, 2, 16, 128), jnp.bfloat16)
+    fn = functools.partial(paged_attention.paged_attention_mgpu, layout="block_first", scale=0.1, window=512,
+                           tuning=AttentionTuning(block_q=128, min_block_kv=128))
+    _lowered(fn, S((4, 2, 8, 128), jnp.bfloat16), pool, S((4, 8), jnp.int32), S((4,), jnp.int32), S((1,), jnp.int32))
+    # a tiny chunk budget splits every block per head
+    wide = S((33, 2, 2, 4, 16, 128), jnp.bfloat16)
+    _lowered(functools.partial(copy_pages.scatter_blocks_mgpu, block_axis=0, tuning=CopyTuning(smem_chunk_bytes=4096)),
+             wide, S((4, 2, 2, 4, 16, 128), jnp.bfloat16), S((4,), jnp.int32), S((4,), jnp.int32))

@@ -1,13 +1,24 @@
 """config.json -> ModelSpec: published hub configs give the built-in specs, both spellings agree,
-and every field that would change the numbers is either supported or refused by name."""
+every field that would change the numbers is either supported or refused by name, harmless
+fields are ignored, and unknown ones are named in one warning (refused in strict mode)."""
 import copy
 import dataclasses
 import json
+import logging
+import warnings
 
 import pytest
 
 from hf_helpers import FAMILIES, FIXTURES
-from kvjax.hf_config import NOT_NUMERIC, UnsupportedConfigError, spec_from_checkpoint, spec_from_hf_config
+from kvjax.hf_config import (
+    NOT_NUMERIC,
+    NOT_NUMERIC_SUFFIXES,
+    UNSUPPORTED_UNLESS,
+    UnknownConfigFieldWarning,
+    UnsupportedConfigError,
+    spec_from_checkpoint,
+    spec_from_hf_config,
+)
 from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec, RopeScaling
 
@@ -169,7 +180,16 @@ REFUSED = [
     # (config, field named in the error, change)
     (LLAMA_31_8B, "model_type", {"model_type": "phi3"}),
     (LLAMA_31_8B, "quantization_config", {"quantization_config": {"quant_method": "awq", "bits": 4}}),
-    (LLAMA_31_8B, "some_new_field", {"some_new_field": 1}),
+    (LLAMA_31_8B, "quantization_config", {"quantization_config": {"quant_method": "fp8"}, "unknown_x": 1}),
+    (LLAMA_31_8B, "rope_interleaved", {"rope_interleaved": True}),
+    (LLAMA_31_8B, "final_logit_softcapping", {"final_logit_softcapping": 30.0}),
+    (LLAMA_31_8B, "num_local_experts", {"num_local_experts": 8}),
+    (LLAMA_31_8B, "use_sliding_window", {"use_sliding_window": True}),
+    (LLAMA_31_8B, "layer_types", {"layer_types": ["sliding_attention"] + ["full_attention"] * 31}),
+    (LLAMA_31_8B, "is_encoder_decoder", {"is_encoder_decoder": True}),
+    (LLAMA_31_8B, "embedding_multiplier", {"embedding_multiplier": 12.0}),
+    (LLAMA_31_8B, "rope_interleaved", {"rope_interleaved": 0}),  # JSON types kept apart: 0 is not false
+    (LLAMA_31_8B, "residual_multiplier", {"residual_multiplier": True}),
     (
         LLAMA_31_8B,
         "rope_scaling",
@@ -194,6 +214,8 @@ REFUSED = [
     (QWEN25_7B, "rope_scaling", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}),
     (QWEN25_7B, "layer_types", {"use_sliding_window": True, "layer_types": ["sliding"] * 28}),
     (QWEN3_06B, "attention_bias", {"attention_bias": "yes"}),
+    (QWEN3_06B, "mlp_bias", {"mlp_bias": True}),
+    (QWEN3_06B, "partial_rotary_factor", {"partial_rotary_factor": 0.5}),
     (GEMMA3_1B, "attn_logit_softcapping", {"attn_logit_softcapping": 50.0}),
     (GEMMA3_1B, "final_logit_softcapping", {"final_logit_softcapping": 30.0}),
     (GEMMA3_1B, "use_bidirectional_attention", {"use_bidirectional_attention": True}),
@@ -212,7 +234,7 @@ REFUSED = [
             },
         },
     ),
-    (GEMMA3_27B_IT, "audio_config", {"audio_config": {}}),
+    (GEMMA3_27B_IT, "quantization_config", {"quantization_config": {"quant_method": "gptq", "bits": 4}}),
 ]
 
 
@@ -224,9 +246,77 @@ def test_unsupported_fields_are_refused_by_name(config, field, change):
         spec_from_hf_config(_edit(config, **change))
 
 
-def test_every_not_numeric_field_is_accepted():
-    for field in NOT_NUMERIC:
-        spec_from_hf_config(_edit(LLAMA_31_8B, **{field: "anything"} if field != "model_type" else {}))
+def test_refusals_say_field_value_and_what_is_supported():
+    with pytest.raises(UnsupportedConfigError, match=r"'rope_interleaved': value True .*supported: false"):
+        spec_from_hf_config(_edit(LLAMA_31_8B, rope_interleaved=True))
+
+
+def _quiet(config: dict, **kwargs):
+    """spec_from_hf_config that fails on any warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return spec_from_hf_config(config, **kwargs)
+
+
+def test_every_not_numeric_field_is_ignored_without_a_warning():
+    base = spec_from_hf_config(LLAMA_31_8B)
+    harmless = {field: "anything" for field in NOT_NUMERIC if field != "model_type"}
+    harmless.update({f"unk{suffix}": 7 for suffix in NOT_NUMERIC_SUFFIXES})
+    harmless.update({"sep_token_id": 3, "forced_eos_token_id": [1, 2], "hidden_dropout": 0.1})
+    assert _quiet(_edit(LLAMA_31_8B, **harmless), strict=True) == base
+
+
+def test_unsupported_fields_at_their_harmless_values_are_accepted():
+    """A field kvjax lacks is refused only at a value that would change the numbers."""
+    harmless = {"rope_interleaved": False, "partial_rotary_factor": 1.0, "attn_logit_softcapping": None,
+                "mlp_bias": False, "use_bidirectional_attention": False, "num_experts": 0, "pruned_heads": {},
+                "is_encoder_decoder": False, "add_cross_attention": False, "attention_chunk_size": None,
+                "embedding_multiplier": 1}
+    assert set(harmless) <= set(UNSUPPORTED_UNLESS)
+    spec = _quiet(_edit(QWEN3_06B, **harmless), strict=True)
+    assert spec == spec_from_hf_config(QWEN3_06B)
+    # Mistral has no attention biases: false is harmless; Qwen2's biases are fixed whatever it says
+    assert _quiet(_edit(MISTRAL_7B, attention_bias=False)) == spec_from_hf_config(MISTRAL_7B)
+    assert _quiet(_edit(QWEN25_7B, attention_bias=False)).qkv_bias
+
+
+def test_unknown_fields_warn_once_naming_all_of_them(caplog):
+    config = _edit(GEMMA3_27B_IT, audio_config={}, zeta=1)
+    config["text_config"]["new_norm"] = "x"
+    with caplog.at_level(logging.WARNING, logger="kvjax"), pytest.warns(UnknownConfigFieldWarning) as record:
+        spec = spec_from_hf_config(config, source="g/config.json")
+    assert len(record) == 1
+    assert record[0].filename == __file__  # attributed to the caller, not to kvjax's internals
+    message = str(record[0].message)
+    assert "g/config.json" in message and "'audio_config', 'zeta', 'text_config.new_norm'" in message
+    assert "strict_config=True" in message
+    assert [r.getMessage() for r in caplog.records if r.name == "kvjax"] == [message]
+    assert spec == spec_from_hf_config(GEMMA3_27B_IT, source="g/config.json")  # the rest is read as usual
+    with pytest.warns(UnknownConfigFieldWarning, match=r"field 'some_new_field', unknown for model_type 'llama'"):
+        assert spec_from_hf_config(_edit(LLAMA_31_8B, some_new_field=1)) == spec_from_hf_config(LLAMA_31_8B)
+
+
+def test_strict_mode_refuses_unknown_fields(tmp_path):
+    config = _edit(GEMMA3_27B_IT, audio_config={})
+    config["text_config"]["new_norm"] = "x"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # strict raises instead of warning
+        with pytest.raises(UnsupportedConfigError, match=r"fields 'audio_config', 'text_config.new_norm': unknown"):
+            spec_from_hf_config(config, strict=True)
+    (tmp_path / "config.json").write_text(json.dumps(_edit(LLAMA_31_8B, some_new_field=1)))
+    with pytest.raises(UnsupportedConfigError, match="'some_new_field'"):
+        spec_from_checkpoint(tmp_path, strict=True)
+    with pytest.raises(UnsupportedConfigError, match="'some_new_field'"):
+        load_model_spec(tmp_path, strict_config=True)
+    with pytest.warns(UnknownConfigFieldWarning):
+        assert load_model_spec(tmp_path).num_layers == 32
+
+
+def test_a_refusal_comes_before_any_unknown_field_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UnsupportedConfigError, match="'rope_interleaved'"):
+            spec_from_hf_config(_edit(LLAMA_31_8B, rope_interleaved=True, some_new_field=1))
 
 
 def test_gemma3_multimodal_text_config_errors_name_the_text_config():

@@ -6,7 +6,7 @@ from kvjax.router import PrefixIndex, PrefixMatch
 
 
 def stored(hashes, medium="GPU", group=0, parent=None, kind="full_attention"):
-    return BlockStored(list(hashes), parent, [0] * 4 * len(hashes), 4, None, medium, group_idx=group,
+    return BlockStored(list(hashes), parent, [0] * 4 * len(hashes), 4, None, medium, None, group_idx=group,
                        kv_cache_spec_kind=kind)
 
 

@@ -107,7 +107,7 @@ def test_router_loads_and_availability():
 def _stored(hashes):
     from kvjax.kv_events import KVEventBatch
 
-    return KVEventBatch(0.0, [BlockStored(hashes, None, [0] * 4 * len(hashes), 4, None, "GPU")])
+    return KVEventBatch(0.0, [BlockStored(hashes, None, [0] * 4 * len(hashes), 4, None, "GPU", None)])
 
 
 def test_router_routes_before_it_knows_the_block_size():

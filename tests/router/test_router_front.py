@@ -2,7 +2,7 @@
 draining replicas and refused connections are retried elsewhere while nothing was streamed,
 dead replicas leave routing at once, a stream that breaks ends with an error event, a client
 that leaves closes the replica's request, incompatible replicas are never used, restarts are
-noticed, and every request's load is released."""
+noticed and counted (also after the old process died), and every request's load is released."""
 import asyncio
 import json
 import socket
@@ -28,7 +28,7 @@ from serve_helpers import metric_value, wait_for
 class FakeReplica:
     """A scripted replica: `mode` decides how /v1/completions answers."""
 
-    def __init__(self, name: str, tokens_per_block: int = 4, hash_kind: str = "sha256") -> None:
+    def __init__(self, name: str, tokens_per_block: int = 4, hash_kind: str = "sha256", port: int = 0) -> None:
         self.name = name
         self.hash_kind = hash_kind
         self.mode = "ok"
@@ -38,7 +38,7 @@ class FakeReplica:
         self.cancelled = threading.Event()
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind(("127.0.0.1", port))  # a given port: the same replica URL after a restart
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = None
@@ -200,6 +200,36 @@ def test_incompatible_replicas_are_not_used_and_restarts_are_noticed(fakes):
         assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "m"
 
 
+def test_a_replica_that_died_and_came_back_counts_as_a_restart(fakes):
+    a, b = fakes(2)
+    with router_over([a, b], policy="round-robin", health_interval=0.1) as router:
+        rep = router.replicas.replicas[a.url]
+
+        def restarts_metric():
+            text = httpx.get(router.url + "/metrics").text
+            return metric_value(text, "kvjax_router_replica_restarts_total", replica=a.url)
+
+        assert rep.available and rep.restarts == 0 and restarts_metric() == 0
+        a.stop()
+        wait_for(lambda: not rep.available, 5, "the dead replica to leave routing")
+        again = FakeReplica("f0", port=a.port)  # a new process (new instance id) behind the same URL
+        again.start()
+        try:
+            wait_for(lambda: rep.available, 5, "the new process to be routed to")
+            assert rep.restarts == 1 and restarts_metric() == 1 and rep.instance_id == again.instance_id
+            assert {post(router, BODY).json()["choices"][0]["text"] for _ in range(2)} == {"f0", "f1"}
+            # unreachable for a while, then back as the same process: not a restart
+            again.stop()
+            wait_for(lambda: not rep.available, 5, "the unreachable replica to leave routing")
+            same = FakeReplica("f0", port=a.port)
+            same.instance_id = again.instance_id
+            again = same.start()
+            wait_for(lambda: rep.available, 5, "the replica to come back")
+            assert rep.restarts == 1 and restarts_metric() == 1
+        finally:
+            again.stop()
+
+
 def test_bad_requests_are_answered_without_a_replica(fakes):
     (a,) = fakes(1)
     with router_over([a]) as router:
@@ -247,3 +277,70 @@ def test_cli_router_flags(monkeypatch, capsys):
     assert "apply to --policy kv-aware" in capsys.readouterr().err
     assert main(["router"]) == 2
     assert "--replica" in capsys.readouterr().err
+
+
+def test_long_prompts_are_tokenised_off_the_event_loop(fakes, monkeypatch):
+    """The router tokenises to route: a long prompt is tokenised in a worker thread (without
+    the GIL) while /health answers; one that cannot fit any replica's context (the fakes say
+    64 tokens) is not tokenised at all and goes to a replica, which answers for it."""
+    (a,) = fakes(1)
+    with router_over([a], tokenizer="micro") as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        tokenizer = router.replicas.tokenizer
+        encoded = []
+        encode = tokenizer.encode
+        monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+        r = post(router, {"prompt": "word " * 1_500_000, "max_tokens": 2})  # 7.5 MB: longer than 64 tokens for sure
+        assert r.status_code == 200 and encoded == []
+        routed = []
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: routed.append(len(ids)) or route(ids, **kw))
+        assert post(router, {"prompt": list(range(1, 1_000_001)), "max_tokens": 2}).status_code == 200
+        assert routed == [1]  # a million token ids are routed on load, not hashed into blocks on the event loop
+        monkeypatch.setattr(tokenizer, "max_chars_per_token", lambda: None)  # no bound: tokenised in full
+        done = threading.Event()
+        latencies = []
+
+        def long_request():
+            try:
+                assert post(router, {"prompt": "some words, " * 50_000, "max_tokens": 2}).status_code == 200
+            finally:
+                done.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        with httpx.Client(timeout=30) as c:
+            while not done.is_set() or not latencies:
+                t0 = time.perf_counter()
+                assert c.get(router.url + "/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.02)
+        t.join(30)
+        assert encoded == [600_000] and len(latencies) >= 5 and max(latencies) < 2.0, (encoded, latencies)
+        assert loads(router) == {a.url: 0}
+
+
+def test_an_unexpected_error_fails_one_request_in_openai_shape(fakes, monkeypatch):
+    (a,) = fakes(1)
+    with router_over([a]) as router:
+        wait_for(lambda: router.replicas.replicas[a.url].available, 10, "the replica routed to")
+        route = router.router.route
+        monkeypatch.setattr(router.router, "route", lambda ids, **kw: {}["injected routing bug"])
+        r = post(router, BODY)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        monkeypatch.setattr(router.router, "route", route)
+        assert post(router, BODY).status_code == 200
+        assert httpx.get(router.url + "/health").status_code == 200
+
+
+def test_size_limits_and_invalid_unicode_are_answered_without_a_replica(fakes):
+    (a,) = fakes(1)
+    with router_over([a], max_body_bytes=1 << 20) as router:
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', timeout=20)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = post(router, BODY, headers={"x-padding": "y" * (100 << 10)})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+        r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "\\ud800"}', timeout=20)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode"
+        assert a.requests == 0
+        assert post(router, BODY).status_code == 200

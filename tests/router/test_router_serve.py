@@ -116,6 +116,40 @@ def test_stream_is_relayed_and_bad_requests_answered_like_a_replica(cluster):
     assert _HTTP.get(router.url + "/health").json()["status"] == "ok"
 
 
+POISON = [  # (endpoint, body, param, code): each once took a replica down or answered 500
+    ("/v1/completions", {"prompt": [1, 2, 3], "top_k": 2**31}, "top_k", "invalid_value"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "seed": 2**64}, "seed", "invalid_value"),
+    ("/v1/completions", {"prompt": "a\ud800"}, "prompt", "invalid_unicode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs",
+     "invalid_value"),
+    # refused by the replica, not the router: the vocabulary, the template, the context length
+    ("/v1/completions", {"prompt": [1, 2, 600]}, "prompt", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "invalid_value"),
+    ("/v1/completions", {"prompt": "word " * 1_500_000}, "prompt", "context_length_exceeded"),
+]
+
+
+def test_poison_requests_leave_every_replica_healthy(cluster):
+    router, reps = cluster
+    targets = [router.url] + [r.url for r in reps]  # through the router, and straight at each replica
+    for url in targets:
+        for path, body, param, code in POISON:
+            content = json.dumps(body).encode()  # keeps the lone surrogate as its JSON escape
+            r = _HTTP.post(url + path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (url, path, r.text[:300])
+            assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), (url, r.json())
+    nested = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    for url in targets:
+        r = _HTTP.post(url + "/v1/completions", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    for r in reps:
+        assert _HTTP.get(r.url + "/health").status_code == 200 and r.proc.poll() is None
+        complete(r.url, [4, 5, 6], 2)
+    assert all(rep.available for rep in router.replicas.replicas.values())
+    complete(router.url, [4, 5, 6], 2)
+
+
 def test_keeps_serving_when_a_replica_dies_and_relearns_it_after_restart(cluster):
     router, reps = cluster
     home = complete(router.url, PREFIX + [1, 1]).headers[REPLICA_HEADER]

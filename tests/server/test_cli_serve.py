@@ -1,5 +1,7 @@
 """`kvjax serve` flags reach the engine and the server (the blocking `serve` call is replaced,
 so no server starts and nothing compiles); bad flags give one line, exit status 2."""
+import pytest
+
 import kvjax.server
 from kvjax.cli import main
 
@@ -36,3 +38,152 @@ def test_serve_bad_flags(capsys):
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["serve", "micro", "--queue-policy", "random"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _fake_serve(monkeypatch):
+    seen = {}
+
+    def fake_serve(engine, config, *, host, port, log_level):
+        seen.update(engine=engine, config=config, log_level=log_level)
+
+    monkeypatch.setattr(kvjax.server, "serve", fake_serve)
+    return seen
+
+
+def test_serve_vllm_flags(monkeypatch, capsys):
+    """vLLM's spellings reach the same engine settings, with vLLM's meanings."""
+    import math
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.models import Transformer
+
+    seen = _fake_serve(monkeypatch)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    code = main(["serve", "micro", "--max-model-len", "128", "--max-num-seqs", "3", "--max-num-batched-tokens", "48",
+                 "--block-size", "8", "--kv-cache-dtype", "fp8_e4m3", "--no-enable-prefix-caching", "--seed", "7",
+                 "--model-seed", "3", "--dtype", "half", "--served-model-name", "a", "b", "--api-key", "k1",
+                 "--kv-cache-memory-bytes", "1MiB", "--disable-log-requests", "--disable-log-stats",
+                 "--log-level", "warning"])
+    assert code == 0, capsys.readouterr().err
+    eng, cfg = seen["engine"], seen["config"]
+    sched = eng.core.cfg.scheduler
+    assert (sched.max_batch_size, sched.max_num_tokens) == (3, 48)
+    cc = eng.core.cache_config
+    assert (cc.tokens_per_block, cc.max_seq_len, cc.enable_block_reuse, cc.dtype) == (8, 128, False, "float8_e4m3fn")
+    assert eng.max_seq_len == 128 and eng.seed == 7  # --seed seeds sampling, as vLLM's
+    # 1 MiB of fp8 KV: 2 (K, V) x 2 layers x 2 kv heads x 16 dims x 1 byte + a float32 scale per
+    # (block, layer, K/V, kv head) over 8 tokens = 132 bytes per token; blocks round up, as TensorRT-LLM
+    per_token = 2 * 2 * 2 * 16 + 2 * 2 * 2 * 4 // 8
+    assert cc.primary_blocks_for(128) == math.ceil((1 << 20) // per_token / 8) == 993
+    model = eng.engine.model
+    assert model.dtype == jnp.float16  # --dtype half
+    ref = Transformer.from_spec("micro", seed=3, dtype="float16")  # --model-seed: the weights
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), np.asarray(ref.embed[...]))
+    assert (cfg.model_name, cfg.other_model_names, cfg.api_keys) == ("a", ("b",), ("k1",))
+    assert (cfg.log_requests, cfg.log_stats_interval) == (False, None)
+
+
+def test_serve_sizes_the_cache_from_device_memory(monkeypatch, capsys):
+    """With device memory figures (a GPU), the cache gets utilization x limit - in use - activations."""
+    import kvjax.cli
+    from kvjax import capacity as C
+    from kvjax.model_catalog import load_model_spec
+
+    gib = 2**30
+    stats = {"bytes_limit": 2 * gib, "bytes_in_use": 100 * 2**20}
+    monkeypatch.setattr(kvjax.cli, "_device_memory_stats", lambda mesh: stats)
+    seen = _fake_serve(monkeypatch)
+    assert main(["serve", "micro", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "64",
+                 "--log-level", "warning"]) == 0, capsys.readouterr().err
+    spec = load_model_spec("micro")
+    reserve = C.activation_reserve_bytes(spec, 64)
+    budget = int(0.5 * 2 * gib) - 100 * 2**20 - reserve
+    per_token = 2 * 2 * 2 * 16 * 4  # float32 K and V over 2 layers x 2 kv heads x 16 dims
+    cc = seen["engine"].core.cache_config
+    assert cc.primary_blocks_for(1024) == -(-(budget // per_token) // 16)
+    # the weights alone over the usable memory: refused, and the message says so
+    stats["bytes_in_use"] = gib + 1
+    assert main(["serve", "micro", "--gpu-memory-utilization", "0.5"]) == 2
+    assert "the weights alone" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_cache_too_small_for_max_model_len(monkeypatch, capsys):
+    _fake_serve(monkeypatch)
+    assert main(["serve", "micro", "--primary-blocks", "15", "--block-size", "8", "--max-model-len", "128"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "15 blocks of 8 tokens, 16 needed" in err and "to at most 120" in err
+    assert main(["serve", "micro", "--primary-blocks", "16", "--kv-cache-memory-bytes", "1MiB"]) == 2
+    assert "give one" in capsys.readouterr().err
+
+
+def test_serve_tensor_parallel(monkeypatch, capsys):
+    """--tensor-parallel-size shards weights and KV heads over that many devices (8 CPU devices here)."""
+    seen = _fake_serve(monkeypatch)
+    assert main(["serve", "micro", "--tensor-parallel-size", "2", "--primary-blocks", "64", "--log-level", "warning"]) == 0
+    eng = seen["engine"]
+    assert eng.engine.mesh is not None and eng.engine.mesh.devices.size == 2
+    assert eng.engine.model.embed[...].sharding.mesh.devices.size == 2
+    assert main(["serve", "micro", "--tensor-parallel-size", "16"]) == 2
+    assert "--tensor-parallel-size 16 needs 16 devices, but JAX sees 8" in capsys.readouterr().err
+    assert main(["serve", "micro", "--tensor-parallel-size", "4"]) == 2  # 2 kv heads do not split 4 ways
+    err = capsys.readouterr().err
+    assert err.startswith("kvjax: error: ") and err.count("\n") == 1
+
+
+def test_strict_config_refuses_unknown_fields(monkeypatch, capsys, tmp_path):
+    """A config.json with a field kvjax does not know loads with one warning, and is refused by
+    name with --strict-config (serve and capacity)."""
+    import json
+    import shutil
+    import warnings
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree("tests/fixtures/hf/mistral", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "brand_new_knob": 3}))
+    _fake_serve(monkeypatch)
+    flags = ["--primary-blocks", "32", "--block-size", "8", "--max-model-len", "128", "--log-level", "warning"]
+    assert main(["serve", str(ckpt), "--strict-config", *flags]) == 2
+    assert "brand_new_knob" in capsys.readouterr().err
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["serve", str(ckpt), *flags]) == 0, capsys.readouterr().err
+    assert any("brand_new_knob" in str(w.message) for w in caught)
+    assert main(["capacity", "--model", str(ckpt), "--gpu-memory", "8GiB", "--strict-config"]) == 2
+    assert "brand_new_knob" in capsys.readouterr().err
+    assert main(["serve", "tests/fixtures/hf/mistral", "--strict-config", *flags]) == 0, capsys.readouterr().err
+    assert main(["serve", "micro", "--strict-config"]) == 2
+    assert "a built-in model has none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "micro", "--swap-space", "4"],
+     "unrecognized arguments: --swap-space 4 (--swap-space: kvjax's host tier is --secondary-blocks"),
+    (["serve", "micro", "--enforce-eager", "--trust-remote-code"], "--enforce-eager: not supported: JAX compiles"),
+    (["serve", "micro", "--pipeline-parallel-size=2"], "--pipeline-parallel-size: not supported; use --tensor-parallel-size"),
+    (["run", "--workload", "chat", "--max-model-len", "64"], "--max-model-len: this command's flag is --max-seq-len"),
+    (["serve", "micro", "--max-seq-length", "64"], "--max-seq-length: did you mean --max-seq-len?"),
+    (["serve", "micro", "--kv-cache-dtype", "fp8_inc"], "kvjax has no 'fp8_inc' KV cache"),
+    (["serve", "micro", "--dtype", "bf16"], "invalid choice 'bf16'"),
+    (["serve", "micro", "--gpu-memory-utilization", "1.5"], "expected a number in (0, 1]"),
+    (["serve", "micro", "--no-prefix-caching", "--enable-prefix-caching"], "contradicts"),
+    (["serve", "micro", "--api-key", " "], "--api-key must not be empty"),
+    (["serve", "micro", "--kv-cache-memory-bytes", "lots"], "invalid size 'lots'"),
+])
+def test_serve_vllm_flag_errors(capsys, argv, message):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("kvjax: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_api_keys_from_the_flag_or_vllm_env():
+    from kvjax.server.auth import api_keys
+
+    assert api_keys(None, {}) == ()
+    assert api_keys(None, {"VLLM_API_KEY": "e"}) == ("e",)
+    assert api_keys(["a", "b"], {"VLLM_API_KEY": "e"}) == ("a", "b")  # the flag wins, as in vLLM
+    with pytest.raises(ValueError, match="must not be empty"):
+        api_keys([""], {})

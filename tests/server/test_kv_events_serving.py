@@ -19,7 +19,7 @@ from kvjax.kv_events import AllBlocksCleared, KVEventSubscriber
 from kvjax.ledger.block_hashing import prompt_block_hashes
 from kvjax.router import PrefixIndex
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv_events"))
 from kv_helpers import index_view, ledger_view  # noqa: E402
 
 ANY = "tcp://127.0.0.1:*"
