@@ -3,9 +3,10 @@ reference or pin count).
 
 A block's ref count is the number of live sequences holding it plus its pins; a pin is an
 extra reference that outlives the sequence (`pin_blocks`). Taking a block out of its free
-queue and referencing it are one call here (`claim`, `claim_many`, `claim_victims`, as vLLM's
-`BlockPool` does), and the last reference going away hands the block back to the free queues
-(`release`, `release_run`), so "referenced or in exactly one free queue" holds by construction
+queue and referencing it are one call here (`claim`, `claim_many`, `claim_victim`,
+`claim_victims`, as vLLM's `BlockPool` does), and the last reference going away hands the
+block back to the free queues (`release`, `release_run`; `requeue` for a victim claimed and
+not used), so "referenced or in exactly one free queue" holds by construction
 (`verify_integrity` checks it).
 """
 from __future__ import annotations
@@ -43,6 +44,20 @@ class RefCounts:
             if b is not None:
                 ref[b] += 1
 
+    def claim_victim(self, level: int) -> tuple[int, bool]:
+        """The victim of `level` (`FreeQueues.pop_victim`: raises `OutOfBlocksError` when none
+        is free), out of the queues and referenced once, and whether it may be offloaded."""
+        b, can_offload = self.queues.pop_victim(level)
+        self.ref[b] += 1
+        return b, can_offload
+
+    def requeue(self, b: int) -> None:
+        """Give back a block claimed a moment ago and not used (an offloaded victim, on
+        secondary memory now): unreferenced, at the back of its queue, its pending retention
+        expiry kept (`FreeQueues.push`)."""
+        self.ref[b] -= 1
+        self.queues.push(b)
+
     def claim_victims(self, count: int) -> list[int]:
         """The next `count` primary victims in eviction order, out of the queues, referenced
         once each (default priority, no duration: `FreeQueues.claim_victims`). Their cached
@@ -52,10 +67,6 @@ class RefCounts:
         for b in out:
             ref[b] += 1
         return out
-
-    def acquire(self, b: int) -> None:
-        """One more holder of a block already out of the free queues (claimed or held)."""
-        self.ref[b] += 1
 
     def release(self, b: int, to_front: bool = False) -> None:
         """One holder fewer; the last one queues the block (at the front: `rewind`)."""

@@ -116,21 +116,21 @@ class WindowBlockManager:
     def get_free_block(self, priority: int | None, duration: float | None) -> int:
         """Claim a primary block, referenced once: the queues' victim, whose cached content is
         offloaded to a free secondary block when its priority allows, else evicted."""
-        queues = self.queues
-        victim, can_offload = queues.pop_victim(PRIMARY)  # raises OutOfBlocksError when empty
+        queues, refs = self.queues, self.refs
+        victim, can_offload = refs.claim_victim(PRIMARY)  # raises OutOfBlocksError when empty
         c = self.counters
         c.alloc_total += 1
         if self.block_node[victim] < 0:
             c.alloc_new += 1
             b = victim
         elif can_offload and self.offload_enabled and queues.num_free[SECONDARY]:
-            spare, _ = queues.pop_victim(SECONDARY)
+            spare, _ = refs.claim_victim(SECONDARY)
             if self.block_node[spare] >= 0:
                 self.drop_cached(spare)
             slot = self.columns.slot
             self.recorder.record(_OFFLOAD, self.pools, slot[victim], slot[spare], self.tokens_per_block)
             self.columns.swap_memory(victim, spare)
-            queues.push(victim)  # same priority and pending expiry, now in the secondary queues
+            refs.requeue(victim)  # same priority and pending expiry, now in the secondary queues
             c.offloaded += 1
             c.offload_bytes += self.block_bytes
             if self.events is not None:
@@ -143,7 +143,6 @@ class WindowBlockManager:
             c.evicted += 1
             b = victim
         queues.set_retention(b, DEFAULT_PRIORITY if priority is None else priority, duration)
-        self.refs.acquire(b)  # out of the queues since `pop_victim`
         return b
 
     def take_fresh(self, count: int, retention: list[tuple[int | None, float | None]] | None) -> list[int]:
