@@ -62,9 +62,6 @@ class LiveSequences:
         self.table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
         self.kv_valid: dict[Hashable, int] = {}  # request -> valid KV length after a failed transfer
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
     # ------------------------------------------------------------------ lookups
     def get(self, request_id: Hashable) -> TrackedSequence:
         try:
