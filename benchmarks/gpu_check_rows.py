@@ -261,7 +261,7 @@ def row_throughput(row: Row, dry: bool) -> None:
 
     from kvjax.engine import Engine, EngineConfig, LLMEngine, SamplingParams
     from kvjax.engine.config import cache_config
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
     from kvjax.models import Transformer
 
     gpu = jax.default_backend() == "gpu" and not dry
@@ -270,7 +270,7 @@ def row_throughput(row: Row, dry: bool) -> None:
     peak = rated_peak(jax.devices()[0].device_kind)
     model = None
     with row.check(f"build {name}"):
-        spec = ModelSpec.load(name)
+        spec = load_model_spec(name)
         t0 = time.perf_counter()
         model = Transformer.from_spec(spec, seed=0)
         from flax import nnx

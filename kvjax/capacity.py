@@ -1,6 +1,7 @@
 """Sizing maths of a paged KV cache: TensorRT-LLM's helpers, with its argument order.
 
-Pure Python (no JAX): the CLI, the scheduler and `CacheConfig.from_memory` use it on the host.
+Pure Python (no JAX): the CLI, the scheduler and the engine's sizing use it on the host. It sits
+above the config types (`CacheConfig`, `ModelSpec`), which never import it back.
 Notation: `tpb` = tokens per block, `ceil_div(a, b) = (a + b - 1) // b`, `SWA_EXTRA_BLOCK = 1`
 (TensorRT-LLM's `kSWAExtraBlock`: a sliding-window sequence that outgrew its window holds one
 block more than the window covers, because the front block is released only once it is fully

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.errors import KVCacheError
+
 INDEX_FILE = "model.safetensors.index.json"
 
 #: safetensors dtype -> bytes per element
@@ -41,7 +43,7 @@ VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_towe
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(KVCacheError, ValueError):
     """A checkpoint directory or safetensors file kvjax cannot read (names the file and the problem)."""
 
 

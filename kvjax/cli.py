@@ -356,9 +356,9 @@ def _gib(n: float) -> str:
 
 def cmd_capacity(args) -> int:
     from kvjax import capacity as C
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
 
-    spec = ModelSpec.load(args.model, strict_config=args.strict_config)
+    spec = load_model_spec(args.model, strict_config=args.strict_config)
     weights, weights_from = _weights_of(spec, args.model)
     reserve = args.activation_reserve
     reserve_from = "given"
@@ -442,7 +442,7 @@ def _setup(args, *, demo: bool) -> _Setup:
     """Load and validate everything a serving command needs, before JAX is imported."""
     from kvjax.engine.config import EngineConfig
     from kvjax.engine.workloads import load_workload, workload_from_dict
-    from kvjax.model_spec import servable_model
+    from kvjax.model_catalog import servable_model
 
     wf = load_workload(args.workload)
     fields = {f.name: getattr(wf.workload, f.name) for f in dataclasses.fields(wf.workload)}
@@ -757,7 +757,7 @@ def _device_memory_stats(mesh) -> dict | None:
 
 def _serve_model(args, mesh):
     """(model, tokenizer) of `kvjax serve`'s MODEL, with --dtype, --model-seed, --strict-config."""
-    from kvjax.model_spec import servable_model
+    from kvjax.model_catalog import servable_model
     from kvjax.tokenizer import Tokenizer
 
     spec, path = servable_model(args.model, strict_config=args.strict_config)

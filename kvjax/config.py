@@ -314,10 +314,3 @@ class CacheConfig:
         """Block-table width one sequence can need (SWA blocks are linear: out-of-window ones
         become placeholders but keep their position)."""
         return math.ceil((self.max_seq_len + self.sink_bubble_length) / self.tokens_per_block)
-
-    @classmethod
-    def from_memory(cls, model_spec: Any, primary_bytes: int, secondary_bytes: int = 0, **overrides: Any) -> CacheConfig:
-        """Size the pools from byte budgets with TensorRT-LLM's window shares (see `kvjax.capacity`)."""
-        from kvjax.capacity import cache_config_from_memory
-
-        return cache_config_from_memory(model_spec, primary_bytes, secondary_bytes, **overrides)

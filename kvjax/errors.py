@@ -2,7 +2,9 @@
 
 
 class KVCacheError(Exception):
-    """Base class of every error kvjax raises on purpose."""
+    """Base class of every error kvjax raises on purpose: the errors defined next to their
+    code (checkpoints, config.json, the engine, the server, the event wire format) derive from
+    it too, keeping their builtin base (`ValueError`, `RuntimeError`...) for existing callers."""
 
 
 class OutOfBlocksError(KVCacheError):

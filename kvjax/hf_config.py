@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvjax.errors import KVCacheError
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 
@@ -41,7 +42,7 @@ log = logging.getLogger("kvjax")
 _KVJAX_DIR = str(Path(__file__).parent)  # as frames name their files (no resolving)
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(KVCacheError, ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
 
 

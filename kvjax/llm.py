@@ -25,26 +25,10 @@ from kvjax.engine.core import EngineBusyError
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams
+from kvjax.models.loading import load_model
 from kvjax.tokenizer import Tokenizer
 
-
-def load_model(model: Any, *, seed: int = 0, dtype: Any = None, mesh: Any = None):
-    """(model, tokenizer) for a built-in model name / TOML path, a checkpoint directory, or a
-    built model (returned as is, with no tokenizer)."""
-    if not isinstance(model, (str, os.PathLike)):
-        if not hasattr(model, "spec"):
-            raise TypeError(f"model must be a name, a path or a kvjax model with .spec, got {type(model).__name__}")
-        return model, None
-    from kvjax.model_spec import servable_model
-
-    spec, path = servable_model(os.fspath(model))
-    if path is not None:
-        from kvjax.models import from_pretrained
-
-        return from_pretrained(path, dtype=dtype, mesh=mesh), Tokenizer.from_pretrained(path)
-    from kvjax.models import Transformer
-
-    return Transformer.from_spec(spec, seed=seed, dtype=dtype), Tokenizer.builtin(spec.vocab_size)
+__all__ = ["LLM", "load_model"]
 
 
 def _resolve_tokenizer(tokenizer) -> Tokenizer | None:

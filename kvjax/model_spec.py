@@ -5,7 +5,8 @@ dtype) plus everything the Flax model needs to compute like the published archit
 vocab, RoPE bases and scaling, norm style, biases, q/k norms, activation, embedding scale and
 tying). Architectures are feature flags here, not forks of the model: Llama 3.x, Mistral,
 Qwen2/2.5, Qwen3 and Gemma 3 are combinations of these fields (see `kvjax.hf_config`, which
-reads a Hugging Face `config.json` into a spec). Pure Python: the CLI sizes caches without JAX.
+reads a Hugging Face `config.json` into a spec; `kvjax.model_catalog.load_model_spec` takes a
+name, a TOML file or a checkpoint directory). Pure Python: the CLI sizes caches without JAX.
 
 TOML keys are the dataclass fields below (`rope_scaling` is an inline table); unknown keys,
 missing required keys and wrong types raise `ValueError` with a one-line message naming the
@@ -194,24 +195,6 @@ class ModelSpec:
             raise ValueError(f"{path}: invalid TOML ({e})") from None
         return cls.from_dict(data, source=str(path))
 
-    @classmethod
-    def load(cls, name_or_path: str | Path, *, strict_config: bool = False) -> ModelSpec:
-        """A model by name (`configs/models/NAME.toml`), a TOML file, or a Hugging Face
-        checkpoint directory (its `config.json`, read by `kvjax.hf_config`; `strict_config`
-        refuses config fields kvjax does not know instead of warning about them)."""
-        text = str(name_or_path)
-        path = Path(text)
-        if checkpoint_dir(text) is not None:
-            from kvjax.hf_config import spec_from_checkpoint
-
-            return spec_from_checkpoint(path, strict=strict_config)
-        if text.endswith(".toml") or path.parent != Path(".") or path.is_file():
-            return cls.from_toml(path)
-        candidate = MODELS_DIR / f"{text}.toml"
-        if not candidate.is_file():
-            raise ValueError(f"unknown model {text!r}; known models: {', '.join(available_models()) or 'none'}")
-        return cls.from_toml(candidate)
-
     # ------------------------------------------------------------------ derived views
     @property
     def kv_heads_per_layer(self) -> tuple[int, ...]:
@@ -284,12 +267,6 @@ class ModelSpec:
             config = dataclasses.replace(config, primary_blocks=config.max_blocks_per_seq)
         return config
 
-    def cache_size_per_token(self, **kwargs: Any) -> dict[int, int | float]:
-        """Window -> KV bytes per token (see `kvjax.capacity.cache_size_per_token`)."""
-        from kvjax.capacity import cache_size_per_token
-
-        return cache_size_per_token(self, **kwargs)
-
 
 def checkpoint_dir(name_or_path: str | Path) -> Path | None:
     """The checkpoint directory `name_or_path` names, or None for a model name / TOML file.
@@ -301,22 +278,6 @@ def checkpoint_dir(name_or_path: str | Path) -> Path | None:
     if path.is_dir() and ((path / "config.json").is_file() or path.parent != Path(".") or text.startswith(".")):
         return path
     return None
-
-
-def servable_model(name_or_path: str | Path, *, strict_config: bool = False) -> tuple[ModelSpec, Path | None]:
-    """(spec, checkpoint directory or None) of a model someone asked to serve.
-
-    A built-in spec of a published model (`random_weights = false`) has no weights: refuse it
-    rather than build random parameters of its size. `strict_config`: see `ModelSpec.load`."""
-    spec = ModelSpec.load(name_or_path, strict_config=strict_config)
-    path = checkpoint_dir(name_or_path)
-    if path is None and not spec.random_weights:
-        demos = ", ".join(n for n in available_models() if ModelSpec.load(n).random_weights)
-        raise ValueError(
-            f"model {spec.name!r} describes a published model but kvjax has no weights for it: pass its Hugging Face "
-            f"checkpoint directory instead; random-weight demo models: {demos}"
-        )
-    return spec, path
 
 
 def available_models() -> list[str]:

@@ -86,14 +86,6 @@ class RetentionConfig:
             self, "decode_duration_s", check_duration("decode_duration_s", self.decode_duration_s, error=InvalidRequestError)
         )
 
-    def block_retention(self, block_index: int, tokens_per_block: int) -> tuple[int | None, float | None]:
-        """(priority, duration) of the range holding the block's first token, else (None, None)."""
-        first = block_index * tokens_per_block
-        for r in self.ranges:
-            if r.start <= first and (r.end is None or first < r.end):
-                return r.priority, r.duration_s
-        return None, None
-
 
 _PLAIN_ID_TYPES = frozenset((int, str))
 

@@ -30,6 +30,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvjax.errors import KVCacheError
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 BUILTIN_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -45,7 +47,7 @@ BUILTIN_CHAT_TEMPLATE = (
 )
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KVCacheError, ValueError):
     """A chat could not be rendered: no template, or the template rejected the messages."""
 
 

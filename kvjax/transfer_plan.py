@@ -132,13 +132,6 @@ class TransferPlan:
         kind, pool, src, dst, num_tokens = cols
         return cls(kind, pool, src, dst, num_tokens)
 
-    @classmethod
-    def concat(cls, plans: list[TransferPlan]) -> TransferPlan:
-        if not plans:
-            return cls.empty()
-        kind, pool, src, dst, num_tokens = (np.concatenate([getattr(p, f) for p in plans]) for f in PLAN_FIELDS)
-        return cls(kind, pool, src, dst, num_tokens)
-
     def __len__(self) -> int:
         return int(self.kind.shape[0])
 

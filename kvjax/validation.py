@@ -120,25 +120,3 @@ def check_int_list(name: str, values: object, lo: int = 0, hi: int = INT32_MAX, 
     if not isinstance(values, (list, tuple, range)):
         raise error(f"{name} must be a list of ints, got {type(values).__name__}")
     return [check_int(f"{name}[{i}]", v, lo, hi, error=error) for i, v in enumerate(values)]
-
-
-def check_token_list(name: str, tokens: object, *, error=InvalidRequestError) -> list[int]:
-    """Token ids: a list/tuple (or 1-D integer array) of ints in [0, 2**31). One C-level pass
-    when every entry is a Python int; numpy integers are converted."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise error(f"{name} must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
-        tokens = tokens.tolist()
-    if not isinstance(tokens, (list, tuple)):
-        raise error(f"{name} must be a list of token ids, got {type(tokens).__name__}")
-    try:
-        exact = type(sum(tokens)) is int and bool not in set(map(type, tokens))
-    except TypeError:
-        exact = False
-    if not exact:
-        if not all(is_int(t) for t in tokens):
-            raise error(f"{name} must hold ints in [0, 2**31), got {[t for t in tokens if not is_int(t)][:3]!r}...")
-        tokens = [int(t) for t in tokens]
-    if tokens and (min(tokens) < 0 or max(tokens) > INT32_MAX):
-        raise error(f"{name} must hold ints in [0, 2**31), got values in [{min(tokens)}, {max(tokens)}]")
-    return list(tokens)

@@ -3,9 +3,8 @@ import sys
 
 import pytest
 
-from kvjax import CacheConfig
 from kvjax import capacity as C
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 
 GiB = 2**30
 MiB = 2**20
@@ -95,7 +94,7 @@ def test_calculate_max_num_blocks_rounding():
 
 # --------------------------------------------------------------------------- bytes per token
 def test_cache_size_per_token_of_specs_and_configs():
-    llama = ModelSpec.load("llama-3.1-8b")
+    llama = load_model_spec("llama-3.1-8b")
     assert C.cache_size_per_token(llama) == {131072: 131072}  # 2 * 32 * 8 * 128 * 2
     assert C.cache_size_per_token(llama.cache_config()) == {131072: 131072}
     # fp8: 1 byte per value plus a float32 scale per (block of 32, layer, K/V, kv head)
@@ -104,21 +103,21 @@ def test_cache_size_per_token_of_specs_and_configs():
     assert C.kv_scale_bytes_per_token(llama) == {131072: 0}
     assert C.cache_size_per_token(llama, cache_type="self_k_only") == {131072: 65536}
     assert C.cache_size_per_token(llama, max_seq_len=8192) == {8192: 131072}
-    gemma = ModelSpec.load("gemma-3-27b")
+    gemma = load_model_spec("gemma-3-27b")
     # 52 local layers and 10 global ones, 16 KV heads of 128 in bf16
     assert C.cache_size_per_token(gemma) == {1024: 2 * 52 * 16 * 128 * 2, 131072: 2 * 10 * 16 * 128 * 2}
     assert all(isinstance(v, int) for v in C.cache_size_per_token(gemma).values())
     # a VSWA CacheConfig with per-window block counts, re-clamped below its local window: one window left
-    vswa = CacheConfig.from_memory(gemma, 10 * GiB)
+    vswa = C.cache_config_from_memory(gemma, 10 * GiB)
     assert C.cache_size_per_token(vswa, max_seq_len=512) == {512: 2 * 62 * 16 * 128 * 2}
     assert C.cache_config_from_memory(vswa, 10 * GiB, max_seq_len=512).windows == (512,)
 
 
 # --------------------------------------------------------------------------- batch size
 def test_max_batch_size():
-    tiny = ModelSpec.load("tiny").cache_config(primary_blocks=100, tokens_per_block=16)
+    tiny = load_model_spec("tiny").cache_config(primary_blocks=100, tokens_per_block=16)
     assert C.max_batch_size(tiny, 100, 28) == 100 // 8
-    swa = ModelSpec.load("tiny-swa").cache_config(primary_blocks={64: 50, 2048: 100}, tokens_per_block=16)
+    swa = load_model_spec("tiny-swa").cache_config(primary_blocks={64: 50, 2048: 100}, tokens_per_block=16)
     # window 64 needs ceil(64/16) + 1 = 5 blocks per request -> 10; window 2048 needs 8 -> 12
     assert C.max_batch_size(swa, 100, 28) == 10
     # beam 2 in the global window: ctx 128 - 28 = 100 -> 6 shared blocks, left 4: 6 + (ceil(32/16) + 1) * 2 = 12
@@ -127,31 +126,30 @@ def test_max_batch_size():
 
 # --------------------------------------------------------------------------- from memory
 def test_cache_config_from_memory_vswa():
-    spec = ModelSpec.load("tiny-swa")
+    spec = load_model_spec("tiny-swa")
     config = C.cache_config_from_memory(spec, 35 * MiB, 35 * MiB // 2, tokens_per_block=16)
     assert config.primary_blocks == {64: 128, 2048: 4096}
     assert config.secondary_blocks == {64: 64, 2048: 2048}
     assert config.tokens_per_block == 16 and config.attention_windows == (64, 64, 64, 2048)
-    assert CacheConfig.from_memory(spec, 35 * MiB, 35 * MiB // 2, tokens_per_block=16) == config
 
 
 def test_cache_config_from_memory_single_window():
-    spec = ModelSpec.load("llama-3.1-8b")
-    config = CacheConfig.from_memory(spec, 40 * GiB, 8 * GiB)
+    spec = load_model_spec("llama-3.1-8b")
+    config = C.cache_config_from_memory(spec, 40 * GiB, 8 * GiB)
     # 40 GiB / 131072 B = 327680 tokens = 10240 blocks of 32 (the TensorRT-LLM default block size)
     assert (config.primary_blocks, config.secondary_blocks, config.tokens_per_block) == (10240, 2048, 32)
-    fp8 = CacheConfig.from_memory(spec, 40 * GiB, dtype="float8_e4m3fn", max_seq_len=8192, max_beam_width=2)
+    fp8 = C.cache_config_from_memory(spec, 40 * GiB, dtype="float8_e4m3fn", max_seq_len=8192, max_beam_width=2)
     # 40 GiB / (65536 + 64 scale bytes per token) = 654720 tokens = 20460 blocks of 32
     assert (fp8.primary_blocks, fp8.dtype, fp8.max_seq_len, fp8.max_beam_width) == (20460, "float8_e4m3fn", 8192, 2)
-    capped = CacheConfig.from_memory(spec, 40 * GiB, max_tokens=1000)
+    capped = C.cache_config_from_memory(spec, 40 * GiB, max_tokens=1000)
     assert capped.primary_blocks == 32  # ceil(1000 / 32)
     # a CacheConfig can be re-sized too
     assert C.cache_config_from_memory(config, 4 * GiB).primary_blocks == 1024
 
 
 def test_cache_config_from_memory_gemma3():
-    spec = ModelSpec.load("gemma-3-27b")
-    config = CacheConfig.from_memory(spec, 100 * GiB)
+    spec = load_model_spec("gemma-3-27b")
+    config = C.cache_config_from_memory(spec, 100 * GiB)
     local, glob = 2 * 52 * 16 * 128 * 2, 2 * 10 * 16 * 128 * 2
     total = 1024 * local + 131072 * glob
     # share(1024) = 1024 * local / total; tokens = floor(100 GiB * share / local) = floor(100 GiB * 1024 / total)
@@ -186,13 +184,13 @@ def test_bad_inputs_raise_value_error(fn, args, match):
 
 
 def test_from_memory_errors():
-    spec = ModelSpec.load("llama-3.1-8b")
+    spec = load_model_spec("llama-3.1-8b")
     with pytest.raises(ValueError, match="gives no block"):
-        CacheConfig.from_memory(spec, 1000)
+        C.cache_config_from_memory(spec, 1000)
     with pytest.raises(ValueError, match="computed from the byte budgets"):
-        CacheConfig.from_memory(spec, GiB, primary_blocks=3)
+        C.cache_config_from_memory(spec, GiB, primary_blocks=3)
     with pytest.raises(ValueError, match="primary_bytes"):
-        CacheConfig.from_memory(spec, -1)
+        C.cache_config_from_memory(spec, -1)
     with pytest.raises(ValueError, match="max_batch_size needs a CacheConfig"):
         C.max_batch_size(spec, 10, 10)
 
@@ -207,7 +205,7 @@ def test_capacity_does_not_import_jax():
 def test_weights_activations_and_the_kv_budget():
     from kvjax.capacity import activation_reserve_bytes, kv_cache_budget, weight_bytes
 
-    spec = ModelSpec.load("llama-3.1-70b")
+    spec = load_model_spec("llama-3.1-70b")
     assert spec.num_parameters == 70_553_706_496 and weight_bytes(spec) == 2 * 70_553_706_496
     assert weight_bytes(spec, "float8_e4m3fn") == 70_553_706_496
     assert activation_reserve_bytes(spec, 1) == (2 * 8192 + 2 * 8192 + 2 * 1024 + 3 * 28672) * 2 + 4 * 128256

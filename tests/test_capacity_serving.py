@@ -4,7 +4,7 @@ of the maximum length fits (sliding windows hold the whole prompt)."""
 import pytest
 
 from kvjax import capacity as C
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 
 GiB = 2**30
 
@@ -26,7 +26,7 @@ def test_serving_kv_cache_bytes():
 
 
 def test_max_seq_len_must_fit():
-    spec = ModelSpec.load("micro-swa")
+    spec = load_model_spec("micro-swa")
     cc = spec.cache_config(primary_blocks=64, tokens_per_block=16, max_seq_len=1024)
     C.check_max_seq_len_fits(cc)  # 1024 / 16 = 64 blocks in every window
     small = spec.cache_config(primary_blocks=63, tokens_per_block=16, max_seq_len=1024)

@@ -74,9 +74,9 @@ def test_capacity_of_a_checkpoint_directory(capsys):
     code, out, err = run_cli(capsys, "capacity", "--model", "tests/fixtures/hf/gemma3", "--gpu-memory", "1GiB",
                              "--input-len", "64", "--output-len", "16", "--max-num-tokens", "64")
     assert code == 0, err
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
 
-    spec = ModelSpec.load("tests/fixtures/hf/gemma3")
+    spec = load_model_spec("tests/fixtures/hf/gemma3")
     assert f"{spec.num_parameters:,} parameters in the checkpoint, float32" in out
     rows = table_rows(out)
     assert sorted(rows) == [8, 256] and rows[8][1] == "3" and rows[256][1] == "1"  # local, local, global, local

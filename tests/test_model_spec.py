@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 from kvjax import CacheConfig
+from kvjax.capacity import cache_size_per_token
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import MODELS_DIR, ModelSpec, available_models
 
 REAL_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "gemma-3-27b", "qwen2.5-7b", "gemma-2b", "falcon-7b"]
@@ -24,7 +26,7 @@ max_seq_len = 128
 
 @pytest.mark.parametrize("name", available_models())
 def test_every_shipped_model_loads(name):
-    spec = ModelSpec.load(name)
+    spec = load_model_spec(name)
     assert spec.name == name
     assert spec == ModelSpec.from_toml(MODELS_DIR / f"{name}.toml")
     assert spec.source  # each file says where its numbers come from
@@ -53,11 +55,11 @@ def test_required_models_are_shipped():
     ],
 )
 def test_bytes_per_token(name, expected):
-    assert ModelSpec.load(name).cache_size_per_token() == expected
+    assert cache_size_per_token(load_model_spec(name)) == expected
 
 
 def test_gemma3_layer_pattern():
-    spec = ModelSpec.load("gemma-3-27b")
+    spec = load_model_spec("gemma-3-27b")
     windows = spec.layer_windows
     assert len(windows) == 62
     assert [i for i, w in enumerate(windows) if w == 131072] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
@@ -68,11 +70,11 @@ def test_gemma3_layer_pattern():
 
 
 def test_tiny_geometry():
-    tiny = ModelSpec.load("tiny")
+    tiny = load_model_spec("tiny")
     assert (tiny.num_layers, tiny.hidden_size, tiny.num_attention_heads, tiny.num_kv_heads, tiny.head_dim) == (
         4, 256, 8, 2, 32)
     assert (tiny.vocab_size, tiny.dtype) == (4096, "float32")
-    swa = ModelSpec.load("tiny-swa")
+    swa = load_model_spec("tiny-swa")
     assert swa.layer_windows == (64, 64, 64, 2048)
     assert dataclasses.replace(swa, attention_windows=None, name="x").layer_windows == (2048,) * 4
 
@@ -80,9 +82,9 @@ def test_tiny_geometry():
 def test_load_by_path_and_cache_config_overrides(tmp_path):
     path = tmp_path / "m.toml"
     path.write_text(TINY_TOML)
-    spec = ModelSpec.load(path)
+    spec = load_model_spec(path)
     assert spec.num_kv_heads == 2 and spec.attention_windows is None and spec.dtype == "bfloat16"
-    assert ModelSpec.load(str(path)) == spec
+    assert load_model_spec(str(path)) == spec
     config = spec.cache_config(primary_blocks=10, secondary_blocks=5, tokens_per_block=16, max_seq_len=64,
                                dtype="float32", enable_block_reuse=False)
     assert (config.primary_blocks, config.secondary_blocks, config.max_seq_len) == (10, 5, 64)
@@ -94,7 +96,7 @@ def test_per_layer_kv_heads(tmp_path):
     path.write_text(TINY_TOML.replace("num_kv_heads = 2", "num_kv_heads = [2, 4]"))
     spec = ModelSpec.from_toml(path)
     assert spec.kv_heads_per_layer == (2, 4)
-    assert spec.cache_size_per_token() == {128: 2 * (2 + 4) * 8 * 2}
+    assert cache_size_per_token(spec) == {128: 2 * (2 + 4) * 8 * 2}
 
 
 @pytest.mark.parametrize(
@@ -128,9 +130,9 @@ def test_bad_files_raise_one_line_value_error(tmp_path, edit, match):
 
 def test_unknown_model_name_and_missing_file(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'gpt-17'.*llama-3.1-8b"):
-        ModelSpec.load("gpt-17")
+        load_model_spec("gpt-17")
     with pytest.raises(ValueError, match="cannot read model file"):
-        ModelSpec.load(tmp_path / "nope.toml")
+        load_model_spec(tmp_path / "nope.toml")
 
 
 def test_direct_construction_is_validated():
@@ -141,13 +143,13 @@ def test_direct_construction_is_validated():
 
 def test_load_a_checkpoint_directory_and_names_are_not_shadowed(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parent
-    spec = ModelSpec.load(root / "fixtures" / "hf" / "qwen3")
+    spec = load_model_spec(root / "fixtures" / "hf" / "qwen3")
     assert spec.name == "qwen3" and spec.qk_norm and spec.source.endswith("config.json")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny").mkdir()  # a folder without config.json named like a built-in model
-    assert ModelSpec.load("tiny").random_weights
+    assert load_model_spec("tiny").random_weights
 
 
 def test_demo_models_are_random_weight_and_published_ones_are_not():
-    assert {n for n in available_models() if ModelSpec.load(n).random_weights} == {"tiny", "tiny-swa", "micro", "micro-swa"}
-    assert ModelSpec.load("tiny").embedding_scale == "sqrt_hidden_size"  # the demo's numbers depend on it
+    assert {n for n in available_models() if load_model_spec(n).random_weights} == {"tiny", "tiny-swa", "micro", "micro-swa"}
+    assert load_model_spec("tiny").embedding_scale == "sqrt_hidden_size"  # the demo's numbers depend on it

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from kvjax._math import ceil_div
 from kvjax.config import CacheConfig
 from kvjax.device.buckets import bucket
 from kvjax.device.geometry import PoolGeometry
@@ -131,7 +132,7 @@ def step_inputs(
         raise ValueError(f"row {i}: chunk_lens={int(chunk[i])} must be in [0, seq_len={int(seq[i])}]")
     b = _size("batch", batch, n)
     t = _size("q_len", q_len, int(chunk.max()))
-    m = _size("max_blocks", max_blocks, -(-int(seq.max()) // tpb))
+    m = _size("max_blocks", max_blocks, ceil_div(int(seq.max()), tpb))
     out_seq = np.zeros((b,), np.int32)  # [B]
     out_seq[:n] = seq
     positions = out_seq[:, None] - t + np.arange(t, dtype=np.int32)[None, :]  # [B, T]

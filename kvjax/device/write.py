@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kvjax._math import ceil_div
 from kvjax.config import PoolSpec
 from kvjax.device import _checks as chk
 from kvjax.device import backend, checking, layers, quant
@@ -81,7 +82,7 @@ def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype, heads):
     `arr` holds uint8 bit patterns of fp8 `dtype`."""
     n = slot.shape[0]
     c = min(n, RESCALE_CHUNK)
-    width = -(-n // c) * c
+    width = ceil_div(n, c) * c
     num_slots = arr.shape[ba]
     count = jnp.sum(rep)
     dest = jnp.where(rep, jnp.cumsum(rep) - 1, width)  # [n] compacted position (or dropped)
@@ -95,7 +96,7 @@ def _rescale_blocks(arr, ba: int, j, slot, rep, ratio, dtype, heads):
         blk = quant.encode(quant.decode(blk, dtype) * r[..., None, None], dtype)  # exact: power-of-two ratios
         return a.at[at(ba, s, j)].set(blk, mode="drop")
 
-    return jax.lax.fori_loop(0, (count + c - 1) // c, body, arr)
+    return jax.lax.fori_loop(0, ceil_div(count, c), body, arr)
 
 
 def update_scales(arr, sarr, meta: PoolMeta, pool: PoolSpec, j, xs, slot, off, valid):

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
 from kvjax.engine.batching import Row, StepExtras
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
@@ -50,11 +50,11 @@ from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
 
 
-class EngineInvariantError(AssertionError):
+class EngineInvariantError(KVCacheError, AssertionError):
     """The engine's own bookkeeping disagrees with the ledger (a bug, never a user error)."""
 
 
-class EngineBusyError(RuntimeError):
+class EngineBusyError(KVCacheError, RuntimeError):
     """The operation needs an engine with no running request (e.g. resetting the prefix cache)."""
 
 

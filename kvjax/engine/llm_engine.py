@@ -74,11 +74,11 @@ class LLMEngine:
     @classmethod
     def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
                      kv_events: KVEventsConfig | None = None, mesh=None, **options) -> LLMEngine:
-        """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.llm.load_model`
+        """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.models.loading.load_model`
         takes: a built-in model name or a checkpoint directory) with `options` (see above);
         `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""
         if isinstance(model, str) or hasattr(model, "__fspath__"):
-            from kvjax.llm import load_model
+            from kvjax.models.loading import load_model
 
             model, loaded_tokenizer = load_model(model, mesh=mesh)
             tokenizer = tokenizer or loaded_tokenizer

@@ -31,11 +31,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvjax.config import CacheConfig
+from kvjax.errors import KVCacheError
 
 log = logging.getLogger(__name__)
 
 
-class RankDivergenceError(RuntimeError):
+class RankDivergenceError(KVCacheError, RuntimeError):
     """The processes' ledgers (or settings) differ: continuing would serve different KV."""
 
 

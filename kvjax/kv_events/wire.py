@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from kvjax.errors import KVCacheError
+
 MEDIUM_GPU = "GPU"  # the primary (device) tier
 MEDIUM_CPU = "CPU"  # the secondary (pinned host) tier
 
@@ -31,7 +33,7 @@ _M64 = (1 << 64) - 1
 BlockHash = int | bytes
 
 
-class WireFormatError(ValueError):
+class WireFormatError(KVCacheError, ValueError):
     """A payload that is not a KV-event batch in vLLM's wire format (either layout)."""
 
 

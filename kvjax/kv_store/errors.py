@@ -6,8 +6,10 @@ exceptions, so one bad block never hides the others of a batch.
 """
 from __future__ import annotations
 
+from kvjax.errors import KVCacheError
 
-class KVStoreError(Exception):
+
+class KVStoreError(KVCacheError):
     """Base class of every error the `kvjax.kv_store` package raises on purpose."""
 
 

@@ -4,16 +4,14 @@
 calls take and return, and the block-key and block-hash helpers routers share with it.
 """
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
-from kvjax.ledger.block_key import (
+from kvjax.ledger.block_hashing import (
     SHA256_ROOT_HASH,
     BlockHasher,
-    BlockKey,
-    MmKey,
-    cache_salt_id,
     prompt_block_hashes,
     sha256_block_hash,
     trtllm64_block_hash,
 )
+from kvjax.ledger.block_key import BlockKey, MmKey, cache_salt_id
 from kvjax.ledger.events import (
     BlockHash,
     CreatedData,

@@ -12,16 +12,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import struct
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
+from kvjax._math import ceil_div
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
-from kvjax.ledger.sequence import TrackedSequence
+from kvjax.ledger.sequence import StoreCursor, TrackedSequence
 from kvjax.ledger.token_path import TokenPath
+from kvjax.ledger.validation import check_token_values, validate_request
+from kvjax.request import Request
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
+    from kvjax.ledger.live_sequences import LiveSequences
     from kvjax.ledger.window_manager import WindowBlockManager
 
 
@@ -138,7 +143,7 @@ def _safe(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length:
 
 def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     tpb = bm.tokens_per_block
-    n_ctx = -(-seq.prompt_len // tpb)
+    n_ctx = ceil_div(seq.prompt_len, tpb)
     beam = seq.beam_width
     plan = AdmissionPlan(seq, [], 0, None, [0, 0, 0, 0])
     if bm.is_cross:
@@ -244,6 +249,32 @@ def check_capacity(bm: BlockManager, plans: list[AdmissionPlan]) -> dict[int, di
     return in_place_by_window
 
 
+# ---------------------------------------------------------------------------- admitting
+def admit(bm: BlockManager, live: LiveSequences, requests: Sequence[Request]) -> list[int]:
+    """Admit `requests` as one atomic batch: check each (ids distinct from the live ones and
+    from each other), plan every window, check the batch's capacity, and only then commit and
+    file the sequences as live. Returns each request's prepopulated length."""
+    ids: set = set()
+    seqs = []
+    config, num_windows, is_cross = bm.config, len(bm.windows), bm.is_cross
+    for r in requests:
+        seqs.append(validate_request(r, config, num_windows, is_cross, live.seqs, ids, False, live.tok))
+        ids.add(r.request_id)
+    plans = [plan_sequence(bm, s) for s in seqs]
+    for plan in plans:
+        check_token_values(plan.seq, plan.prepopulated, plan.path)
+    in_place = check_capacity(bm, plans)  # raises before any change
+    commit_admission(bm, plans, in_place)
+    out = []
+    for plan in plans:
+        seq = plan.seq
+        seq.admit_counts = plan.deltas
+        seq.prompt_path = plan.path
+        live.add(seq)
+        out.append(plan.prepopulated)
+    return out
+
+
 # ---------------------------------------------------------------------------- commit
 def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_window: dict) -> None:
     """Per window, in two phases over the whole batch: (A) claim every match, onboard
@@ -251,137 +282,169 @@ def commit_admission(bm: BlockManager, plans: list[AdmissionPlan], in_place_by_w
     to the free queues, their content read by the copies the plan already holds; (B) allocate
     every fresh block. So a copy source may be recycled by the same batch, and what a batch
     takes is what `window_need` counted."""
-    tpb = bm.tokens_per_block
-    reuse = bm.reuse
-    tree = bm.tree
     for wm in bm.windows:
-        widx = wm.index
-        in_place = in_place_by_window[widx]
-        c = wm.counters
-        queues = wm.queues
-        queue = queues.queue
-        refs = wm.refs
-        ref = refs.ref  # read only: RefCounts changes it
-        level = wm.columns.level
-        bnode = wm.block_node
-        has_secondary = wm.num_secondary > 0
-        # Take every matched free block out of the queues first, so no allocation (an
-        # onboard target, a copy, a fresh block, another request's) can evict a block the
-        # batch is about to reuse or copy. Phase A references every full match; a partial
-        # match's source may be copied and go back (`sources`).
-        sources: list[int] = []
-        for adm in plans:
-            wa = adm.windows[widx]
-            if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
-                queues.take_many(wa.free, all_free=True)
-            else:
-                queues.take_many(wa.matched)
-            if wa.partial is not None and queue[wa.partial[0]] >= 0:
-                queues.take(wa.partial[0])
-                sources.append(wa.partial[0])
-        rows: list[list[int]] = []  # each request's matched row, extended in phase B with its fresh blocks
-        for i, adm in enumerate(plans):  # phase A: matches
-            seq = adm.seq
-            wa = adm.windows[widx]
-            sw = seq.windows[widx]
-            alloc_total, alloc_new = c.alloc_total, c.alloc_new
-            matched = wa.matched
-            # full matches: claim (keeping a cached block's priority unless the request
-            # states one), onboard secondary ones, then append to every beam
-            # only a sliding window's walk leaves gaps (None) in `matched`
-            real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
-            gaps = len(matched) - len(real)
-            refs.acquire_all(real)
-            queues.clear_durations(real)
-            if has_secondary:
-                for b in real:
-                    if level[b]:
-                        wm.onboard(b)
-            if seq.retention is not None and matched:
-                seq.block_priority(0, tpb)  # builds the per-block retention table
-                priority = queues.priority
-                table = seq.context_retention
-                assert table is not None  # built by the call above
-                # `matched` is the first context blocks (never the last one); the table has them
-                # all, in runs of equal retention (one per token range)
-                lo = 0
-                for (prio, dur), run in itertools.groupby(table[: len(matched)]):
-                    hi = lo + len(list(run))
-                    blocks = matched[lo:hi]
-                    lo = hi
-                    if dur is not None:
-                        for mb in blocks:
-                            if mb is not None:
-                                queues.set_duration(mb, dur)
-                    # most matched blocks already have the range's priority: one C-level compare
-                    if prio is not None and (
-                        None in blocks
-                        or bytes([priority[b] for b in cast("list[int]", blocks)]) != bytes((prio,)) * len(blocks)
-                    ):
-                        for mb in blocks:
-                            if mb is not None and prio != priority[mb]:
-                                wm.set_priority(mb, prio)
-            c.reused_full += len(matched) - gaps
-            row = cast("list[int]", matched)  # no gaps: every entry is a block
-            if gaps:
-                row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
-                sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)
-            if matched and matched[-1] is not None and bnode[matched[-1]] >= 0:
-                # storing resumes after the matched chain
-                n = bnode[matched[-1]]
-                wm.set_cursor(sw, (n, tree.pid[n] + tree.block_offset[widx][matched[-1]], len(matched)), own=True)
-            if wa.partial is not None:
-                b, n_tok = wa.partial
-                prio, dur = seq.block_priority(len(matched), tpb)
-                if in_place.get(b) == i:
-                    wm.drop_cached(b, evicted=False)
-                    if prio is not None:  # else the block keeps its own, as a full match does
-                        queues.set_priority(b, prio)
-                    queues.set_duration(b, dur)
-                    refs.acquire(b)
-                    if level[b]:
-                        wm.onboard(b)
-                else:  # the copy inherits the source's retention unless the request states one
-                    if prio is None:
-                        prio, dur = queues.priority[b], queues.duration.get(b)
-                    b = wm.copy_prefix(b, n_tok, prio, dur)
-                    refs.acquire(b)
-                c.reused_partial += 1
-                row = [*row, b]
-            rows.append(row)
-            deltas = adm.deltas
-            deltas[0] += len(matched) - gaps + (wa.partial is not None)
-            deltas[2] += c.alloc_total - alloc_total
-            deltas[3] += c.alloc_new - alloc_new
-        for b in sources:  # copy sources nobody claimed: free again (the copies come first)
-            if ref[b] == 0 and queue[b] < 0:
-                queues.release(b)
-        for adm, row in zip(plans, rows, strict=True):  # phase B: fresh blocks
-            seq = adm.seq
-            wa = adm.windows[widx]
-            sw = seq.windows[widx]
-            alloc_total, alloc_new = c.alloc_total, c.alloc_new
-            first, stop = wa.num_matched_positions, wa.num_shared
-            if stop > first:
-                retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
-                fresh = wm.take_fresh(stop - first, retention)
-                row = [*row, *fresh] if row else fresh
-            if row:  # one write of the shared row: matches, the partial one, fresh blocks
-                wm.extend_blocks(sw, row)
-                if sw.cursor is not None:  # phase A's cursor (on the matched chain): its row exists now
-                    wm.set_cursor(sw, sw.cursor, own=True)
-            deltas = adm.deltas
-            if reuse:
-                missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam
-                c.missed += missed
-                deltas[1] += missed
-            if wa.num_per_beam:
-                prio, dur = seq.block_priority(wa.num_shared, tpb)
-                for beam in range(seq.beam_width):
-                    b = wm.get_free_block(prio, dur)
-                    refs.acquire(b)
-                    wm.append_block(sw, beam, b)
-            deltas[2] += c.alloc_total - alloc_total
-            deltas[3] += c.alloc_new - alloc_new
+        in_place = in_place_by_window[wm.index]
+        sources = _hold_matches(wm, plans)
+        rows = [_claim_matches(bm, wm, adm, i, in_place) for i, adm in enumerate(plans)]  # phase A
+        _release_copy_sources(wm, sources)
+        for adm, row in zip(plans, rows, strict=True):  # phase B
+            _allocate_fresh(bm, wm, adm, row)
     for adm in plans:
         adm.seq.prepopulated = adm.prepopulated
+
+
+def _hold_matches(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> list[int]:
+    """Claim every full match first (out of the queues and referenced), so no allocation (an
+    onboard target, a copy, a fresh block, another request's) can evict a block the batch is
+    about to reuse or copy. A partial match's source is only held out of the queues: it may be
+    copied and go back; returns those sources."""
+    widx = wm.index
+    queues, refs = wm.queues, wm.refs
+    queue = queues.queue
+    sources: list[int] = []
+    for adm in plans:
+        wa = adm.windows[widx]
+        if wa.free is not None and len(plans) == 1:  # found free by `check_capacity` just now
+            refs.claim_many(wa.matched, free=wa.free)
+        else:
+            refs.claim_many(wa.matched)
+        if wa.partial is not None and queue[wa.partial[0]] >= 0:
+            queues.take(wa.partial[0])
+            sources.append(wa.partial[0])
+    return sources
+
+
+def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan, i: int, in_place: dict) -> list[int]:
+    """Phase A for request `i` of the batch: claim its full matches and its partial one (in
+    place or as a copy); returns its row so far (placeholders for a sliding window's gaps)."""
+    tpb = bm.tokens_per_block
+    seq = adm.seq
+    wa = adm.windows[wm.index]
+    sw = seq.windows[wm.index]
+    c = wm.counters
+    alloc_total, alloc_new = c.alloc_total, c.alloc_new
+    matched = wa.matched
+    # only a sliding window's walk leaves gaps (None) in `matched`
+    real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
+    gaps = len(matched) - len(real)
+    _onboard_full(wm, real)
+    if seq.retention is not None and matched:
+        _apply_retention(wm, seq, matched, tpb)
+    c.reused_full += len(matched) - gaps
+    row = cast("list[int]", matched)  # no gaps: every entry is a block
+    if gaps:
+        row = [PLACEHOLDER_BLOCK_ID if b is None else b for b in matched]
+        sw.num_front_removed = max(d + 1 for d, b in enumerate(matched) if b is None)
+    if matched and matched[-1] is not None and wm.block_node[matched[-1]] >= 0:
+        # storing resumes after the matched chain
+        tree = bm.tree
+        n = wm.block_node[matched[-1]]
+        wm.set_cursor(sw, StoreCursor(n, tree.pid[n] + tree.block_offset[wm.index][matched[-1]], len(matched)), own=True)
+    if wa.partial is not None:
+        row = [*row, _claim_partial(wm, seq, wa.partial, len(matched), in_place.get(wa.partial[0]) == i, tpb)]
+        c.reused_partial += 1
+    deltas = adm.deltas
+    deltas[0] += len(matched) - gaps + (wa.partial is not None)
+    deltas[2] += c.alloc_total - alloc_total
+    deltas[3] += c.alloc_new - alloc_new
+    return row
+
+
+def _onboard_full(wm: WindowBlockManager, blocks: list[int]) -> None:
+    """The claimed full matches: their retention durations end, secondary ones are onboarded."""
+    wm.queues.clear_durations(blocks)
+    if wm.num_secondary > 0:
+        level = wm.columns.level
+        for b in blocks:
+            if level[b]:
+                wm.onboard(b)
+
+
+def _apply_retention(wm: WindowBlockManager, seq: TrackedSequence, matched: list[int | None], tpb: int) -> None:
+    """The request's retention on its matched blocks: a cached block keeps its priority unless
+    the request states one for its token range."""
+    queues = wm.queues
+    seq.block_priority(0, tpb)  # builds the per-block retention table
+    priority = queues.priority
+    table = seq.context_retention
+    assert table is not None  # built by the call above
+    # `matched` is the first context blocks (never the last one); the table has them
+    # all, in runs of equal retention (one per token range)
+    lo = 0
+    for (prio, dur), run in itertools.groupby(table[: len(matched)]):
+        hi = lo + len(list(run))
+        blocks = matched[lo:hi]
+        lo = hi
+        if dur is not None:
+            for mb in blocks:
+                if mb is not None:
+                    queues.set_duration(mb, dur)
+        # most matched blocks already have the range's priority: one C-level compare
+        if prio is not None and (
+            None in blocks or bytes([priority[b] for b in cast("list[int]", blocks)]) != bytes((prio,)) * len(blocks)
+        ):
+            for mb in blocks:
+                if mb is not None and prio != priority[mb]:
+                    wm.set_priority(mb, prio)
+
+
+def _claim_partial(
+    wm: WindowBlockManager, seq: TrackedSequence, partial: tuple[int, int], index: int, in_place: bool, tpb: int
+) -> int:
+    """The block holding the partially matched position `index`: the matched block itself,
+    leaving the tree (`in_place`), or a copy of its first tokens; returns it, referenced."""
+    b, n_tok = partial
+    queues, refs = wm.queues, wm.refs
+    prio, dur = seq.block_priority(index, tpb)
+    if in_place:
+        wm.drop_cached(b, evicted=False)
+        if prio is not None:  # else the block keeps its own, as a full match does
+            queues.set_priority(b, prio)
+        queues.set_duration(b, dur)
+        refs.claim(b)  # held out of the queues by `_hold_matches`, as a copy source
+        if wm.columns.level[b]:
+            wm.onboard(b)
+        return b
+    if prio is None:  # the copy inherits the source's retention unless the request states one
+        prio, dur = queues.priority[b], queues.duration.get(b)
+    return wm.copy_prefix(b, n_tok, prio, dur)
+
+
+def _release_copy_sources(wm: WindowBlockManager, sources: list[int]) -> None:
+    """Copy sources nobody claimed are free again (the copies come first)."""
+    ref, queue, queues = wm.refs.ref, wm.queues.queue, wm.queues
+    for b in sources:
+        if ref[b] == 0 and queue[b] < 0:
+            queues.release(b)
+
+
+def _allocate_fresh(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan, row: list[int]) -> None:
+    """Phase B for one request: its fresh shared blocks, then one write of its whole row
+    (matches, the partial one, fresh blocks), then its per-beam last blocks."""
+    tpb = bm.tokens_per_block
+    seq = adm.seq
+    wa = adm.windows[wm.index]
+    sw = seq.windows[wm.index]
+    c = wm.counters
+    alloc_total, alloc_new = c.alloc_total, c.alloc_new
+    first, stop = wa.num_matched_positions, wa.num_shared
+    if stop > first:
+        retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
+        fresh = wm.take_fresh(stop - first, retention)
+        row = [*row, *fresh] if row else fresh
+    if row:  # one write of the shared row: matches, the partial one, fresh blocks
+        wm.extend_blocks(sw, row)
+        if sw.cursor is not None:  # phase A's cursor (on the matched chain): its row exists now
+            wm.set_cursor(sw, sw.cursor, own=True)
+    deltas = adm.deltas
+    if bm.reuse:
+        missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam
+        c.missed += missed
+        deltas[1] += missed
+    if wa.num_per_beam:
+        prio, dur = seq.block_priority(wa.num_shared, tpb)
+        for beam in range(seq.beam_width):
+            b = wm.get_free_block(prio, dur)
+            wm.append_block(sw, beam, b)
+    deltas[2] += c.alloc_total - alloc_total
+    deltas[3] += c.alloc_new - alloc_new

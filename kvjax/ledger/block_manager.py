@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from kvjax.config import CacheConfig
 from kvjax.errors import OutOfBlocksError
-from kvjax.ledger.block_key import BlockHasher
+from kvjax.ledger.block_hashing import BlockHasher
 from kvjax.ledger.events import KVCacheEventManager
 from kvjax.ledger.free_queues import PRIMARY
 from kvjax.ledger.radix_tree import RadixTree
@@ -51,6 +53,13 @@ class BlockManager:
                     limit = min(limit, wm.window + seq.num_draft_tokens + front * tpb - 1)
         return max(limit, 0)
 
+    def grown_limits(self, counts: np.ndarray) -> np.ndarray:
+        """`fast_limit` of one-beam sequences in a ledger of one full-attention window whose
+        token `counts[i]` just started a block (a batched step grows them together): they hold
+        `counts // tpb + 1` blocks now."""
+        tpb = self.tokens_per_block
+        return np.minimum((counts // tpb + 1) * tpb, self.config.max_seq_len)
+
     def grow(self, seq: TrackedSequence, index: int) -> None:
         """Allocate block `index`, which the sequence's next token starts (one per beam when
         beams diverge). Capacity is checked in every window before anything is allocated."""
@@ -62,7 +71,6 @@ class BlockManager:
                 raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
             prio, dur = (None, None) if seq.retention is None else seq.block_priority(index, self.tokens_per_block)
             b = wm.get_free_block(prio, dur)
-            wm.refs.acquire(b)
             wm.append_block(seq.windows[0], 0, b)
             wm.counters.gen_alloc += 1
             return
@@ -74,18 +82,18 @@ class BlockManager:
             sw = seq.windows[wm.index]
             for beam in range(per_token):
                 b = wm.get_free_block(prio, dur)
-                wm.refs.acquire(b)
                 wm.append_block(sw, beam, b)
             wm.counters.gen_alloc += per_token
 
     @staticmethod
-    def oldest_query(seq: TrackedSequence) -> int:
+    def oldest_query(seq: TrackedSequence, num_tokens: int | None = None) -> int:
         """The oldest position the next forward may compute (so may query): the context
         position during a chunked prefill, else the newest token less the request's draft
-        tokens (unverified drafts are computed by the next verify forward too)."""
+        tokens (unverified drafts are computed by the next verify forward too). `num_tokens`:
+        the sequence's token count to assume (a batched step plans before it appends)."""
         if seq.context_position < seq.prompt_len:
             return seq.context_position
-        return seq.num_tokens - 1 - seq.num_draft_tokens
+        return (seq.num_tokens if num_tokens is None else num_tokens) - 1 - seq.num_draft_tokens
 
     def released_blocks_visible(self, seq: TrackedSequence, query: int) -> list[int]:
         """Windows in which a query at `query` would see a block already released."""
@@ -133,17 +141,15 @@ class BlockManager:
         decode step's usual row (its newest full block is where its cursor says it was stored)
         is settled by one comparison here; any other goes to `has_unstored_block`."""
         tpb = self.tokens_per_block
-        pids, lengths = self.tree.pid, self.tree.length
+        holds = self.tree.holds
         single = len(self.windows) == 1
         has_unstored = self.has_unstored_block
         out = []
         for i, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             if single:
                 cur = seq.windows[0].cursor
-                if cur is not None and n // tpb <= cur[2]:
-                    first = pids[cur[0]]
-                    if first <= cur[1] < first + lengths[cur[0]]:
-                        continue
+                if cur is not None and n // tpb <= cur.full_blocks and holds(cur.node, cur.pid):
+                    continue
             if has_unstored(seq, n):
                 out.append(i)
         return out
@@ -153,15 +159,13 @@ class BlockManager:
         n_full = num_tokens // self.tokens_per_block
         if n_full <= 0:
             return False
-        pids, lengths = self.tree.pid, self.tree.length
+        holds = self.tree.holds
         for wm in self.windows:
             sw = seq.windows[wm.index]
             cur = sw.cursor
-            if cur is None or n_full > cur[2]:
+            if cur is None or n_full > cur.full_blocks:
                 return True
-            node, pid = cur[0], cur[1]
-            first = pids[node]
-            if first <= pid < first + lengths[node]:  # still where it was stored (most calls)
+            if holds(cur.node, cur.pid):  # still where it was stored (most calls)
                 continue
             if wm.cursor_position(seq, sw) is None:  # moved by a split, or pruned since
                 return True

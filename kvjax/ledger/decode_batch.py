@@ -6,9 +6,9 @@ runs before the first change, in row order, so a failure raises what the first f
 and blocks that sliding-window detaches would free are counted back), and changes nothing.
 
 Speed: tokens, token counts and each sequence's limit (the count from which its next token
-needs more than being stored) are columns of the manager's `TokenStore`, indexed by the
+needs more than being stored) are columns of the live sequences' `TokenStore` (`LiveSequences.tok`), indexed by the
 sequence's row, and the rows of an id list come from the store's directory (a dict lookup per
-id; the manager keeps the last list's rows, `DecodeBatch`, until a sequence leaves, since a row
+id; `LiveSequences` keeps the last list's rows, `DecodeBatch`, until a sequence leaves, since a row
 handed back may be handed out again). A step whose requests start no block is then a
 vectorised check of the tokens and the limits plus one scatter of the tokens: no sequence
 object is read. Sequences still holding their tokens as a list (every sequence until its
@@ -25,7 +25,7 @@ hints, so the others are never read.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from itertools import compress
 from operator import itemgetter
 from typing import TYPE_CHECKING
@@ -34,11 +34,13 @@ import numpy as np
 
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
-from kvjax.ledger.packing import packer
+from kvjax.ledger.growth import add_token_slow, checked_token
+from kvjax.ledger.live_sequences import DecodeBatch, LiveSequences
+from kvjax.ledger.packing import int_array, same_ids
 from kvjax.validation import INT32_MAX, check_id_list
 
 if TYPE_CHECKING:
-    from kvjax.ledger.kv_cache_manager import KVCacheManager
+    from kvjax.ledger.block_manager import BlockManager
     from kvjax.ledger.sequence import TrackedSequence
 
 _PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: store the token, batched growth, add_token's slow path
@@ -46,38 +48,6 @@ _PLAIN, _GROW, _SLOW = 0, 1, 2  # how a row commits: store the token, batched gr
 # row: below it the batch's numpy bookkeeping (a few µs per array operation) costs more than
 # the rows themselves
 SMALL_BATCH = 64
-
-
-class DecodeBatch:
-    """One `add_tokens` id list (distinct, live) and its rows of the token store."""
-
-    __slots__ = ("ids", "rows")
-
-    def __init__(self, ids: list | tuple, rows: np.ndarray) -> None:
-        self.ids = ids
-        self.rows = rows  # [n]
-        rows.flags.writeable = False
-
-
-_SIGNED_CODES = {4: "i", 8: "q"}  # struct codes of native signed ints by size
-
-
-def int_array(values: Iterable[int], dtype: type = np.int64) -> np.ndarray:
-    """A writable 1-D signed integer array (`dtype` of 4 or 8 bytes) of Python ints, made with
-    one `struct.pack`: about twice as fast as `np.array` or `np.fromiter` on a list of ints, and
-    the per-row passes over a batch of a thousand requests are what a decode step costs.
-    `struct.error` for a value out of range."""
-    vals = values if isinstance(values, list) else list(values)
-    dt = np.dtype(dtype)
-    return np.frombuffer(bytearray(packer(len(vals), _SIGNED_CODES[dt.itemsize])(*vals)), dtype=dt)
-
-
-def same_ids(cached: Sequence[Hashable], ids: Sequence[Hashable]) -> bool:
-    """Is `ids` the id list of a cached batch (an id comparing like an array: no)?"""
-    try:
-        return bool(cached == ids)
-    except (TypeError, ValueError):
-        return False
 
 
 def batch_tokens(tokens: object, n: int) -> tuple[np.ndarray, list | None, np.ndarray | None]:
@@ -107,23 +77,23 @@ def batch_tokens(tokens: object, n: int) -> tuple[np.ndarray, list | None, np.nd
     return int_array([0 if b else t for t, b in zip(vals, bad.tolist(), strict=True)]), list(vals), bad
 
 
-def cached_batch(m: KVCacheManager, ids: list | tuple) -> DecodeBatch | None:
+def cached_batch(live: LiveSequences, ids: list | tuple) -> DecodeBatch | None:
     """The batch of `ids` (the cached one while still valid); None when an id is unknown,
     unhashable or repeated (the ordered check then reports it)."""
-    b = m._batch
+    b = live.batch
     if b is not None and same_ids(b.ids, ids):
         return b
-    directory = m._tok.row_of_id
+    directory = live.tok.row_of_id
     try:
         rows = _rows(directory, ids)
     except (KeyError, TypeError):  # an id unknown, or a sequence still keeping a token list
-        if not move_to_store(m, ids):
+        if not live.move_to_store(ids):
             return None
         rows = _rows(directory, ids)
     if len(set(ids)) != len(ids):
         return None
-    m._new_in_store = True  # the next admissions go straight to the store
-    b = m._batch = DecodeBatch(list(ids) if type(ids) is list else ids, int_array(rows, np.intp))
+    live.new_in_store = True  # the next admissions go straight to the store
+    b = live.batch = DecodeBatch(list(ids) if type(ids) is list else ids, int_array(rows, np.intp))
     return b
 
 
@@ -131,32 +101,7 @@ def _rows(directory: dict, ids: list | tuple) -> tuple:
     return itemgetter(*ids)(directory) if len(ids) > 1 else tuple(directory[r] for r in ids)
 
 
-def distinct_live(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
-    """The live sequences of `ids`, in order; None when an id is unknown, unhashable or repeated."""
-    live = m._seqs
-    try:
-        seqs = [live[r] for r in ids]
-    except (KeyError, TypeError):
-        return None
-    return seqs if len(set(ids)) == len(ids) else None
-
-
-def move_to_store(m: KVCacheManager, ids: list | tuple) -> bool:
-    """Move the token lists of `ids`' sequences into the token store
-    (`TrackedSequence.to_store`): the batched paths read and write the store's columns only.
-    False, with nothing moved, when an id is unknown, unhashable or repeated."""
-    seqs = distinct_live(m, ids)
-    if seqs is None:
-        return False
-    listed = m._listed
-    for seq in seqs:
-        if seq.tokens is not None:
-            seq.to_store()
-            del listed[seq.request_id]
-    return True
-
-
-def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequence] | None:
+def store_candidates(bm: BlockManager, live: LiveSequences, ids: list | tuple) -> list[TrackedSequence] | None:
     """`store_new_blocks`' pre-check without a walk through the batch's sequences: when `ids`
     is the cached batch's id list in a ledger of one full-attention window, and every row is a
     one-beam request, the sequences (in row order) that may hold a full block not yet stored;
@@ -167,33 +112,32 @@ def store_candidates(m: KVCacheManager, ids: list | tuple) -> list[TrackedSequen
     A row is left out when its token count minus one (the newest token's KV is never
     materialised, so this bounds what is) is below its row's store hint, which promises
     nothing to store until then (`WindowBlockManager.set_cursor`). The rows are the block
-    table's (`_rows_of`, cached per id list); a request holding no row yet reads the empty
+    table's (`LiveSequences.slot_rows`, cached per id list); a request holding no row yet reads the empty
     row's hint, 0. The rest are checked in full by the caller, as any row would be."""
-    b = m._batch
-    bm = m._bm
-    if b is None or m._has_swa or len(bm.windows) != 1 or not same_ids(b.ids, ids):
+    b = live.batch
+    if b is None or bm.has_swa or len(bm.windows) != 1 or not same_ids(b.ids, ids):
         return None
     wm = bm.windows[0]
-    rows = m._rows_of(ids, wm)  # [n] one per request, unless some request has beams
+    rows = live.slot_rows(ids, wm)  # [n] one per request, unless some request has beams
     if len(rows) != len(ids):
         return None
-    maybe = m._tok.count[b.rows] - 1 >= wm.slot_table.store_due[rows]  # [n]
-    live = m._seqs
-    return [live[r] for r in compress(b.ids, maybe.tolist())]
+    maybe = live.tok.count[b.rows] - 1 >= wm.slot_table.store_due[rows]  # [n]
+    by_id = live.seqs
+    return [by_id[r] for r in compress(b.ids, maybe.tolist())]
 
 
-def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: object) -> bool:
+def add_tokens(bm: BlockManager, live: LiveSequences, request_ids: Sequence[Hashable], tokens: object) -> bool:
     """Run `add_tokens` (under the manager's lock). Returns whether anything but token appends
     changed (blocks, slots, windows: the caller counts a mutation)."""
     ids = check_id_list("request_ids", request_ids)
-    if len(ids) <= SMALL_BATCH and append_small(m, ids, tokens):
+    if len(ids) <= SMALL_BATCH and append_small(live, ids, tokens):
         return False
     arr, given, bad = batch_tokens(tokens, len(ids))
-    batch = cached_batch(m, ids)
+    batch = cached_batch(live, ids)
     if batch is None:  # an unknown or repeated id: find the first failing row, as add_token would
-        plan_rows(m, ids, arr.tolist() if given is None else given, range(len(ids)), checked=False)
+        plan_rows(bm, live, ids, arr.tolist() if given is None else given, range(len(ids)), checked=False)
         raise AssertionError("plan_rows accepted a batch with an unknown or repeated id")
-    tok = m._tok
+    tok = live.tok
     rows = batch.rows
     counts = tok.count[rows]  # [n]
     event = counts >= tok.limit[rows]  # [n] rows that allocate, detach or need add_token's slow checks
@@ -203,13 +147,13 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
         tok.append_rows(rows, counts, arr)
         return False
     at = np.flatnonzero(event)  # [k]
-    if bad is None and not m._has_swa and grow_batched(m, batch, counts, arr, at):
+    if bad is None and not bm.has_swa and grow_batched(bm, live, batch, counts, arr, at):
         return True
     vals = arr.tolist() if given is None else given
-    plans = plan_rows(m, ids, vals, at.tolist(), checked=True)  # raises before any change
+    plans = plan_rows(bm, live, ids, vals, at.tolist(), checked=True)  # raises before any change
     plain = ~event  # [n]
     tok.append_rows(rows[plain], counts[plain], arr[plain])
-    live = m._seqs
+    by_id = live.seqs
     changed = False
     i = 0
     while i < len(plans):
@@ -218,22 +162,22 @@ def add_tokens(m: KVCacheManager, request_ids: Sequence[Hashable], tokens: objec
             j = i + 1
             while j < len(plans) and plans[j][1] == _GROW:
                 j += 1
-            grow_rows(m, [(live[ids[r]], t) for r, _, t in plans[i:j]])
+            grow_rows(bm, live, [(by_id[ids[r]], t) for r, _, t in plans[i:j]])
             changed = True
             i = j
             continue
         r, _, t = plans[i]
-        seq = live[ids[r]]
+        seq = by_id[ids[r]]
         if kind == _PLAIN:
             tok.append(seq.row, t)
         else:
-            m._add_token_slow(seq, t, seq.num_tokens + 1)
+            add_token_slow(bm, live, seq, t, seq.num_tokens + 1)
             changed = True
         i += 1
     return changed
 
 
-def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
+def append_small(live: LiveSequences, ids: list | tuple, tokens: object) -> bool:
     """A small step whose every row is `add_token`'s fast path (a plain int token in range,
     below the sequence's limit, ids known and distinct): checked in full, then appended (to
     the token list, or to the store for a sequence whose tokens a batched step moved there).
@@ -245,10 +189,10 @@ def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
         vals = tokens.tolist()
     else:
         return False
-    seqs = distinct_live(m, ids) if len(vals) == len(ids) else None
+    seqs = live.distinct(ids) if len(vals) == len(ids) else None
     if seqs is None:
         return False
-    tok = m._tok
+    tok = live.tok
     count_of, limit_of = tok.count_of, tok.limit_of
     for seq, t in zip(seqs, vals, strict=True):
         if type(t) is not int or not 0 <= t <= INT32_MAX:
@@ -266,36 +210,37 @@ def append_small(m: KVCacheManager, ids: list | tuple, tokens: object) -> bool:
     return True
 
 
-def grow_batched(m: KVCacheManager, batch: DecodeBatch, counts: np.ndarray, tokens: np.ndarray, event: np.ndarray) -> bool:
+def grow_batched(
+    bm: BlockManager, live: LiveSequences, batch: DecodeBatch, counts: np.ndarray, tokens: np.ndarray, event: np.ndarray
+) -> bool:
     """The usual step of one full-attention window: the `event` rows (ascending) all start a
     block, one beam each, within `max_seq_len` and the free blocks. Stores every row's token
     and grows those rows in one pass; False (nothing done) when a row needs more than that."""
-    tpb = m._tpb
-    if len(m._bm.windows) != 1:
+    tpb = bm.tokens_per_block
+    if len(bm.windows) != 1:
         return False
-    wm = m._bm.windows[0]
-    all_rows = m._rows_of(batch.ids, wm)  # [n] the slot-table rows (cached per id list)
+    wm = bm.windows[0]
+    all_rows = live.slot_rows(batch.ids, wm)  # [n] the slot-table rows (cached per id list)
     if len(all_rows) != len(batch.ids):  # some request has beams
         return False
     slot_rows = all_rows[event]  # [k]
-    live = m._seqs
-    seqs = [live[r] for r in itemgetter_list(batch.ids, event.tolist())]
+    by_id = live.seqs
+    seqs = [by_id[r] for r in itemgetter_list(batch.ids, event.tolist())]
     if not all([s.batchable for s in seqs]):
         return False
     n = counts[event]  # [k] each row's token count before its token
     k = len(event)
-    if k > wm.num_free_primary or (n % tpb).any() or n.max() >= m._max_seq_len or not slot_rows.all():
+    if k > wm.num_free_primary or (n % tpb).any() or n.max() >= bm.config.max_seq_len or not slot_rows.all():
         return False  # (slot-table row 0: a request holding no block here yet, `EMPTY_ROW`)
     windows = [s.windows[0] for s in seqs]
-    tok = m._tok
+    tok = live.tok
     tok.append_rows(batch.rows, counts, tokens)
     blocks = wm.take_fresh(k, None)  # [k] claimed in row order, referenced once
     for sw, b in zip(windows, blocks, strict=True):
-        sw.blocks[0].append(b)
+        sw.append_block(0, b)
     wm.slot_table.append_rows(slot_rows, np.frombuffer(wm.columns.slot, dtype=np.int32)[blocks])
     wm.counters.gen_alloc += k
-    # `BlockManager.fast_limit` of one full-attention window: the next block starts at n + tpb
-    tok.set_limits(batch.rows[event], np.minimum(n + tpb, m._max_seq_len))
+    tok.set_limits(batch.rows[event], bm.grown_limits(n))
     return True
 
 
@@ -306,16 +251,17 @@ def itemgetter_list(items: Sequence, index: list[int]) -> list:
     return list(itemgetter(*index)(items)) if index else []
 
 
-def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, checked: bool) -> list[tuple[int, int, int]]:
+def plan_rows(
+    bm: BlockManager, live: LiveSequences, ids: Sequence[Hashable], vals: list, rows, checked: bool
+) -> list[tuple[int, int, int]]:
     """Check `rows` (ascending) as `add_token` would, one after the other: the first failure
     raises. Unless the ids are `checked` (live and distinct), unknown and repeated ids raise
     here. Free blocks are counted down per window as rows allocate, and up as sliding-window
     detaches release a block's last reference. Returns (row, how it commits, checked token)
     per row."""
-    bm = m._bm
     windows = bm.windows
-    tpb = m._tpb
-    live = m._seqs
+    tpb = bm.tokens_per_block
+    by_id = live.seqs
     free: list[int] | None = None
     pending: list[dict[int, int]] = [{} for _ in windows]  # window -> block -> references dropped
     seen: set = set()
@@ -323,17 +269,17 @@ def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, chec
     for r in rows:
         rid, token = ids[r], vals[r]
         if checked:
-            seq = live[rid]
+            seq = by_id[rid]
         else:
-            seq = m._seq(rid)
+            seq = live.get(rid)
             if rid in seen:
                 raise DuplicateRequestError(f"request id {rid!r} appears twice in request_ids")
             seen.add(rid)
         n = seq.num_tokens + 1
-        if n <= m._limit_of(seq) and type(token) is int and 0 <= token <= INT32_MAX:
+        if n <= live.limit_of(seq) and type(token) is int and 0 <= token <= INT32_MAX:
             out.append((r, _PLAIN, token))
             continue
-        token = m._checked_token(seq, token, n)
+        token = checked_token(seq, token, n, bm.config.max_seq_len)
         if free is None:
             free = [wm.num_free_primary for wm in windows]
         grows = (n - 1) % tpb == 0
@@ -345,8 +291,8 @@ def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, chec
             for wm in windows:
                 free[wm.index] -= need
         detaches = False
-        if m._has_swa:  # as `BlockManager.detach_out_of_window` will, once the token is in
-            oldest = seq.context_position if seq.context_position < seq.prompt_len else n - 1 - seq.num_draft_tokens
+        if bm.has_swa:  # as `BlockManager.detach_out_of_window` will, once the token is in
+            oldest = bm.oldest_query(seq, n)
             for wm in windows:
                 if not wm.is_swa:
                     continue
@@ -369,25 +315,25 @@ def plan_rows(m: KVCacheManager, ids: Sequence[Hashable], vals: list, rows, chec
     return out
 
 
-def grow_rows(m: KVCacheManager, run: list[tuple[TrackedSequence, int]]) -> None:
+def grow_rows(bm: BlockManager, live: LiveSequences, run: list[tuple[TrackedSequence, int]]) -> None:
     """Append each (sequence, token) of `run`, every one starting a block (beam width 1, no
     detach): per window one claim of victims, in row order, and one slot-table write."""
-    tpb = m._tpb
+    tpb = bm.tokens_per_block
     k = len(run)
     retention = None
     if any(seq.retention is not None for seq, _ in run):
         retention = [seq.block_priority(seq.num_tokens // tpb, tpb) for seq, _ in run]
-    for wm in m._bm.windows:
+    for wm in bm.windows:
         widx = wm.index
         blocks = wm.take_fresh(k, retention)  # capacity checked by plan_rows
         slot, table = wm.columns.slot, wm.slot_table
         rows = []
         for (seq, _), b in zip(run, blocks, strict=True):
             sw = seq.windows[widx]
-            sw.blocks[0].append(b)
+            sw.append_block(0, b)
             rows.append(table.rows_of(sw)[0])
         table.append_rows(np.array(rows, dtype=np.intp), np.array([slot[b] for b in blocks], dtype=np.int32))
         wm.counters.gen_alloc += k
     for seq, token in run:
         seq.append(token)
-        m._set_limit(seq)
+        live.set_limit(seq)

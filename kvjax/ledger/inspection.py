@@ -8,13 +8,17 @@ expiry heap's. Every call takes the manager's lock, so it sees whole operations 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvjax.ledger.block_key import BlockHasher, BlockKey
+from kvjax.errors import UnknownBlockError
+from kvjax.ledger.block_hashing import BlockHasher
+from kvjax.ledger.block_key import BlockKey
 from kvjax.ledger.events import BlockHash
+from kvjax.ledger.validation import check_block_id, window_manager
 
 if TYPE_CHECKING:
-    from kvjax.ledger.kv_cache_manager import KVCacheManager
+    from kvjax.ledger.block_manager import BlockManager
     from kvjax.ledger.window_manager import WindowBlockManager
 
 
@@ -75,67 +79,96 @@ def block_info(wm: WindowBlockManager, b: int) -> BlockInfo:
     )
 
 
+def known_block(wm: WindowBlockManager, block_id: object) -> int:
+    """`block_id` as a block of `wm` (`UnknownBlockError` if it is none)."""
+    return check_block_id(block_id, wm.num_blocks, wm.window, UnknownBlockError)
+
+
 class LedgerInspector:
-    """Inspection of one manager (see the module docstring). Obtain it as `manager.inspector`
-    (a new view each time: it holds the manager only as long as you keep it)."""
+    """Inspection of one manager's blocks (see the module docstring). Obtain it as
+    `manager.inspector` (a new view each time: it holds the ledger only as long as you keep it)."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_bm", "_lock")
 
-    def __init__(self, manager: KVCacheManager) -> None:
-        self._m = manager
+    def __init__(self, bm: BlockManager, lock: threading.RLock) -> None:
+        self._bm = bm
+        self._lock = lock  # the manager's (kvjax/ledger/concurrency.py)
 
     def _wm(self, window: int | None) -> WindowBlockManager:
-        return self._m._window_manager(window)
+        return window_manager(self._bm, window)
 
     def free_order(self, window: int | None = None, level: int = 0) -> list[int]:
         """Free blocks of a cache level in eviction order (lowest priority first, LRU first)."""
-        with self._m._lock:
+        with self._lock:
             return self._wm(window).queues.free_blocks(level)
 
     def free_queue(self, priority: int, window: int | None = None, level: int = 0) -> list[int]:
         """Free blocks of one priority queue, next victim first."""
-        with self._m._lock:
+        with self._lock:
             return self._wm(window).queues.queue_ids(level, priority)
 
     def cached_block_ids(self, window: int | None = None) -> set[int]:
         """Blocks attached to the radix tree."""
-        with self._m._lock:
+        with self._lock:
             wm = self._wm(window)
             bnode = wm.block_node
             return {b for b in range(wm.num_blocks) if bnode[b] >= 0}
 
     def cached_path(self, block_id: int, window: int | None = None) -> list[BlockKey] | None:
         """Keys of every tree position from the root down to the block's (None if not cached)."""
-        with self._m._lock:
+        with self._lock:
             wm = self._wm(window)
-            pos = wm.tree.position_of(wm.index, self._m._block_id(wm, block_id))
+            pos = wm.tree.position_of(wm.index, known_block(wm, block_id))
             return None if pos is None else wm.tree.path_keys(*pos)
 
     def block_hash(self, block_id: int, window: int | None = None) -> BlockHash | None:
         """The event hash of a cached block (None if not cached)."""
-        with self._m._lock:
+        with self._lock:
             wm = self._wm(window)
-            b = self._m._block_id(wm, block_id)
+            b = known_block(wm, block_id)
             return wm.block_hash(b) if wm.is_cached(b) else None
 
     def pending_expiries(self, window: int | None = None) -> list[int]:
         """Free blocks whose retention expiry is armed."""
-        with self._m._lock:
+        with self._lock:
             return self._wm(window).queues.pending_expiries()
 
     def expiry_heap(self, window: int | None = None) -> tuple[int, int]:
         """(entries in the expiry heap, the size at which it is compacted)."""
-        with self._m._lock:
+        with self._lock:
             q = self._wm(window).queues
             return q.heap_size, q.heap_limit
 
     def tree_size(self) -> TreeSize:
         """How big the radix tree is (see `TreeSize`)."""
-        with self._m._lock:
-            tree = self._m._bm.tree
+        with self._lock:
+            tree = self._bm.tree
             return TreeSize(tree.num_positions, tree.num_nodes, len(tree.content) - 1)
 
     @property
     def event_hasher(self) -> BlockHasher:
         """The block-hash formula of this manager's events (`CacheConfig.event_hash`)."""
-        return self._m._bm.tree.hasher
+        return self._bm.tree.hasher
+
+
+# ---------------------------------------------------------------------------- block counts
+def free_primary(bm: BlockManager, window: int | None) -> int:
+    """Free primary blocks of `window`; with several windows and no `window`, the minimum."""
+    if window is None and len(bm.windows) > 1:
+        return min(wm.num_free_primary for wm in bm.windows)
+    return window_manager(bm, window).num_free_primary
+
+
+def allocated_primary(bm: BlockManager, window: int | None) -> int:
+    """Referenced primary blocks of `window`; with several windows and no `window`, the maximum."""
+    if window is None and len(bm.windows) > 1:
+        return max(wm.num_primary - wm.num_free_primary for wm in bm.windows)
+    wm = window_manager(bm, window)
+    return wm.num_primary - wm.num_free_primary
+
+
+def free_secondary(bm: BlockManager, window: int | None) -> int:
+    """Free secondary blocks of `window`; with several windows and no `window`, the minimum."""
+    if window is None and len(bm.windows) > 1:
+        return min(wm.num_free_secondary for wm in bm.windows)
+    return window_manager(bm, window).num_free_secondary

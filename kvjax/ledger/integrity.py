@@ -11,22 +11,25 @@ from collections import Counter
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
+from kvjax._math import ceil_div
 from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.token_path import child_key
 
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
-    from kvjax.ledger.token_store import TokenStore
+    from kvjax.ledger.live_sequences import LiveSequences
 
 
 def _fail(msg: str) -> None:
     raise IntegrityError(msg)
 
 
-def verify_ledger(bm: BlockManager, seqs: dict, tokens: TokenStore, listed: dict) -> None:
+def verify_ledger(bm: BlockManager, live: LiveSequences) -> None:
     tpb = bm.tokens_per_block
+    seqs, tokens, listed = live.seqs, live.tok, live.listed
     tokens.verify({rid: seq.row for rid, seq in seqs.items() if seq.tokens is None})
     if listed.keys() != {rid for rid, seq in seqs.items() if seq.tokens is not None} or not all(
         seqs.get(rid) is seq for rid, seq in listed.items()
@@ -49,7 +52,7 @@ def verify_ledger(bm: BlockManager, seqs: dict, tokens: TokenStore, listed: dict
         slot_table.verify((rid, seq.windows[wm.index].rows or []) for rid, seq in seqs.items())
         for rid, seq in seqs.items():
             sw = seq.windows[wm.index]
-            n_expected = -(-seq.num_tokens // tpb)
+            n_expected = ceil_div(seq.num_tokens, tpb)
             lengths = {len(beam) for beam in sw.blocks}
             if lengths != {n_expected}:
                 _fail(f"window {w}: request {rid!r} has block lists of lengths {lengths}, expected {n_expected}")
@@ -104,10 +107,10 @@ def _verify_store_hint(bm: BlockManager, wm, rid, seq, sw) -> None:
         return
     cur = sw.cursor
     w = wm.window
-    if cur is None or wm.is_swa or due != (cur[2] + 1) * bm.tokens_per_block:
+    if cur is None or wm.is_swa or due != (cur.full_blocks + 1) * bm.tokens_per_block:
         _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
     found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
-    own = sw.blocks[0][cur[2] - 1]
+    own = sw.blocks[0][cur.full_blocks - 1]
     row = None if found is None else bm.tree.values[wm.index][found[0][0]]
     if row is None or row[found[0][1]] != own:
         _fail(f"window {w}: the store hint of request {rid!r} trusts cursor {cur}, whose position lost block {own}")
@@ -291,7 +294,7 @@ def _check_ages(tree, n: int, kids: dict, buckets: dict, index: dict) -> None:
             _fail(f"partial-match age list of tree node {n} is malformed")
         live, stale = [], 0
         for j, (first, birth) in enumerate(zip(firsts.ages, firsts.births, strict=True)):
-            c = kids.get(first if sid == 0 else (sid, first, ()))
+            c = kids.get(child_key(sid, first, ()))
             if c is not None and tree.pid[c] == birth:
                 if j < firsts.head:
                     _fail(f"partial-match age list of tree node {n} skips a live child")

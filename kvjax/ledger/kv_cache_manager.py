@@ -3,57 +3,52 @@
 A facade: every method checks its arguments (`kvjax.ledger.validation`) before anything
 changes, so a failed call leaves the ledger exactly as it was, takes the lock its thread
 contract asks for (`kvjax.ledger.concurrency`), and hands the work to the module that owns
-it: admission (`admission`), growth, storing and release (`block_manager`), rewinds
-(`rewind`), scheduler queries (`scheduler_queries`), statistics (`stats`), block tables
-(`block_tables`), failed transfers (`transfer_failures`) and inspection (`inspection`).
+it, with the owners it needs (the `BlockManager`; `LiveSequences`, the state of every live
+request): admission (`admission`), growth (`growth`, `block_manager`), the batched decode
+step (`decode_batch`), storing for reuse and pins (`storing`), release (`block_manager`),
+rewinds (`rewind`), scheduler queries (`scheduler_queries`), statistics (`stats`), block
+tables (`block_tables`, `live_sequences`), failed transfers (`transfer_failures`) and
+inspection (`inspection`). Nothing below imports this module or reads its attributes.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from itertools import chain
 
 import numpy as np
 
 from kvjax.config import CacheConfig
-from kvjax.errors import (
-    ArgumentTypeError,
-    InvalidArgumentError,
-    InvalidRequestError,
-    KVCacheError,
-    UnknownBlockError,
-    UnknownRequestError,
-)
-from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries
+from kvjax.errors import ArgumentTypeError, InvalidRequestError, KVCacheError, UnknownRequestError
+from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries, storing
 from kvjax.ledger.block_manager import BlockManager
-from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.concurrency import reader, writer
-from kvjax.ledger.decode_batch import DecodeBatch, int_array, same_ids
 from kvjax.ledger.events import KVCacheEvent
-from kvjax.ledger.inspection import BlockInfo, LedgerInspector, block_info
+from kvjax.ledger.growth import add_token_slow
+from kvjax.ledger.inspection import (
+    BlockInfo,
+    LedgerInspector,
+    allocated_primary,
+    block_info,
+    free_primary,
+    free_secondary,
+    known_block,
+)
 from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
+from kvjax.ledger.live_sequences import LiveSequences
 from kvjax.ledger.reset import reset_prefix_cache
-from kvjax.ledger.scheduler_queries import DryRun, PrefixReuseSummary
+from kvjax.ledger.scheduler_queries import DryRun, PrefixReuseSummary, check_dry_run
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats, cache_stats, counter_totals, hit_rate, iteration_stats
-from kvjax.ledger.token_store import TokenStore
 from kvjax.ledger.transfer_failures import APPLIED, FAILED, TransferFailure, TransferLog, apply_failure
 from kvjax.ledger.validation import (
-    check_beam_token,
-    check_block_id,
     check_flag,
     check_max_blocks,
     check_op_indices,
     check_table_ids,
     check_timeout,
-    check_token_arg,
-    check_token_values,
-    check_unpin_ids,
-    check_window,
-    validate_request,
+    window_manager,
 )
-from kvjax.ledger.window_manager import WindowBlockManager
 from kvjax.request import Request
 from kvjax.transfer_plan import TransferPlan
 from kvjax.validation import INT32_MAX, check_id_list, check_int
@@ -80,31 +75,21 @@ class KVCacheManager:
         self._version = 0  # completed mutations (a scheduling dry run checks it)
         self._dry_run: DryRun | None = None
         self._transfers = TransferLog(require_transfer_acks)
-        self._kv_valid: dict[Hashable, int] = {}  # request -> valid KV length after a failed transfer
         self.config = config
         self.clock = clock
         self._bm = BlockManager(config, clock)
-        self._seqs: dict[Hashable, TrackedSequence] = {}
-        # the tokens of the sequences a batched step grew, as columns (`TokenStore`); the
-        # others keep theirs as a list, and are filed here (the next batched step moves them)
-        self._tok = TokenStore()
-        self._listed: dict[Hashable, TrackedSequence] = {}
-        # where admission puts a new sequence's tokens: in the store once a batched step ran
-        # (the sequence would move there at its first step anyway), back in a list once a
-        # single `add_token` found its sequence in the store
-        self._new_in_store = False
-        self._tpb = config.tokens_per_block
-        self._max_seq_len = config.max_seq_len
-        self._has_swa = self._bm.has_swa
+        # every live sequence and where its tokens and table rows are (`LiveSequences`);
+        # its dicts under their own names too, for the unlocked `add_token` path
+        self._live = LiveSequences(self._bm)
+        self._seqs = self._live.seqs
+        self._listed = self._live.listed
+        self._tok = self._live.tok
         self._iter_base = counter_totals(self._bm.windows)
-        # the last `add_tokens` batch (see `DecodeBatch`), dropped whenever a sequence leaves
-        self._batch: DecodeBatch | None = None
-        self._table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
 
     # ------------------------------------------------------------------ small helpers
     @property
     def tokens_per_block(self) -> int:
-        return self._tpb
+        return self._bm.tokens_per_block
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -114,7 +99,7 @@ class KVCacheManager:
     def inspector(self) -> LedgerInspector:
         """Read-only views of internals (eviction order, cached paths, hashes, sizes): see
         `kvjax.ledger.inspection`."""
-        return LedgerInspector(self)
+        return LedgerInspector(self._bm, self._lock)
 
     @property
     def request_ids(self) -> list[Hashable]:
@@ -130,39 +115,7 @@ class KVCacheManager:
         return len(self._seqs)
 
     def _seq(self, request_id: Hashable) -> TrackedSequence:
-        try:
-            return self._seqs[request_id]
-        except (KeyError, TypeError):
-            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
-
-    def _seqs_of(self, request_ids: Sequence[Hashable]) -> list[TrackedSequence]:
-        """The live sequences of `request_ids`, in order (`UnknownRequestError` for the first
-        id that is not live)."""
-        seqs = self._seqs
-        try:
-            return [seqs[r] for r in request_ids]
-        except (KeyError, TypeError):
-            return [self._seq(r) for r in request_ids]
-
-    def _window_manager(self, window: int | None) -> WindowBlockManager:
-        check_window(window)
-        bm = self._bm
-        if window is None:
-            if len(bm.windows) != 1:
-                raise InvalidArgumentError(f"this cache has several attention windows {self.windows}; pass window=")
-            return bm.windows[0]
-        try:
-            return bm.windows[bm.window_index[window]]
-        except (KeyError, TypeError):
-            raise InvalidArgumentError(f"unknown attention window {window!r}; windows are {self.windows}") from None
-
-    @staticmethod
-    def _block_id(wm: WindowBlockManager, block_id: object) -> int:
-        return check_block_id(block_id, wm.num_blocks, wm.window, UnknownBlockError)
-
-    def _validate(self, request: Request, batch_ids: set | None = None, live_ok: bool = False) -> TrackedSequence:
-        bm = self._bm
-        return validate_request(request, self.config, len(bm.windows), bm.is_cross, self._seqs, batch_ids, live_ok, self._tok)
+        return self._live.get(request_id)
 
     # ------------------------------------------------------------------ admission
     @writer
@@ -180,30 +133,7 @@ class KVCacheManager:
         return self._admit(check_id_list("requests", requests, error=InvalidRequestError))
 
     def _admit(self, requests: Sequence[Request]) -> list[int]:
-        ids: set = set()
-        seqs = []
-        for r in requests:
-            seqs.append(self._validate(r, ids))
-            ids.add(r.request_id)
-        bm = self._bm
-        plans = [admission.plan_sequence(bm, s) for s in seqs]
-        for plan in plans:
-            check_token_values(plan.seq, plan.prepopulated, plan.path)
-        in_place = admission.check_capacity(bm, plans)  # raises before any change
-        admission.commit_admission(bm, plans, in_place)
-        out = []
-        for plan in plans:
-            seq = plan.seq
-            seq.admit_counts = plan.deltas
-            seq.prompt_path = plan.path
-            if self._new_in_store:  # straight into the token store, while its cache lines are warm
-                seq.to_store()
-            else:
-                self._listed[seq.request_id] = seq
-            self._set_limit(seq)
-            self._seqs[seq.request_id] = seq
-            out.append(plan.prepopulated)
-        return out
+        return admission.admit(self._bm, self._live, requests)
 
     # ------------------------------------------------------------------ growth
     def add_token(self, request_id: Hashable, token: int | Sequence[int]) -> None:
@@ -223,11 +153,8 @@ class KVCacheManager:
         lock.acquire()
         try:
             if tokens is None:  # a batched step moved them into the store: a list again
-                seq.to_list()
-                self._listed[request_id] = seq
-                self._batch = None  # it holds the sequence's row
-                self._new_in_store = False
-            self._add_token_slow(seq, token, seq.num_tokens + 1)
+                self._live.to_list(seq)
+            add_token_slow(self._bm, self._live, seq, token, seq.num_tokens + 1)
             self._version += 1
         finally:
             lock.release()
@@ -241,49 +168,10 @@ class KVCacheManager:
         lock = self._lock
         lock.acquire()
         try:
-            if decode_batch.add_tokens(self, request_ids, tokens):  # leaves its batch cached, current
+            if decode_batch.add_tokens(self._bm, self._live, request_ids, tokens):  # leaves its batch cached, current
                 self._version += 1
         finally:
             lock.release()
-
-    def _checked_token(self, seq: TrackedSequence, token, n: int) -> int:
-        """Every check `add_token` makes of its `n`-th token but capacity; beam 0's token."""
-        if type(token) is not int:
-            token = check_token_arg(token)
-        if seq.is_cross:
-            raise InvalidRequestError("a cross-attention cache does not grow token by token")
-        if type(token) is not int or seq.beam_width != 1:
-            token = check_beam_token(seq, token)
-        elif not 0 <= token <= INT32_MAX:
-            raise InvalidRequestError(f"token must be an int in [0, 2**31), got {token!r}")
-        if n > self._max_seq_len:
-            raise InvalidRequestError(f"request {seq.request_id!r} would exceed max_seq_len={self._max_seq_len}")
-        return token
-
-    def _add_token_slow(self, seq: TrackedSequence, token, n: int) -> None:
-        token = self._checked_token(seq, token, n)
-        if (n - 1) % self._tpb == 0:
-            self._bm.grow(seq, (n - 1) // self._tpb)
-        seq.append(token)
-        if seq.extra_ids is not None:
-            seq.extra_ids.append(0)
-        if self._has_swa:
-            self._bm.detach_out_of_window(seq)
-        self._set_limit(seq)
-
-    def _set_limit(self, seq: TrackedSequence) -> None:
-        """File the sequence's limit (`BlockManager.fast_limit`: `add_token` only appends
-        below it) with its tokens, list or store row; called after every change to its
-        blocks, windows or tokens on a locked path."""
-        limit = self._bm.fast_limit(seq)
-        if seq.tokens is not None:
-            seq.limit = limit
-        else:
-            self._tok.set_limit(seq.row, limit)
-
-    def _limit_of(self, seq: TrackedSequence) -> int:
-        """The limit `_set_limit` filed, wherever the sequence's tokens are."""
-        return seq.limit if seq.tokens is not None else self._tok.limit_of[seq.row]
 
     @writer
     def rewind(self, request_id: Hashable, n: int) -> None:
@@ -299,50 +187,20 @@ class KVCacheManager:
         rewind.check_rewind(self._bm, seq, n)
         if n:
             rewind.rewind(self._bm, seq, n)
-            self._set_limit(seq)
+            self._live.set_limit(seq)
 
     @writer
     def set_context_position(self, request_id: Hashable, position: int) -> None:
         """Chunked prefill: the first `position` tokens have their KV materialised (also how an
         engine reports progress recomputing after `transfers_failed`)."""
         position = check_int("context position", position, 0, None, error=InvalidRequestError)
-        seq = self._seq(request_id)
-        if not position <= seq.num_tokens:
-            raise InvalidRequestError(f"context position must be an int in [0, {seq.num_tokens}], got {position!r}")
-        released = self._bm.released_blocks_visible(seq, position) if position < seq.prompt_len else None
-        if released:
-            raise InvalidRequestError(
-                f"request {request_id!r}: a chunk starting at {position} would see blocks window(s) {released} already released"
-            )
-        seq.context_position = position
-        if request_id in self._kv_valid:  # recomputing after a failed transfer
-            if position >= seq.num_tokens - 1:
-                del self._kv_valid[request_id]
-            else:
-                self._kv_valid[request_id] = position
+        self._live.set_context_position(self._seq(request_id), position)
 
     # ------------------------------------------------------------------ storing for reuse
-    def _can_store(self, seq: TrackedSequence) -> bool:
-        return self._bm.reuse and not seq.is_cross
-
-    def _materialised(self, seq: TrackedSequence) -> int:
-        """Tokens whose KV exists: the context position during a chunked prefill, else all but
-        the newest token (whose KV the next forward writes); after a failed transfer, no more
-        than what is still valid."""
-        if seq.context_position < seq.prompt_len:
-            return seq.context_position
-        if self._kv_valid:
-            valid = self._kv_valid.get(seq.request_id)
-            if valid is not None:
-                return min(valid, seq.num_tokens - 1)
-        return seq.num_tokens - 1
-
     @writer
     def store_context_blocks(self, request_id: Hashable) -> None:
         """Make the materialised full context blocks reusable now ("early reuse")."""
-        seq = self._seq(request_id)
-        if self._can_store(seq):
-            self._bm.store(seq, min(self._materialised(seq), seq.prompt_len), allow_partial=False)
+        storing.store_context(self._bm, self._live, self._seq(request_id))
 
     def store_new_block(self, request_id: Hashable) -> None:
         """During generation: make newly completed full blocks reusable (beam width 1 only).
@@ -352,12 +210,12 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
         bm = self._bm
-        if seq.beam_width == 1 and bm.reuse and not seq.is_cross and bm.has_unstored_block(seq, self._materialised(seq)):
+        if seq.beam_width == 1 and bm.reuse and not seq.is_cross and bm.has_unstored_block(seq, self._live.materialised(seq)):
             self._store_new(seq)
 
     @writer
     def _store_new(self, seq: TrackedSequence) -> None:
-        self._bm.store(seq, self._materialised(seq), allow_partial=False)
+        self._bm.store(seq, self._live.materialised(seq), allow_partial=False)
 
     @writer
     def store_new_blocks(self, request_ids: Sequence[Hashable]) -> None:
@@ -368,23 +226,7 @@ class KVCacheManager:
         `add_tokens` (admissions in between keep it), the requests with nothing new are found
         by one comparison of two columns, without reading their objects
         (`decode_batch.store_candidates`); otherwise each costs one comparison."""
-        ids = check_id_list("request_ids", request_ids)
-        bm = self._bm
-        maybe = decode_batch.store_candidates(self, ids) if bm.reuse else None
-        if maybe is not None:  # the ids of the cached `add_tokens` batch: only rows that may store
-            seqs = maybe
-        else:
-            seqs = self._seqs_of(ids)
-            if not bm.reuse:
-                return
-            seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
-        if self._kv_valid:
-            counts = [self._materialised(s) for s in seqs]
-        else:  # `_materialised` of each (no failed transfer pending), in one pass
-            counts = [s.context_position if s.context_position < s.prompt_len else s.num_tokens - 1 for s in seqs]
-        rows = bm.with_unstored_blocks(seqs, counts)
-        if rows:
-            bm.store_new_full_blocks([seqs[i] for i in rows], [counts[i] for i in rows])
+        storing.store_new_blocks(self._bm, self._live, check_id_list("request_ids", request_ids))
 
     @writer
     def store_blocks_for_reuse(self, request_id: Hashable, pin: bool = False) -> list[int] | dict[int, list[int]]:
@@ -394,44 +236,20 @@ class KVCacheManager:
         windows)."""
         pin = check_flag("pin", pin)
         seq = self._seq(request_id)
-        if self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, self._materialised(seq), allow_partial=True)
+        storing.store_all(self._bm, self._live, seq)
         if pin:
-            self._pin(seq)
-        return self._own_block_ids(seq)
-
-    def _own_block_ids(self, seq: TrackedSequence) -> list[int] | dict[int, list[int]]:
-        ids = {wm.window: seq.windows[wm.index].unique_blocks() for wm in self._bm.windows}
-        return next(iter(ids.values())) if len(ids) == 1 else ids
-
-    def _pin(self, seq: TrackedSequence) -> None:
-        for wm in self._bm.windows:
-            for b in seq.windows[wm.index].unique_blocks():
-                wm.refs.pin_block(b)
+            storing.pin(self._bm, seq)
+        return storing.own_block_ids(self._bm, seq)
 
     @writer
     def pin_blocks(self, request_id: Hashable) -> None:
         """Keep the sequence's blocks alive past `remove_sequence` (e.g. a KV transfer)."""
-        self._pin(self._seq(request_id))
+        storing.pin(self._bm, self._seq(request_id))
 
     @writer
     def unpin_blocks(self, block_ids: Iterable[int] | Mapping[int, Iterable[int]]) -> None:
         """Drop one pin per listed id (any collection of ids for one window, or a dict window -> ids)."""
-        items = [(self._window_manager(w), ids) for w, ids in check_unpin_ids(block_ids)]
-        checked = []
-        for wm, ids in items:
-            counts: dict[int, int] = {}
-            for i in ids:
-                b = check_block_id(i, wm.num_blocks, wm.window, InvalidArgumentError)
-                counts[b] = counts.get(b, 0) + 1
-            pins = wm.refs.pin
-            for b, k in counts.items():
-                if pins[b] < k:
-                    raise InvalidArgumentError(f"block {b} of window {wm.window} is not pinned {k} time(s)")
-            checked.append((wm, [int(i) for i in ids]))
-        for wm, ids in checked:
-            for b in ids:
-                wm.refs.unpin_block(b)
+        storing.unpin(self._bm, block_ids)
 
     @writer
     def remove_sequence(self, request_id: Hashable, *, store_for_reuse: bool = True, pin: bool = False) -> None:
@@ -439,24 +257,18 @@ class KVCacheManager:
         newest token has no KV yet), optionally pin them, then release last block first."""
         store_for_reuse, pin = check_flag("store_for_reuse", store_for_reuse), check_flag("pin", pin)
         seq = self._seq(request_id)
-        if store_for_reuse and self._can_store(seq) and seq.beam_width == 1:
-            self._bm.store(seq, self._materialised(seq), allow_partial=True)
+        if store_for_reuse:
+            storing.store_all(self._bm, self._live, seq)
         if pin:
-            self._pin(seq)
+            storing.pin(self._bm, seq)
         self._bm.release(seq)
-        self._batch = None  # it may hold this sequence, whose token row goes back now
-        for wm in self._bm.windows:
-            wm.slot_table.release(seq.windows[wm.index])
-        seq.release()
-        self._listed.pop(request_id, None)
-        del self._seqs[request_id]
-        self._kv_valid.pop(request_id, None)
+        self._live.remove(seq)
 
     # ------------------------------------------------------------------ tables for kernels
     @reader
     def block_ids(self, request_id: Hashable, window: int | None = None) -> list[list[int]]:
         """Block ids per beam (placeholders as `PLACEHOLDER_BLOCK_ID`)."""
-        wm = self._window_manager(window)
+        wm = window_manager(self._bm, window)
         return [row.tolist() for row in self._seq(request_id).windows[wm.index].blocks]
 
     @reader
@@ -469,78 +281,37 @@ class KVCacheManager:
         ids = check_id_list("request_ids", request_ids)
         try:
             max_blocks = check_max_blocks(self.config, max_blocks)
-            wm = self._window_manager(window)
+            wm = window_manager(self._bm, window)
         except KVCacheError:
             check_table_ids(ids)  # a bad id list is reported first
             raise
-        return wm.slot_table.gather(self._rows_of(ids, wm), max_blocks)
-
-    def _rows_of(self, ids: Sequence[Hashable], wm: WindowBlockManager) -> np.ndarray:
-        """Slot-table rows of `ids` (one per beam) in window `wm`: the last list's rows while
-        no row was handed out or back since (a decode loop asks for the same batch each step);
-        else, while every id is a one-beam sequence holding a row here, one lookup per id in
-        the table's row directory (a batch that changes every step, as requests finish and
-        join, never walks each sequence's objects: those cache misses were most of the call)."""
-        table: SlotTable = wm.slot_table
-        cached = self._table_rows.get(wm.index)
-        if cached is not None and cached[1] == table.epoch and same_ids(cached[0], ids):
-            return cached[2]
-        ids = check_table_ids(ids)
-        directory = table.row_of_id
-        try:
-            rows = int_array([directory[r] for r in ids], np.intp)  # [rows] one per request
-        except (KeyError, TypeError):  # unknown ids, beams, no row yet: ask each sequence
-            seqs = self._seqs_of(ids)
-            w = wm.index
-            held: list = [s.windows[w].rows for s in seqs]  # one row per beam, or None
-            if None in held:  # a request holding no block here yet shows the empty row
-                held = [table.table_rows(s.windows[w]) for s in seqs]
-            rows = int_array(chain.from_iterable(held), np.intp)  # [rows] one per (request, beam)
-        rows.flags.writeable = False
-        self._table_rows[wm.index] = (list(ids) if type(ids) is list else ids, table.epoch, rows)
-        return rows
+        return wm.slot_table.gather(self._live.slot_rows(ids, wm), max_blocks)
 
     @reader
     def block_offsets(self, request_ids: Iterable[Hashable], *, max_blocks: int | None = None) -> np.ndarray:
         """TensorRT-LLM `KVCacheIndex` offsets `[num_pools, rows, 2, max_blocks]` (int32). Thread-safe."""
-        from kvjax.offsets import kvcache_index_offsets
-
         request_ids, max_blocks = check_table_ids(request_ids), check_max_blocks(self.config, max_blocks)
-        self._seqs_of(request_ids)  # unknown ids raise here
-        windows = self._bm.windows
-        rows = {wm.window: self._rows_of(request_ids, wm) for wm in windows}
-        if max_blocks is None:
-            lengths = (wm.slot_table.lengths[rows[wm.window]] for wm in windows)
-            max_blocks = max((int(x.max()) for x in lengths if len(x)), default=0)
-        tables = {wm.window: wm.slot_table.gather(rows[wm.window], max_blocks) for wm in windows}
-        return kvcache_index_offsets(self.config, tables)
+        return self._live.block_offsets(request_ids, max_blocks)
 
     # ------------------------------------------------------------------ counts and stats
     @reader
     def num_free_blocks(self, window: int | None = None) -> int:
         """Free primary blocks (cached-but-unreferenced ones count as free); with several
         windows and no `window`, the minimum over windows."""
-        if window is None and len(self._bm.windows) > 1:
-            return min(wm.num_free_primary for wm in self._bm.windows)
-        return self._window_manager(window).num_free_primary
+        return free_primary(self._bm, window)
 
     @reader
     def num_allocated_blocks(self, window: int | None = None) -> int:
         """Referenced primary blocks; with several windows and no `window`, the maximum."""
-        if window is None and len(self._bm.windows) > 1:
-            return max(wm.num_primary - wm.num_free_primary for wm in self._bm.windows)
-        wm = self._window_manager(window)
-        return wm.num_primary - wm.num_free_primary
+        return allocated_primary(self._bm, window)
 
     @reader
     def num_free_secondary_blocks(self, window: int | None = None) -> int:
-        if window is None and len(self._bm.windows) > 1:
-            return min(wm.num_free_secondary for wm in self._bm.windows)
-        return self._window_manager(window).num_free_secondary
+        return free_secondary(self._bm, window)
 
     @reader
     def stats(self) -> KVCacheStats:
-        return cache_stats(self._bm.windows, self._tpb)
+        return cache_stats(self._bm.windows, self._bm.tokens_per_block)
 
     @reader
     def request_stats(self, request_id: Hashable) -> RequestStats:
@@ -557,21 +328,21 @@ class KVCacheManager:
 
     @reader
     def priority_of_block(self, block_id: int, window: int | None = None) -> int:
-        wm = self._window_manager(window)
-        return wm.queues.priority[self._block_id(wm, block_id)]
+        wm = window_manager(self._bm, window)
+        return wm.queues.priority[known_block(wm, block_id)]
 
     @reader
     def block(self, block_id: int, window: int | None = None) -> BlockInfo:
         """A snapshot of one block's metadata (inspection and tests; see `BlockInfo`)."""
-        wm = self._window_manager(window)
-        return block_info(wm, self._block_id(wm, block_id))
+        wm = window_manager(self._bm, window)
+        return block_info(wm, known_block(wm, block_id))
 
     # ------------------------------------------------------------------ scheduler queries
     @reader
     def analyze_prefix_reuse(self, request: Request) -> PrefixReuseSummary:
         """Run admission's planning (tree walks, safe prefix, in-place or copy) without
         committing anything, and summarise it."""
-        return scheduler_queries.analyze_prefix_reuse(self, request)
+        return scheduler_queries.analyze_prefix_reuse(self._bm, self._live, request)
 
     @reader
     def needed_blocks_one_step(
@@ -596,7 +367,7 @@ class KVCacheManager:
         For an admitted request: the blocks the next one (or two) steps of generation, draft
         tokens included, start (out-of-window releases not credited).
         """
-        return scheduler_queries.needed_blocks_one_step(self, request_or_id, two_steps_lookahead, window, summary)
+        return scheduler_queries.needed_blocks_one_step(self._bm, self._live, request_or_id, two_steps_lookahead, window, summary)
 
     @reader
     def remaining_blocks_to_completion(
@@ -606,7 +377,7 @@ class KVCacheManager:
         attention). A sliding window holds at most its prompt at admission, then at most
         `ceil((window + num_draft_tokens) / tokens_per_block) + 1` blocks (growth is paid for by
         out-of-window releases), so its remaining need is the peak of those minus what is held now."""
-        return scheduler_queries.remaining_blocks_to_completion(self, request_or_id, window, summary)
+        return scheduler_queries.remaining_blocks_to_completion(self._bm, self._live, request_or_id, window, summary)
 
     @reader
     def needed_blocks_one_step_many(
@@ -615,36 +386,37 @@ class KVCacheManager:
         """`needed_blocks_one_step` of each admitted request, int64 `[n]`, in one call (a
         scheduler's step asks it of every running request). Every id is looked up first: an
         unknown one raises `UnknownRequestError`."""
-        return scheduler_queries.needed_blocks_one_step_many(self, request_ids, two_steps_lookahead, window)
+        return scheduler_queries.needed_blocks_one_step_many(self._bm, self._live, request_ids, two_steps_lookahead, window)
 
     @reader
     def remaining_blocks_to_completion_many(self, request_ids: Sequence[Hashable], window: int | None = None) -> np.ndarray:
         """`remaining_blocks_to_completion` of each admitted request, int64 `[n]`, in one call
         (a scheduler's step asks it of every running request). Every id is looked up first: an
         unknown one raises `UnknownRequestError`."""
-        return scheduler_queries.remaining_blocks_to_completion_many(self, request_ids, window)
+        return scheduler_queries.remaining_blocks_to_completion_many(self._bm, self._live, request_ids, window)
 
     @reader
     def start_scheduling(self) -> None:
         """Begin a scheduling dry run: shadow ref counts start equal to the real ones. The dry
         run lasts until the ledger next changes (then its calls raise `SchedulingStateError`)."""
-        self._dry_run = scheduler_queries.start_scheduling(self)
+        self._dry_run = scheduler_queries.start_scheduling(self._bm, self._version)
 
     @reader
     def scheduling_remove_sequence(self, request_id: Hashable) -> None:
         """Dry run: count the blocks that would become free if the request were removed."""
-        scheduler_queries.scheduling_remove_sequence(self, request_id)
+        run = check_dry_run(self._dry_run, self._version)
+        scheduler_queries.scheduling_remove_sequence(self._bm, run, self._live.get(request_id))
 
     @reader
     def scheduling_has_free_blocks(self, n: int, window: int | None = None) -> bool:
-        return scheduler_queries.scheduling_has_free_blocks(self, n, window)
+        return scheduler_queries.scheduling_has_free_blocks(self._bm, check_dry_run(self._dry_run, self._version), n, window)
 
     @reader
     def scheduling_num_free_blocks(self, window: int | None = None) -> int:
         """Dry run: the free blocks of `window` counting the removals so far (every window's
         least with `window=None`): `scheduling_has_free_blocks(n, window)` is `n <=` this, so a
         scheduler checking many requests against one dry run reads it once per removal."""
-        return scheduler_queries.scheduling_num_free_blocks(self, window)
+        return scheduler_queries.scheduling_num_free_blocks(self._bm, check_dry_run(self._dry_run, self._version), window)
 
     # ------------------------------------------------------------------ housekeeping
     @writer
@@ -709,14 +481,14 @@ class KVCacheManager:
         seq = self._open_plan(plan_or_seq)
         taken = self._bm.recorder.taken
         failed = check_op_indices(op_indices, len(taken[0]))
-        result = apply_failure(self, seq, list(zip(*taken, strict=True)), failed)
+        result = apply_failure(self._bm, self._live, seq, list(zip(*taken, strict=True)), failed)
         self._transfers.status = FAILED
         return result
 
     @reader
     def verify_integrity(self) -> None:
         """Raise `IntegrityError` if any ledger invariant is broken."""
-        verify_ledger(self._bm, self._seqs, self._tok, self._listed)
+        verify_ledger(self._bm, self._live)
 
     @reader
     def snapshot(self) -> tuple:
@@ -727,12 +499,10 @@ class KVCacheManager:
         length), so no sequence is ever seen half-way through it. It is switched back on
         before returning, so a snapshot leaves no trace: the calls a test makes between two
         snapshots take the paths they would without them."""
-        seqs = self._seqs
-        for seq in self._listed.values():
-            seq.limit = 0
+        live = self._live
+        live.pause_fast_path()
         try:
-            state = (self._transfers.state(), tuple(sorted(self._kv_valid.items(), key=repr)))
-            return ledger_snapshot(self._bm, seqs) + state
+            state = (self._transfers.state(), tuple(sorted(live.kv_valid.items(), key=repr)))
+            return ledger_snapshot(self._bm, live.seqs) + state
         finally:
-            for seq in seqs.values():
-                self._set_limit(seq)  # a function of the sequence's blocks, which did not move
+            live.resume_fast_path()

@@ -60,20 +60,19 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
         sw = seq.windows[wm.index]
         beam = sw.blocks[0]
         while len(beam) > last + 1:
-            wm.release_block(beam.pop(), to_front=True)
+            wm.release_block(sw.pop_block(0), to_front=True)
         wm.slot_table.truncate(sw, 0, last + 1)
         b = beam[last]
         if wm in cow:
             fresh = wm.copy_prefix(b, filled, None, None)
-            wm.refs.acquire(fresh)
             wm.release_block(b)
-            beam[last] = fresh
+            sw.set_block(0, last, fresh)
             wm.slot_table.set(sw, 0, last, wm.columns.slot[fresh])
         else:
             pos = tree.position_of(wm.index, b)
             if pos is not None and tree.position_tokens(*pos) > filled:
                 wm.drop_cached(b, evicted=False)
-        if sw.cursor is not None and sw.cursor[2] > last:
+        if sw.cursor is not None and sw.cursor.full_blocks > last:
             wm.set_cursor(sw, None, own=False)
     seq.truncate(new_n)
     if seq.extra_ids is not None:

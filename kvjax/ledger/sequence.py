@@ -13,12 +13,25 @@ from __future__ import annotations
 
 import array
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
+from kvjax._math import ceil_div
 from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.token_path import PLAIN_UNIT, TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request
+
+
+class StoreCursor(NamedTuple):
+    """Where a sequence's storing resumes in one window: the tree node and position id of its
+    last full block known stored (ids survive splits; `RadixTree.holds` tells whether the node
+    still holds it, `WindowBlockManager.cursor_position` finds it wherever it went) and how
+    many full blocks that makes."""
+
+    node: int
+    pid: int
+    full_blocks: int
 
 
 class SequenceWindow:
@@ -33,8 +46,27 @@ class SequenceWindow:
         # SlotTable hands them out and takes them back
         self.rows: list[int] | None = None
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
-        # (node, position id, full blocks) of the last full block known stored, or None
-        self.cursor: tuple[int, int, int] | None = None
+        self.cursor: StoreCursor | None = None  # None: store from the root
+
+    # ---------------------------------------------------------------- the one writer of `blocks`
+    # (the window manager, admission's rows, the batched decode step and rewinds call these; the
+    # slot table mirroring each beam is its caller's to keep in step)
+    def append_block(self, beam: int, b: int) -> None:
+        self.blocks[beam].append(b)
+
+    def extend_blocks(self, beam: int, blocks: list[int], packed: bytes | None = None) -> None:
+        """Append `blocks` to one beam (`packed`: the same ids as native int32 bytes, copied as is)."""
+        if packed is None:
+            self.blocks[beam].extend(blocks)
+        else:
+            self.blocks[beam].frombytes(packed)
+
+    def set_block(self, beam: int, pos: int, b: int) -> None:
+        """Replace the block at `pos` (a copy-on-write, or a placeholder for a detached block)."""
+        self.blocks[beam][pos] = b
+
+    def pop_block(self, beam: int) -> int:
+        return self.blocks[beam].pop()
 
     def unique_blocks(self) -> list[int]:
         """Real blocks this sequence references, in allocation order (shared blocks once)."""
@@ -229,7 +261,7 @@ class TrackedSequence:
         r = self.retention
         if r is None or count <= 0:
             return [(None, None)] * max(count, 0)
-        n_ctx = -(-self.prompt_len // tokens_per_block)  # blocks holding a prompt token
+        n_ctx = ceil_div(self.prompt_len, tokens_per_block)  # blocks holding a prompt token
         out: list[tuple[int | None, float | None]] = []
         if first < n_ctx:
             table = self.context_retention
@@ -242,13 +274,13 @@ class TrackedSequence:
 
     def _retention_table(self, tpb: int) -> list[tuple[int | None, float | None]]:
         """Per context block (priority, duration): the range holding the block's first token."""
-        n = -(-self.prompt_len // tpb)
+        n = ceil_div(self.prompt_len, tpb)
         table: list[tuple[int | None, float | None]] = [(None, None)] * n
         retention = self.retention
         assert retention is not None  # only `block_priority` of a request with retention builds it
         for r in retention.ranges:
-            lo = -(-r.start // tpb)
-            hi = n if r.end is None else min(n, -(-r.end // tpb))
+            lo = ceil_div(r.start, tpb)
+            hi = n if r.end is None else min(n, ceil_div(r.end, tpb))
             if hi > lo:
                 table[lo:hi] = [(r.priority, r.duration_s)] * (hi - lo)
         return table

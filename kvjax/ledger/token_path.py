@@ -5,7 +5,8 @@ Tokens are encoded in *units*: a plain token is its int32 (4 bytes, native order
 ids a unit is the token's int32 followed by the extra id's uint64 (12 bytes). Two blocks are
 equal when their bytes are (one C-level compare) and share `n` leading tokens when their first
 `n` units are. The constraint fields every block of a sequence shares (extra-id usage, LoRA
-task, cache salt) form its *signature*; multimodal keys belong to single blocks.
+task, cache salt) form its *signature*; multimodal keys belong to single blocks. A tree node
+is filed under its parent by `child_key`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import array
 import struct
 import sys
 
+from kvjax._math import ceil_div
 from kvjax.ledger.block_key import BlockKey, MmKey
 from kvjax.ledger.packing import packer
 
@@ -50,6 +52,13 @@ def common_units(a: bytes, b: bytes, unit: int) -> int:
         return n // unit
     x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
     return (n - (x.bit_length() + 7) // 8) // unit
+
+
+def child_key(sid: int, first: bytes, mm: tuple) -> bytes | tuple:
+    """Key of a radix-tree node under its parent: its first block's encoded tokens (plain
+    signature, no multimodal keys), else the interned signature id, those bytes and the
+    block's multimodal keys. Every filing and lookup of a child goes through here."""
+    return first if sid == 0 and not mm else (sid, first, mm)
 
 
 def block_key(content: bytes, signature: tuple, mm_keys: tuple = ()) -> BlockKey:
@@ -105,7 +114,7 @@ def mm_keys_by_block(mm_items, tokens_per_block: int, first_block: int, end_toke
         if item.start >= end_token:
             continue
         lo = max(item.start // tpb, first_block)
-        hi = min(-(-(item.start + item.length) // tpb), -(-end_token // tpb))
+        hi = min(ceil_div(item.start + item.length, tpb), ceil_div(end_token, tpb))
         for d in range(lo, hi):
             start = d * tpb
             out.setdefault(d, []).append(MmKey(item.hash, max(start, item.start) - item.start))

@@ -28,6 +28,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from kvjax._math import ceil_div
 from kvjax.errors import IntegrityError
 from kvjax.ledger.packing import packer
 
@@ -124,7 +125,7 @@ class TokenStore:
         """Give row `r` the pages `n` tokens need."""
         pages = self.row_pages[r]
         assert pages is not None  # a live row
-        more = -(-(n - self.base_of[r]) // PAGE) - len(pages)
+        more = ceil_div(n - self.base_of[r], PAGE) - len(pages)
         if more > 0:
             pages += self._new_pages(more)
             self.tail_of[r] = pages[-1] * PAGE
@@ -134,7 +135,7 @@ class TokenStore:
         they are), expected to reach `expected` tokens; its limit is 0 (the manager sets it)."""
         r = self._new_row()
         n = len(prefix) // _UNIT
-        share = min(-(-max(expected - n, 0) // PAGE), RESERVE_PAGES)
+        share = min(ceil_div(max(expected - n, 0), PAGE), RESERVE_PAGES)
         self.row_reserve[r] = share
         self.reserved += share
         self._fit(self.reserved)
@@ -210,7 +211,7 @@ class TokenStore:
         if n < base:
             self.prefix[r] = self.prefix[r][: n * _UNIT]
             self.base_of[r] = base = n
-        keep = -(-(n - base) // PAGE)
+        keep = ceil_div(n - base, PAGE)
         if keep < len(pages):
             self.free_pages += pages[keep:]
             del pages[keep:]
@@ -271,7 +272,7 @@ class TokenStore:
             n, base = int(self.count[r]), int(self.base[r])
             if not 0 <= base <= n or len(self.prefix[r]) != base * _UNIT:
                 raise IntegrityError(f"token store: row {r} has a prefix of {len(self.prefix[r])} bytes for {base} tokens")
-            if len(pages) != -(-(n - base) // PAGE) or self.tail[r] != (pages[-1] * PAGE if pages else 0):
+            if len(pages) != ceil_div(n - base, PAGE) or self.tail[r] != (pages[-1] * PAGE if pages else 0):
                 raise IntegrityError(f"token store: row {r} holds {len(pages)} pages for {n - base} tokens, or a stale tail")
             if seen & set(pages) or len(set(pages)) != len(pages):
                 raise IntegrityError(f"token store: a page of row {r} is held twice")

@@ -34,7 +34,8 @@ from kvjax.ledger.block_columns import PRIMARY, SECONDARY
 from kvjax.transfer_plan import TransferKind
 
 if TYPE_CHECKING:
-    from kvjax.ledger.kv_cache_manager import KVCacheManager
+    from kvjax.ledger.block_manager import BlockManager
+    from kvjax.ledger.live_sequences import LiveSequences
 
 _OFFLOAD, _ONBOARD = int(TransferKind.OFFLOAD), int(TransferKind.ONBOARD)
 
@@ -117,12 +118,11 @@ def _lost_slots(
     return lost
 
 
-def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -> TransferFailure:
+def apply_failure(bm: BlockManager, live: LiveSequences, seq_no: int, ops: list, failed: set[int]) -> TransferFailure:
     """Drop what the failed ops did not deliver and cut back the sequences that relied on it."""
-    bm = m._bm
-    tpb = m.tokens_per_block
+    tpb = bm.tokens_per_block
     lost = _lost_slots(ops, failed, bm.recorder.pending())
-    pools = m.config.pools
+    pools = bm.config.pools
     owners: dict[int, dict] = {}
     bad: dict[int, dict] = {}  # window index -> {block: None} (ordered, deduplicated over pools)
     for pool, level, slot in sorted(lost):
@@ -145,7 +145,7 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
             pinned[wm.window] = ids
     recompute: dict[Hashable, int] = {}
     readmit = set()
-    for rid, seq in m._seqs.items():
+    for rid, seq in live.items():
         cut = None
         for widx, blocks in bad.items():
             for beam in seq.windows[widx].blocks:
@@ -158,7 +158,7 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
         computed = seq.context_position if seq.context_position < seq.prompt_len else seq.num_tokens
         if cut is None or cut >= computed:
             continue  # the lost positions were never computed: the next forward writes them
-        _cut_back(m, seq, cut)
+        _cut_back(bm, live, seq, cut)
         recompute[rid] = cut
         for wm in bm.windows:
             # the first recomputed query sees keys from cut - window + 1: released blocks there
@@ -168,14 +168,11 @@ def apply_failure(m: KVCacheManager, seq_no: int, ops: list, failed: set[int]) -
     return TransferFailure(seq_no, recompute, frozenset(readmit), dropped, pinned)
 
 
-def _cut_back(m: KVCacheManager, seq, cut: int) -> None:
+def _cut_back(bm: BlockManager, live: LiveSequences, seq, cut: int) -> None:
     """KV of `seq` is valid for its first `cut` tokens only."""
-    seq.context_position = min(seq.context_position, cut)
-    m._kv_valid[seq.request_id] = cut
-    if seq.prepopulated > cut:
-        seq.prepopulated = cut  # what `request_stats` reports as prepopulated tokens
-    tpb = m.tokens_per_block
-    for wm in m._bm.windows:
+    live.cut_back(seq, cut)
+    tpb = bm.tokens_per_block
+    for wm in bm.windows:
         sw = seq.windows[wm.index]
-        if sw.cursor is not None and sw.cursor[2] > cut // tpb:  # must not skip the recomputed blocks
+        if sw.cursor is not None and sw.cursor.full_blocks > cut // tpb:  # must not skip the recomputed blocks
             wm.set_cursor(sw, None, own=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from operator import countOf
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request
 from kvjax.validation import INT32_MAX, check_bool, check_id_list, check_int, check_real, is_int
 
+if TYPE_CHECKING:
+    from kvjax.ledger.block_manager import BlockManager
+    from kvjax.ledger.window_manager import WindowBlockManager
 
 # `_bool_in_prefix`: the byte of a native int32 holding its low 8 bits, a table mapping a
 # low byte of 0 or 1 (a bool's value) to 0 and any other to 1, and how many such tokens a
@@ -34,6 +37,19 @@ def check_window(window: object) -> None:
     """None (the only window) or an int window size; a float or bool would alias an int key."""
     if window is not None and not is_int(window):
         raise InvalidArgumentError(f"window must be an int window size or None, got {window!r} ({type(window).__name__})")
+
+
+def window_manager(bm: BlockManager, window: object) -> WindowBlockManager:
+    """The manager of attention window `window` (None: the only one)."""
+    check_window(window)
+    if window is None:
+        if len(bm.windows) != 1:
+            raise InvalidArgumentError(f"this cache has several attention windows {bm.config.windows}; pass window=")
+        return bm.windows[0]
+    try:
+        return bm.windows[bm.window_index[window]]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"unknown attention window {window!r}; windows are {bm.config.windows}") from None
 
 
 def max_table_width(config: CacheConfig) -> int:

@@ -21,6 +21,7 @@ from kvjax.ledger.free_queues import FreeQueues
 from kvjax.ledger.packing import packer
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
+from kvjax.ledger.sequence import StoreCursor
 from kvjax.ledger.stats import Counters
 from kvjax.ledger.transfer_recorder import TransferRecorder
 from kvjax.transfer_plan import TransferKind
@@ -113,23 +114,23 @@ class WindowBlockManager:
 
     # ------------------------------------------------------------------ allocation
     def get_free_block(self, priority: int | None, duration: float | None) -> int:
-        """Claim a primary block: the queues' victim, whose cached content is offloaded to a
-        free secondary block when its priority allows, else evicted."""
-        queues = self.queues
-        victim, can_offload = queues.pop_victim(PRIMARY)  # raises OutOfBlocksError when empty
+        """Claim a primary block, referenced once: the queues' victim, whose cached content is
+        offloaded to a free secondary block when its priority allows, else evicted."""
+        queues, refs = self.queues, self.refs
+        victim, can_offload = refs.claim_victim(PRIMARY)  # raises OutOfBlocksError when empty
         c = self.counters
         c.alloc_total += 1
         if self.block_node[victim] < 0:
             c.alloc_new += 1
             b = victim
         elif can_offload and self.offload_enabled and queues.num_free[SECONDARY]:
-            spare, _ = queues.pop_victim(SECONDARY)
+            spare, _ = refs.claim_victim(SECONDARY)
             if self.block_node[spare] >= 0:
                 self.drop_cached(spare)
             slot = self.columns.slot
             self.recorder.record(_OFFLOAD, self.pools, slot[victim], slot[spare], self.tokens_per_block)
             self.columns.swap_memory(victim, spare)
-            queues.push(victim)  # same priority and pending expiry, now in the secondary queues
+            refs.requeue(victim)  # same priority and pending expiry, now in the secondary queues
             c.offloaded += 1
             c.offload_bytes += self.block_bytes
             if self.events is not None:
@@ -152,7 +153,7 @@ class WindowBlockManager:
             out = [get(None, None) for _ in range(count)] if retention is None else [get(p, d) for p, d in retention]
         else:  # every victim is fresh or evicted: claim them in one pass, as get_free_block would
             queues = self.queues
-            out = queues.claim_victims(PRIMARY, count)
+            out = self.refs.claim_victims(count)
             bnode, events, c = self.block_node, self.events, self.counters
             c.alloc_total += count
             tree, widx = self.tree, self.index
@@ -172,7 +173,6 @@ class WindowBlockManager:
             c.evicted += evicted
             if retention is not None:
                 queues.set_retention_each(out, retention)
-        self.refs.acquire_all(out)
         return out
 
     def onboard(self, b: int) -> None:
@@ -181,7 +181,7 @@ class WindowBlockManager:
         slot = self.columns.slot
         self.recorder.record(_ONBOARD, self.pools, slot[b], slot[target], self.tokens_per_block)
         self.columns.swap_memory(b, target)
-        self.queues.release(target)  # now owns secondary memory: back to the secondary queues
+        self.refs.release(target)  # now owns secondary memory: back to the secondary queues
         c = self.counters
         c.onboarded += 1
         c.onboard_bytes += self.block_bytes
@@ -189,7 +189,8 @@ class WindowBlockManager:
             self.events.updated(self.window, self.block_hash(b), cache_level=(SECONDARY, PRIMARY))
 
     def copy_prefix(self, src: int, num_tokens: int, priority: int | None, duration: float | None) -> int:
-        """A fresh primary block holding the first `num_tokens` tokens of `src` (partial reuse)."""
+        """A fresh primary block, referenced once, holding the first `num_tokens` tokens of
+        `src` (partial reuse)."""
         dst = self.get_free_block(priority, duration)
         slot = self.columns.slot
         kind = _COPY if self.columns.level[src] == PRIMARY else _ONBOARD
@@ -221,14 +222,11 @@ class WindowBlockManager:
         if ids is not None and slots is blocks:  # the slots are those bytes too: no list conversion
             slots = np.frombuffer(ids, dtype=np.int32)
         for b in range(len(sw.blocks)) if beam is None else (beam,):
-            if ids is None:
-                sw.blocks[b].extend(blocks)
-            else:
-                sw.blocks[b].frombytes(ids)
+            sw.extend_blocks(b, blocks, ids)
             self.slot_table.extend(sw, b, slots)
 
     def append_block(self, sw: SequenceWindow, beam: int, b: int) -> None:
-        sw.blocks[beam].append(b)
+        sw.append_block(beam, b)
         self.slot_table.append(sw, beam, self.columns.slot[b])
 
     def release_block(self, b: int, to_front: bool = False) -> None:
@@ -261,14 +259,14 @@ class WindowBlockManager:
             if blk != PLACEHOLDER_BLOCK_ID and blk not in seen:
                 seen.append(blk)
                 self.refs.release(blk)
-            beam[pos] = PLACEHOLDER_BLOCK_ID
+            sw.set_block(b, pos, PLACEHOLDER_BLOCK_ID)
             self.slot_table.set(sw, b, pos, self.null_slot)
         sw.num_front_removed = pos + 1
 
     # ------------------------------------------------------------------ storing for reuse
-    def set_cursor(self, sw: SequenceWindow, cursor: tuple[int, int, int] | None, own: bool) -> None:
-        """Move a sequence's storing cursor ((node, position id, full blocks) of its last full
-        block known stored; None: forget it) and file the row's store hint to match.
+    def set_cursor(self, sw: SequenceWindow, cursor: StoreCursor | None, own: bool) -> None:
+        """Move a sequence's storing cursor (None: forget it) and file the row's store hint to
+        match.
 
         The hint is `(full blocks + 1) * tokens_per_block` only when the position holds the
         sequence's own block (`own`) in a full-attention window: a block the sequence
@@ -282,7 +280,7 @@ class WindowBlockManager:
         with fewer tokens than its cached key stays, `RadixTree._holds_longer`): `store` then
         clears every hint of the window."""
         sw.cursor = cursor
-        due = (cursor[2] + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
+        due = (cursor.full_blocks + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
         self.slot_table.set_store_due(sw, due)
 
     def cursor_position(self, seq: TrackedSequence, sw: SequenceWindow) -> tuple[tuple[int, int], int] | None:
@@ -292,13 +290,14 @@ class WindowBlockManager:
         if cur is None:
             return None
         tree = self.tree
-        pos = tree.locate(cur[0], cur[1])
+        node, pid, full = cur
+        pos = tree.locate(node, pid)
         if pos is None:  # its node was reused: look the position up by the sequence's tokens
-            path = seq.token_path(0, cur[2] * self.tokens_per_block, self.tokens_per_block)
-            pos = tree.find(path, cur[2] - 1)
-            if pos is None or tree.pid[pos[0]] + pos[1] != cur[1]:
+            path = seq.token_path(0, full * self.tokens_per_block, self.tokens_per_block)
+            pos = tree.find(path, full - 1)
+            if pos is None or tree.pid[pos[0]] + pos[1] != pid:
                 return None
-        return pos, cur[2]
+        return pos, full
 
     def store(self, seq: TrackedSequence, sw: SequenceWindow, num_tokens: int, allow_partial: bool) -> int:
         """Attach the sequence's blocks covering its first `num_tokens` tokens to the tree.
@@ -334,7 +333,7 @@ class WindowBlockManager:
                 node, pid = cursor
                 row = self.tree.values[self.index][node]  # None: the node holds nothing of this window
                 own = row is not None and row[pid - self.tree.pid[node]] == sw.blocks[0][n_full - 1]
-                self.set_cursor(sw, (node, pid, n_full), own)
+                self.set_cursor(sw, StoreCursor(node, pid, n_full), own)
             if not attached:
                 return 0
         queues = self.queues
@@ -365,7 +364,7 @@ class WindowBlockManager:
         content = seq.units(depth * tpb, (depth + 1) * tpb)
         if not tree.extend_leaf(self.index, node, o, seq.signature, content, b):
             return NO_BLOCK
-        self.set_cursor(sw, (node, tree.pid[node] + o + 1, depth + 1), own=True)
+        self.set_cursor(sw, StoreCursor(node, tree.pid[node] + o + 1, depth + 1), own=True)
         return b
 
     def store_new_full_blocks(self, seqs: list[TrackedSequence], counts: list[int]) -> None:
@@ -380,14 +379,14 @@ class WindowBlockManager:
         for seq, n in zip(seqs, counts, strict=True):
             sw = seq.windows[idx]
             cur = sw.cursor
-            if cur is not None and n // tpb == cur[2] + 1 and seq.retention is None:
-                pos = locate(cur[0], cur[1])
+            if cur is not None and n // tpb == cur.full_blocks + 1 and seq.retention is None:
+                pos = locate(cur.node, cur.pid)
                 if pos is not None:
-                    b = self._extend_own_leaf(seq, sw, pos, cur[2])
+                    b = self._extend_own_leaf(seq, sw, pos, cur.full_blocks)
                     if b >= 0:
                         done.append(b)
                         if emit is not None:
-                            emit.append((seq, cur[2], b, n))
+                            emit.append((seq, cur.full_blocks, b, n))
                         continue
             if done:
                 self._settle_attached(done, emit)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
@@ -109,7 +110,7 @@ class Transformer(nnx.Module):
     def from_spec(cls, spec: ModelSpec | str, *, seed: int = 0, dtype: Any = None) -> Transformer:
         """Build from a spec (or a model name / TOML path) with random weights; same seed, same weights."""
         if not isinstance(spec, ModelSpec):
-            spec = ModelSpec.load(spec)
+            spec = load_model_spec(spec)
         return cls(spec, rngs=nnx.Rngs(params=seed), dtype=dtype)
 
     # ------------------------------------------------------------------ shared pieces

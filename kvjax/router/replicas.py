@@ -70,9 +70,9 @@ def load_tokenizer(spec: str):
 
     if Path(spec).is_dir():
         return Tokenizer.from_pretrained(spec)
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
 
-    return Tokenizer.builtin(ModelSpec.load(spec).vocab_size)
+    return Tokenizer.builtin(load_model_spec(spec).vocab_size)
 
 
 @dataclasses.dataclass(eq=False)

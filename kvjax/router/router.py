@@ -1,7 +1,7 @@
 """`Router`: the transport-free core of KV-aware routing.
 
 It hashes a request's prompt exactly as the replicas' ledgers do
-(`kvjax.ledger.block_key.prompt_block_hashes`: the full blocks admission can reuse), looks the
+(`kvjax.ledger.block_hashing.prompt_block_hashes`: the full blocks admission can reuse), looks the
 chain up in a `PrefixIndex` fed by the replicas' KV events, and lets a `RoutingPolicy` choose
 from each replica's cached prefix and load. Load is what the router itself knows: requests it
 sent to a replica that have not finished. The HTTP front and the route simulation both drive
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Hashable, Sequence
 
-from kvjax.ledger.block_key import prompt_block_hashes
+from kvjax.ledger.block_hashing import prompt_block_hashes
 from kvjax.router.index import PrefixIndex, PrefixMatch
 from kvjax.router.policy import Candidate, RoutingPolicy
 

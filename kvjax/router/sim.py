@@ -544,7 +544,7 @@ def run_route_sim(
     all of their cache."""
     from kvjax.engine.config import EngineConfig, cache_config
     from kvjax.engine.workloads import load_workload, workload_from_dict
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
     from kvjax.router.policy import make_policy
 
     wf = load_workload(workload)
@@ -552,7 +552,7 @@ def run_route_sim(
     if overrides:
         fields = {f.name: getattr(wl, f.name) for f in dataclasses.fields(wl)}
         wl = workload_from_dict({"kind": wl.kind, **fields, **overrides}, wf.path)
-    spec = ModelSpec.load(wf.model or "tiny")
+    spec = load_model_spec(wf.model or "tiny")
     engine = EngineConfig.from_dict(wf.engine, wf.path)
     cfg = cache_config(spec, {**wf.cache, **(cache_overrides or {})}, max_num_tokens=engine.scheduler.max_num_tokens,
                        source=wf.path)

@@ -34,23 +34,24 @@ from collections.abc import Callable, Sequence
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams
+from kvjax.errors import KVCacheError
 
 log = logging.getLogger("kvjax.server")
 
 
-class QueueFull(Exception):
+class QueueFull(KVCacheError):
     """The server holds `max_pending` requests already."""
 
 
-class ShuttingDown(Exception):
+class ShuttingDown(KVCacheError):
     """The server is shutting down (or its engine stopped) and takes no new request."""
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(KVCacheError, RuntimeError):
     """This request failed inside the server (an internal error); the others were not affected."""
 
 
-class EngineFailed(RuntimeError):
+class EngineFailed(KVCacheError, RuntimeError):
     """The engine thread died with this request in flight (an error no single request explains)."""
 
 

@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvjax.engine.sampling import INT32_MAX, INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from kvjax.errors import KVCacheError
 
 
-class APIError(Exception):
+class APIError(KVCacheError):
     """An HTTP error with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from engine_helpers import Served
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 
 
 @pytest.fixture(scope="session")
@@ -21,4 +21,4 @@ def micro_swa():
 @pytest.fixture(scope="session")
 def micro_narrow():
     """micro-swa with its local layer's window narrowed to 5 tokens, less than a block (8)."""
-    return Served(dataclasses.replace(ModelSpec.load("micro-swa"), attention_windows=(5, 1024)))
+    return Served(dataclasses.replace(load_model_spec("micro-swa"), attention_windows=(5, 1024)))

@@ -52,10 +52,10 @@ def main() -> int:
     from flax import nnx
 
     from kvjax.engine import Engine, EngineConfig, RankDivergenceError, cache_config
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
     from kvjax.models import Transformer
 
-    spec = dataclasses.replace(ModelSpec.load("micro"), name="micro-mha8", num_attention_heads=8, num_kv_heads=8, head_dim=8)
+    spec = dataclasses.replace(load_model_spec("micro"), name="micro-mha8", num_attention_heads=8, num_kv_heads=8, head_dim=8)
     model = Transformer(spec, rngs=nnx.Rngs(params=0))
     mesh = None
     if not a.no_mesh:

@@ -15,7 +15,7 @@ from kvjax.engine import (
     workload_from_dict,
 )
 from kvjax.engine.config import EngineConfig, cache_config
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 
 VOCAB = 512
 FILES = sorted((Path(__file__).resolve().parents[2] / "configs" / "workloads").glob("*.toml"))
@@ -94,7 +94,7 @@ def test_eos_never_in_prompts():
 def test_workload_files_load(path):
     wf = load_workload(path)
     assert wf.workload.kind in KINDS and wf.model
-    spec = ModelSpec.load(wf.model)
+    spec = load_model_spec(wf.model)
     engine = EngineConfig.from_dict(wf.engine, str(path))
     config = cache_config(spec, wf.cache, max_num_tokens=engine.scheduler.max_num_tokens)
     items = wf.workload.build(spec.vocab_size)
@@ -142,6 +142,6 @@ def test_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"\[engine\] scheduler policy must be one of"):
         EngineConfig.from_dict({"policy": "fifo"}, "w.toml")
     with pytest.raises(ValueError, match=r"\[cache\] tokens_per_block must be a positive power of two"):
-        cache_config(ModelSpec.load("micro"), {"tokens_per_block": 12}, source="w.toml")
+        cache_config(load_model_spec("micro"), {"tokens_per_block": 12}, source="w.toml")
     with pytest.raises(ValueError, match=r"\[cache\] enable_block_reuse must be true or false"):
-        cache_config(ModelSpec.load("micro"), {"enable_block_reuse": 1}, source="w.toml")
+        cache_config(load_model_spec("micro"), {"enable_block_reuse": 1}, source="w.toml")

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from kvjax.kv_store import KEY_PATTERN, StoreNamespace, block_store_key, block_store_keys
-from kvjax.ledger.block_key import prompt_block_hashes
+from kvjax.ledger.block_hashing import prompt_block_hashes
 
 BASE = StoreNamespace(
     model="meta-llama/Llama-3.1-8B@0e9e39f", dtype="bfloat16", tokens_per_block=16, layers=tuple(range(32)),

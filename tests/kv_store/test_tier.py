@@ -15,7 +15,7 @@ from kvjax.kv_store import (
     WritePolicy,
     namespace_for_pool,
 )
-from kvjax.ledger.block_key import prompt_block_hashes
+from kvjax.ledger.block_hashing import prompt_block_hashes
 
 CFG = CacheConfig(tokens_per_block=4, num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=256, primary_blocks=8,
                   secondary_blocks=32)

@@ -1,4 +1,4 @@
-"""BlockKey: equality, num_matching_tokens, partial matching rules, TensorRT-LLM's chained 64-bit
+"""BlockKey: equality (partial matching is tested on the tree), TensorRT-LLM's chained 64-bit
 block hash (`trtllm64_block_hash`, BlockKeyHasher, trtllm.md §1.4) and cache-salt ids. The
 default SHA-256 hash is tested in test_event_hashes.py."""
 import ctypes
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kvjax.ledger.block_key import BlockKey, MmKey, cache_salt_id, common_prefix_length, partial_index_key
-from kvjax.ledger.block_key import trtllm64_block_hash as block_hash
+from kvjax.ledger.block_hashing import trtllm64_block_hash as block_hash
+from kvjax.ledger.block_key import BlockKey, MmKey, cache_salt_id
 
 MM_A = MmKey(bytes(range(32)), 0)
 MM_B = MmKey(bytes(range(1, 33)), 0)
@@ -80,64 +80,6 @@ def test_equality_compares_every_field():
     assert BlockKey((1,), mm_keys=(MM_A,)) != BlockKey((1,), mm_keys=(MmKey(MM_A.hash, 1),))  # start offset counts
 
 
-def test_num_matching_tokens_common_leading_run():
-    k = BlockKey((1, 2, 3, 4))
-    assert k.num_matching_tokens(BlockKey((1, 2, 3, 4))) == 4
-    assert k.num_matching_tokens(BlockKey((1, 2, 9, 4))) == 2
-    assert k.num_matching_tokens(BlockKey((9, 2, 3, 4))) == 0
-    assert k.num_matching_tokens(BlockKey((1, 2))) == 2  # a prefix of the other
-    assert BlockKey((1, 2)).num_matching_tokens(k) == 2
-    assert k.num_matching_tokens(BlockKey(())) == 0
-
-
-def test_num_matching_tokens_with_extra_ids_compares_pairs():
-    a = BlockKey((1, 2, 3, 4), extra_ids=(0, 0, 5, 0))
-    assert a.num_matching_tokens(BlockKey((1, 2, 3, 4), extra_ids=(0, 0, 5, 0))) == 4
-    assert a.num_matching_tokens(BlockKey((1, 2, 3, 4), extra_ids=(0, 0, 6, 0))) == 2  # extra id differs at 2
-    assert a.num_matching_tokens(BlockKey((1, 9, 3, 4), extra_ids=(0, 0, 6, 0))) == 1  # token differs first
-
-
-@pytest.mark.parametrize(
-    "other",
-    [
-        BlockKey((1, 2, 3, 4), extra_ids=(0, 0, 0, 0)),  # TRT regression NumMatchingTokensUsesExtraIdsMismatch
-        BlockKey((1, 2, 3, 4), lora_task_id=7),
-        BlockKey((1, 2, 3, 4), cache_salt_id=7),
-        BlockKey((1, 2, 3, 4), mm_keys=(MM_A,)),
-    ],
-)
-def test_num_matching_tokens_zero_unless_constraints_equal(other):
-    plain = BlockKey((1, 2, 3, 4))
-    assert plain.num_matching_tokens(other) == 0
-    assert other.num_matching_tokens(plain) == 0
-    assert other.num_matching_tokens(other) == 4  # equal constraints: tokens decide
-
-
-def test_mm_keys_must_be_equal_to_match():
-    a = BlockKey((1, 2, 3, 4), mm_keys=(MM_A,))
-    assert a.num_matching_tokens(BlockKey((1, 2, 3, 4), mm_keys=(MM_B,))) == 0
-    assert a.num_matching_tokens(BlockKey((1, 2, 3, 4), mm_keys=(MM_A, MM_B))) == 0
-
-
-def test_partial_matching_forbidden_with_mm_keys():
-    plain = BlockKey((1, 2, 3, 4), extra_ids=(5, 6, 7, 8), lora_task_id=3, cache_salt_id=4)
-    assert plain.supports_partial_matching()
-    short = plain.shorten(2)
-    assert short == BlockKey((1, 2), extra_ids=(5, 6), lora_task_id=3, cache_salt_id=4)
-    mm = BlockKey((1, 2, 3, 4), mm_keys=(MM_A,))
-    assert not mm.supports_partial_matching()
-    with pytest.raises(ValueError, match="multimodal"):
-        mm.shorten(2)
-    assert partial_index_key(mm) is None  # never offered as a partial-match candidate
-    assert partial_index_key(BlockKey(())) is None
-
-
-def test_common_prefix_length_helper():
-    assert common_prefix_length(BlockKey((1, 2, 3)), BlockKey((1, 2, 3))) == 3
-    assert common_prefix_length(BlockKey((1, 2, 3)), BlockKey((1, 2, 4))) == 2
-    assert common_prefix_length(BlockKey((1, 2), extra_ids=(1, 2)), BlockKey((1, 2), extra_ids=(1, 3))) == 1
-
-
 # --------------------------------------------------------------------------- hashing
 KEYS = [
     BlockKey((1, 2, 3, 4)),
@@ -174,7 +116,7 @@ def test_hash_known_values_pin_cross_process_stability():
 
 def test_hash_stable_in_another_process():
     code = (
-        "from kvjax.ledger.block_key import BlockKey, trtllm64_block_hash, cache_salt_id;"
+        "from kvjax.ledger.block_hashing import trtllm64_block_hash; from kvjax.ledger.block_key import BlockKey, cache_salt_id;"
         "print(trtllm64_block_hash(BlockKey((1,2,3,4), cache_salt_id=cache_salt_id('abc')), 0))"
     )
     env = {"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}

@@ -20,16 +20,17 @@ from hypothesis import given, settings
 
 from kvjax import KVCacheManager, Request
 from kvjax.ledger import RemovedData, StoredData, UpdatedData
-from kvjax.ledger.block_key import (
+from kvjax.ledger.block_hashing import (
     SHA256_ROOT_HASH,
     TOKEN_MEMO_MAX,
     BlockHasher,
-    BlockKey,
-    MmKey,
     canonical_key_bytes,
+    plain_block_hash,
+    plain_block_hashes,
     sha256_block_hash,
     trtllm64_block_hash,
 )
+from kvjax.ledger.block_key import BlockKey, MmKey
 from ledger_helpers import make_config
 
 
@@ -196,6 +197,24 @@ def test_hash_matches_an_independent_transcription(key, parent):
 
 
 # --------------------------------------------------------------------------- trtllm64 token memo
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=23),
+    st.integers(1, 8),
+    st.binary(min_size=32, max_size=32),
+)
+def test_plain_block_hashes_are_the_chained_hashes_of_the_keys(tokens, tpb, parent):
+    """The tree's fast path (int32 units, whole blocks then a partial one) hashes exactly as
+    `sha256_block_hash` of each block's `BlockKey`."""
+    units = struct.pack(f"<{len(tokens)}i", *tokens)
+    want, h = [], parent
+    for lo in range(0, len(tokens), tpb):
+        h = sha256_block_hash(BlockKey(tuple(tokens[lo : lo + tpb])), h)
+        want.append(h)
+    assert plain_block_hashes(parent, units, 4 * tpb) == want
+    assert plain_block_hash(parent, units[: 4 * tpb]) == want[0]
+
+
 def test_trtllm64_memo_is_bounded_and_per_manager():
     m1 = KVCacheManager(make_config(event_hash="trtllm64"))
     m2 = KVCacheManager(make_config(event_hash="trtllm64"))

@@ -23,7 +23,8 @@ import pytest
 from kvjax import KVCacheManager, Request
 from kvjax.errors import KVCacheError
 from kvjax.ledger import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredData, UpdatedData
-from kvjax.ledger.block_key import BlockKey, trtllm64_block_hash
+from kvjax.ledger.block_hashing import trtllm64_block_hash
+from kvjax.ledger.block_key import BlockKey
 from kvjax.request import MultimodalItem, RetentionConfig, TokenRangeRetention
 from ledger_helpers import make_config
 from test_event_hashes import _ref_encode

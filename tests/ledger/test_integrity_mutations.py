@@ -23,7 +23,9 @@ from kvjax import CacheConfig, KVCacheManager, MultimodalItem, Request, Retentio
 from kvjax.errors import IntegrityError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
-from kvjax.ledger.radix_tree import NO_BLOCK, ROOT, SortedFirsts
+from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.sequence import StoreCursor
+from kvjax.ledger.sorted_firsts import SortedFirsts
 from ledger_helpers import FakeClock
 
 TPB = 4
@@ -311,9 +313,9 @@ def cursor_on_foreign_block(m: KVCacheManager) -> None:
     """Request b's storing cursor (its hint kept) moves to the first position of a node that
     does not hold b's block at the cursor's depth."""
     sw = _sw(m, "b")
-    own = sw.blocks[0][sw.cursor[2] - 1]
+    own = sw.blocks[0][sw.cursor.full_blocks - 1]
     n = _node(m, lambda t, n: own not in t.values[0][n])
-    sw.cursor = (n, _tree(m).pid[n], sw.cursor[2])
+    sw.cursor = StoreCursor(n, _tree(m).pid[n], sw.cursor.full_blocks)
 
 
 CASES: list[Case] = [
@@ -411,10 +413,11 @@ CASES: list[Case] = [
     # ---------------------------------------------------------------- sequences
     # a store hint that is not its cursor's (b's cursor: 4 full blocks, so 20)
     ("seq-hint-for-another-cursor", rich, lambda m: _wm(m).slot_table.store_due.__setitem__(_row(m, "b"), 16),
-     r"window 64: request 'b' has store hint 16 for cursor \(\d+, \d+, 4\)"),
+     r"window 64: request 'b' has store hint 16 for cursor StoreCursor\(node=\d+, pid=\d+, full_blocks=4\)"),
     # a store hint trusting a cursor whose position holds another block than the request's own
     ("seq-hint-on-foreign-position", rich, cursor_on_foreign_block,
-     r"window 64: the store hint of request 'b' trusts cursor \(\d+, \d+, 4\), whose position lost block 5"),
+     r"window 64: the store hint of request 'b' trusts cursor StoreCursor\(node=\d+, pid=\d+, full_blocks=4\), "
+     r"whose position lost block 5"),
     # a token without its block
     ("seq-tokens-without-block", rich, lambda m: m._seqs["b"].tokens.append(208),
      r"window 64: request 'b' has block lists of lengths \{5\}, expected 6"),

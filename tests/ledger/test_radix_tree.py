@@ -4,7 +4,8 @@ SGLang: a stored run is one node until a path diverges from it)."""
 import array
 import random
 
-from kvjax.ledger.block_key import SHA256_ROOT_HASH, BlockHasher, BlockKey, MmKey, sha256_block_hash, trtllm64_block_hash
+from kvjax.ledger.block_hashing import SHA256_ROOT_HASH, BlockHasher, sha256_block_hash, trtllm64_block_hash
+from kvjax.ledger.block_key import BlockKey, MmKey
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT, RadixTree
 from kvjax.ledger.token_path import PLAIN_SIGNATURE, TokenPath, encode_tokens, encode_with_extra
 

@@ -18,8 +18,8 @@ from kvjax import (
     TransferKind,
 )
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredBlock, StoredData, UpdatedData
+from kvjax.ledger.block_hashing import sha256_block_hash as block_hash
 from kvjax.ledger.block_key import BlockKey, cache_salt_id
-from kvjax.ledger.block_key import sha256_block_hash as block_hash
 from kvjax.offsets import kvcache_index_offsets
 from ledger_helpers import (
     FakeClock,

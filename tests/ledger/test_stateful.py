@@ -11,7 +11,7 @@ block wide, or narrower than a block (a block then leaves the window before it i
 After every step: `verify_integrity()`, count and table invariants, and a data check. The test
 keeps a model of every memory slot's content (one tag per token position, a tag naming the
 token and every token before it plus the isolation keys). Every `TransferPlan` is replayed op
-by op with the semantics documented in kvjax/ledger/transfer_plan.py, and a model forward
+by op with the semantics documented in kvjax/transfer_plan.py, and a model forward
 writes each sequence's new tokens into the slots its block table names. Forwards run as an
 engine runs them: a prefill writes the prompt, whole or in chunks (the ledger is told each
 chunk with `set_context_position`); a decode token's KV is written by the next forward; a

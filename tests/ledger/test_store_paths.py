@@ -132,8 +132,8 @@ class _CandidateSpy:
         self.calls = self.rows = self.kept = 0
         real = decode_batch.store_candidates
 
-        def store_candidates(m, ids):
-            out = real(m, ids)
+        def store_candidates(bm, live, ids):
+            out = real(bm, live, ids)
             if out is not None:
                 self.calls += 1
                 self.rows += len(ids)

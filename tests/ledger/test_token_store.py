@@ -82,13 +82,13 @@ def test_a_sequence_moves_into_the_store_at_its_first_batched_step_and_back_at_a
     m = KVCacheManager(make_config(primary_blocks=200, max_seq_len=64))
     ids = list(range(SMALL_BATCH + 1))
     m.add_sequences([Request(i, [1, 2, 3, 4, 5, 6], max_new_tokens=20) for i in ids])
-    assert all(m._seqs[i].tokens is not None for i in ids) and not m._new_in_store
+    assert all(m._seqs[i].tokens is not None for i in ids) and not m._live.new_in_store
     m.add_tokens(ids, [7] * len(ids))
-    assert all(m._seqs[i].tokens is None for i in ids) and not m._listed and m._new_in_store
+    assert all(m._seqs[i].tokens is None for i in ids) and not m._listed and m._live.new_in_store
     m.add_sequence(Request("new", [1, 2, 3], max_new_tokens=4))  # straight into the store
     assert m._seqs["new"].tokens is None
     m.add_token(0, 8)  # a single token: back to a list; later admissions keep lists again
-    assert m._seqs[0].tokens == [1, 2, 3, 4, 5, 6, 7, 8] and m._listed.keys() == {0} and not m._new_in_store
+    assert m._seqs[0].tokens == [1, 2, 3, 4, 5, 6, 7, 8] and m._listed.keys() == {0} and not m._live.new_in_store
     m.add_sequence(Request("after", [1, 2, 3], max_new_tokens=4))
     assert m._seqs["after"].tokens == [1, 2, 3]
     for i in ids[1:]:
@@ -180,6 +180,6 @@ def test_a_failing_batched_step_moves_no_tokens_and_fails_as_the_first_failing_r
         m.add_tokens(["b", *fillers, "ghost"], [5] * (len(fillers) + 2))
     with pytest.raises(DuplicateRequestError):
         m.add_tokens(["b", *fillers, "b"], [5] * (len(fillers) + 2))
-    assert m.snapshot() == before and m._listed.keys() == {"a", "b", *fillers} and not m._new_in_store
+    assert m.snapshot() == before and m._listed.keys() == {"a", "b", *fillers} and not m._live.new_in_store
     m._tok.limit[-1] = 0
     m.verify_integrity()

@@ -127,7 +127,7 @@ def test_two_files_without_an_index_are_ambiguous(tmp_path):
 def test_spec_parameter_count_equals_the_checkpoints(family):
     """`ModelSpec.num_parameters` (what `kvjax capacity` subtracts without a checkpoint) counts
     exactly the tensors a checkpoint of that architecture holds."""
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
 
-    spec = ModelSpec.load(FIXTURES / family)
+    spec = load_model_spec(FIXTURES / family)
     assert CheckpointTensors(FIXTURES / family).served_parameters(spec.tie_embeddings) == spec.num_parameters

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvjax.hf_config import UnsupportedConfigError, spec_from_checkpoint, spec_from_hf_config
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "hf_configs"
@@ -103,14 +104,14 @@ SAME_MODEL = {
 @pytest.mark.parametrize("model", sorted(SAME_MODEL))
 def test_transformers_written_configs_match_the_published_model(model):
     expected = SAME_MODEL[model]
-    want = ModelSpec.load(expected) if isinstance(expected, str) else _load(expected)
+    want = load_model_spec(expected) if isinstance(expected, str) else _load(expected)
     got = _load(CORPUS / "transformers" / "5.24.0" / f"{model}.json")
     assert _architecture(got) == _architecture(want)
 
 
 def test_real_configs_give_the_builtin_specs():
     for real, builtin in (("llama-3.1-8b", "llama-3.1-8b"), ("llama-3.1-70b", "llama-3.1-70b")):
-        assert _architecture(_load(CORPUS / "real" / f"{real}.json")) == _architecture(ModelSpec.load(builtin))
+        assert _architecture(_load(CORPUS / "real" / f"{real}.json")) == _architecture(load_model_spec(builtin))
 
 
 def test_real_config_features():
@@ -155,7 +156,7 @@ def test_from_pretrained_warns_or_refuses_unknown_fields(tmp_path):
     """The strict switch reaches the loader: refused before any weight is read; off, the model loads."""
     from hf_helpers import copy_fixture
     from kvjax.hf_config import UnknownConfigFieldWarning
-    from kvjax.model_spec import servable_model
+    from kvjax.model_catalog import servable_model
     from kvjax.models import from_pretrained
 
     d = copy_fixture("qwen3", tmp_path)

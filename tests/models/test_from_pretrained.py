@@ -17,7 +17,7 @@ import pytest
 from hf_helpers import FAMILIES, FIXTURES, copy_fixture, expected, read_all, rewrite_single_file
 from kvjax.checkpoint_files import CheckpointError
 from kvjax.hf_config import UnsupportedConfigError
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 from kvjax.models import from_pretrained, jit_dense_forward, jit_paged_forward
 from kvjax.models import layers as layers_mod
 
@@ -54,7 +54,7 @@ def no_random_weights(monkeypatch):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompt_logits_match_transformers(family):
     model = from_pretrained(FIXTURES / family, dtype="float32")
-    assert model.spec == dataclasses.replace(ModelSpec.load(FIXTURES / family), dtype="float32")
+    assert model.spec == dataclasses.replace(load_model_spec(FIXTURES / family), dtype="float32")
     err = prompt_logit_error(model, family)
     print(f"{family}: max |logit - transformers| = {err:.2e}")
     assert err <= ATOL

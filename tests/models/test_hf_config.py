@@ -19,6 +19,7 @@ from kvjax.hf_config import (
     spec_from_checkpoint,
     spec_from_hf_config,
 )
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec, RopeScaling
 
 # as published on the hub (config.json of each repository)
@@ -101,8 +102,8 @@ def _architecture(spec: ModelSpec) -> dict:
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configs_give_the_builtin_specs(name):
     spec = spec_from_hf_config(PUBLISHED[name], name=name)
-    assert _architecture(spec) == _architecture(ModelSpec.load(name))
-    assert not ModelSpec.load(name).random_weights
+    assert _architecture(spec) == _architecture(load_model_spec(name))
+    assert not load_model_spec(name).random_weights
 
 
 def test_features_of_published_configs():
@@ -306,9 +307,9 @@ def test_strict_mode_refuses_unknown_fields(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="'some_new_field'"):
         spec_from_checkpoint(tmp_path, strict=True)
     with pytest.raises(UnsupportedConfigError, match="'some_new_field'"):
-        ModelSpec.load(tmp_path, strict_config=True)
+        load_model_spec(tmp_path, strict_config=True)
     with pytest.warns(UnknownConfigFieldWarning):
-        assert ModelSpec.load(tmp_path).num_layers == 32
+        assert load_model_spec(tmp_path).num_layers == 32
 
 
 def test_a_refusal_comes_before_any_unknown_field_warning():

@@ -6,14 +6,13 @@ import pytest
 
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
-from kvjax.ledger.block_key import (
+from kvjax.ledger.block_hashing import (
     SHA256_ROOT_HASH,
-    BlockKey,
-    cache_salt_id,
     prompt_block_hashes,
     sha256_block_hash,
     trtllm64_block_hash,
 )
+from kvjax.ledger.block_key import BlockKey, cache_salt_id
 from kvjax.router import KVAwarePolicy, RoundRobinPolicy, Router
 
 from kv_helpers import RandomDriver, small_config

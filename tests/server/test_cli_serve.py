@@ -89,7 +89,7 @@ def test_serve_sizes_the_cache_from_device_memory(monkeypatch, capsys):
     """With device memory figures (a GPU), the cache gets utilization x limit - in use - activations."""
     import kvjax.cli
     from kvjax import capacity as C
-    from kvjax.model_spec import ModelSpec
+    from kvjax.model_catalog import load_model_spec
 
     gib = 2**30
     stats = {"bytes_limit": 2 * gib, "bytes_in_use": 100 * 2**20}
@@ -97,7 +97,7 @@ def test_serve_sizes_the_cache_from_device_memory(monkeypatch, capsys):
     seen = _fake_serve(monkeypatch)
     assert main(["serve", "micro", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "64",
                  "--log-level", "warning"]) == 0, capsys.readouterr().err
-    spec = ModelSpec.load("micro")
+    spec = load_model_spec("micro")
     reserve = C.activation_reserve_bytes(spec, 64)
     budget = int(0.5 * 2 * gib) - 100 * 2**20 - reserve
     per_token = 2 * 2 * 2 * 16 * 4  # float32 K and V over 2 layers x 2 kv heads x 16 dims

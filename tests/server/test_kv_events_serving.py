@@ -16,7 +16,7 @@ from kvjax import Request
 from kvjax.cli import main
 from kvjax.engine import KVEventsConfig, LLMEngine
 from kvjax.kv_events import AllBlocksCleared, KVEventSubscriber
-from kvjax.ledger.block_key import prompt_block_hashes
+from kvjax.ledger.block_hashing import prompt_block_hashes
 from kvjax.router import PrefixIndex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv_events"))

@@ -7,7 +7,7 @@ import pytest
 
 from kvjax.engine.config import EngineConfig, cache_config
 from kvjax.engine.outputs import CompletionOutput, RequestOutput
-from kvjax.model_spec import ModelSpec
+from kvjax.model_catalog import load_model_spec
 from kvjax.server.stats_logger import StatsLogger, compile_buckets
 
 
@@ -78,7 +78,7 @@ def test_request_lines_at_debug(caplog):
 
 
 def test_compile_buckets():
-    spec = ModelSpec.load("micro")
+    spec = load_model_spec("micro")
     cfg = EngineConfig.from_dict({"max_batch_size": 8, "max_num_tokens": 256, "min_batch_bucket": 2,
                                   "min_chunk_bucket": 64, "min_blocks_bucket": 8, "prefill_rows": 2})
     cc = cache_config(spec, {"tokens_per_block": 16, "max_seq_len": 512}, max_num_tokens=256)
