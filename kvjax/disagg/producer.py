@@ -223,6 +223,12 @@ class KVProducer:
         with self._lock:
             return len(self._offers)
 
+    @property
+    def pending_reclaims(self) -> int:
+        """Reclaim threads still running (each ends within `side_channel_timeout`)."""
+        with self._reclaim_lock:
+            return sum(t.is_alive() for t in self._reclaims)
+
     def lease_left(self, request_id: str) -> float | None:
         """Seconds until `request_id`'s lease runs out (None: no live offer)."""
         with self._lock:

@@ -280,3 +280,55 @@ def test_pull_lands_in_the_consumer_sharding(side):
     side.consumer.start_pull("d2", params, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=tp(devs[4:8]))])
     res = _one(side.consumer)
     assert res.status == "failed" and "slic" in str(res.value)
+
+
+def test_heartbeats_during_a_pull_keep_the_lease(pserver, server):
+    """A pull that outlives the lease keeps its offer alive by heartbeats; when it then fails
+    at its deadline the producer hears of it (consumer_failed), never expired."""
+    s = Side(pserver, server, kv_lease_duration=0.8, heartbeat_interval=0.1, side_channel_timeout=0.5)
+    try:
+        arrays = _arrays(10)
+        params = s.producer.offer("r", arrays)
+        _steal(pserver, params, arrays)  # the pull below can never complete
+        s.consumer.start_pull("d", params, _specs(arrays), timeout=2.0)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.6:  # twice the lease
+            assert s.producer.poll() == []
+            time.sleep(0.05)
+        res = _one(s.consumer)
+        assert res.status == "failed" and isinstance(res.value, PullTimeoutError)
+        end = time.monotonic() + 3
+        while not s.released and time.monotonic() < end:
+            s.producer.poll()
+            time.sleep(0.01)
+        assert s.released == [("r", "consumer_failed")]
+    finally:
+        s.close()
+
+
+def test_an_ended_offer_is_reclaimed_from_the_transfer_server(pserver, server):
+    s = Side(pserver, server, side_channel_timeout=8.0)
+    try:
+        s.producer.offer("r", _arrays(11))
+        assert s.producer.abort("r")
+        end = time.monotonic() + 4.0  # well inside the 8 s bound: the self-pull found the offer
+        while s.producer.pending_reclaims and time.monotonic() < end:
+            time.sleep(0.01)
+        assert s.producer.pending_reclaims == 0
+    finally:
+        s.close()
+
+
+def test_close_abandons_a_stuck_pull_and_its_thread_ends(pserver, server):
+    s = Side(pserver, server, side_channel_timeout=0.5)
+    arrays = _arrays(12)
+    params = s.producer.offer("r", arrays)
+    _steal(pserver, params, arrays)
+    s.consumer.start_pull("d", params, _specs(arrays), timeout=60.0)
+    while s.consumer.stage("d") != "pulling":
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 3.0 and s.consumer.live_threads == 0
+    with pytest.raises(RoleError):
+        s.consumer.start_pull("e", params, _specs(arrays))
