@@ -24,11 +24,11 @@ from kvjax.disagg.errors import (
     SideChannelError,
     TransferConfigError,
 )
-from kvjax.disagg.producer import KVProducer, gather_blocks
+from kvjax.disagg.producer import KVProducer, gather_blocks, scatter_blocks
 
 __all__ = [
     "CONNECTOR_NAME", "DEFAULT_FAILURE_POLICY", "JaxTransferSettings", "KVTransferConfig", "RemotePrefillParams",
     "parse_prefill_request", "KVConsumer", "PullResult", "KVGeometry", "CapacityError", "GeometryMismatchError",
     "PeerError", "PullTimeoutError", "RoleError", "SideChannelError", "TransferConfigError", "KVProducer",
-    "gather_blocks",
+    "gather_blocks", "scatter_blocks",
 ]

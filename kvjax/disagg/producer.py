@@ -31,7 +31,7 @@ from jax.experimental import transfer
 from jaxtyping import Array, Int
 
 from kvjax.device.pools import KVPools
-from kvjax.device.transfers import _gather_primary
+from kvjax.device.transfers import _gather_primary, _scatter_primary
 from kvjax.disagg.config import MAX_TRANSFER_ID, KVTransferConfig, RemotePrefillParams
 from kvjax.disagg.digest import KVGeometry
 from kvjax.disagg.errors import CapacityError, RoleError, TransferConfigError
@@ -77,6 +77,24 @@ def gather_blocks(pools: KVPools, slots: Sequence[Sequence[int]]) -> tuple[jax.A
     """
     if not isinstance(pools, KVPools):
         raise TransferConfigError(f"pools must be KVPools, got {type(pools).__name__}")
+    idxs = _check_slots(pools, slots, unique=False)
+    specs = pools.geometry.pools
+    out: list[jax.Array] = []
+    ba = pools.block_axis
+    for spec, idx in zip(specs, idxs, strict=True):
+        arr, scales = pools.primary[spec.index], pools.primary_scales[spec.index]
+        out.append(_gather_slots(arr, jnp.asarray(idx), ba=ba))
+        if scales is not None:
+            out.append(_gather_slots(scales, jnp.asarray(idx), ba=ba))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("ba",), donate_argnums=(0,))
+def _scatter_slots(arr, blocks, idx: Int[Array, " n"], *, ba: int):
+    return _scatter_primary(arr, blocks, idx, jnp.zeros_like(idx), False, ba, "xla", None, None)
+
+
+def _check_slots(pools: KVPools, slots: Sequence[Sequence[int]], *, unique: bool) -> list[np.ndarray]:
     specs = pools.geometry.pools
     if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence) or len(slots) != len(specs):
         raise TransferConfigError(f"slots must hold one sequence of slot ids per pool ({len(specs)}), got {slots!r}")
@@ -86,15 +104,43 @@ def gather_blocks(pools: KVPools, slots: Sequence[Sequence[int]]) -> tuple[jax.A
             raise TransferConfigError(f"slots of pool {spec.index} must be a sequence of ints, got {ids!r}")
         checked = [check_int(f"slot of pool {spec.index}", s, 0, spec.primary_blocks - 1,
                              error=TransferConfigError) for s in ids]
+        if unique and len(set(checked)) != len(checked):
+            raise TransferConfigError(f"slots of pool {spec.index} repeat a slot: {checked}")
         idxs.append(np.asarray(checked, np.int32))
-    out: list[jax.Array] = []
+    return idxs
+
+
+def scatter_blocks(pools: KVPools, slots: Sequence[Sequence[int]], arrays: Sequence[jax.Array]) -> KVPools:
+    """Write pulled blocks into the primary slots `slots[p]` of each pool: the inverse of
+    `gather_blocks` (same array order: per pool its blocks, then its FP8 scales if any).
+
+    Every shape and dtype is checked before anything is written; the pools are donated, so
+    rebind (`pools = scatter_blocks(pools, ...)`). Slots must be distinct within a pool."""
+    if not isinstance(pools, KVPools):
+        raise TransferConfigError(f"pools must be KVPools, got {type(pools).__name__}")
+    idxs = _check_slots(pools, slots, unique=True)
+    want: list[tuple[tuple[int, ...], np.dtype]] = []
     ba = pools.block_axis
-    for spec, idx in zip(specs, idxs, strict=True):
-        arr, scales = pools.primary[spec.index], pools.primary_scales[spec.index]
-        out.append(_gather_slots(arr, jnp.asarray(idx), ba=ba))
+    for spec, idx in zip(pools.geometry.pools, idxs, strict=True):
+        for arr in (pools.primary[spec.index], pools.primary_scales[spec.index]):
+            if arr is not None:
+                block = arr.shape[:ba] + arr.shape[ba + 1:]
+                want.append(((len(idx), *block), np.dtype(arr.dtype)))
+    if isinstance(arrays, jax.Array) or not isinstance(arrays, Sequence) or len(arrays) != len(want):
+        raise TransferConfigError(f"arrays must be {len(want)} arrays (blocks, then scales, per pool)")
+    for i, (a, (shape, dtype)) in enumerate(zip(arrays, want, strict=True)):
+        if not isinstance(a, jax.Array) or tuple(a.shape) != shape or np.dtype(a.dtype) != dtype:
+            got = (tuple(a.shape), a.dtype) if isinstance(a, jax.Array) else type(a).__name__
+            raise TransferConfigError(f"array {i} must be {dtype}{list(shape)}, got {got}")
+    it = iter(arrays)
+    for spec, idx in zip(pools.geometry.pools, idxs, strict=True):
+        dst = jnp.asarray(idx)
+        arr = _scatter_slots(pools.primary[spec.index], next(it), dst, ba=ba)
+        scales = pools.primary_scales[spec.index]
         if scales is not None:
-            out.append(_gather_slots(scales, jnp.asarray(idx), ba=ba))
-    return tuple(out)
+            scales = _scatter_slots(scales, next(it), dst, ba=ba)
+        pools = pools.with_primary(spec.index, arr, scales)
+    return pools
 
 
 # ----------------------------------------------------------------------------- producer

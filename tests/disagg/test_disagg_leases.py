@@ -24,6 +24,7 @@ from kvjax.disagg import (
     RoleError,
     TransferConfigError,
     gather_blocks,
+    scatter_blocks,
 )
 from kvjax.disagg.consumer import wait_ready
 from kvjax.errors import DuplicateRequestError
@@ -254,6 +255,60 @@ def test_gather_blocks_copies_the_named_slots():
     for bad in ([[6]], [[-1]], [[1.0]], [1, 2], "x"):
         with pytest.raises(TransferConfigError):
             gather_blocks(pools, bad)
+
+
+def _random_pools(cfg, seed):
+    pools = allocate_pools(cfg)
+    rng = np.random.default_rng(seed)
+    for spec in pools.geometry.pools:
+        arr, sc = pools.primary[spec.index], pools.primary_scales[spec.index]
+        data = jnp.asarray(rng.integers(0, 255, arr.shape).astype(np.uint8)) if arr.dtype == jnp.uint8 \
+            else jnp.asarray(rng.standard_normal(arr.shape), arr.dtype)
+        scales = None if sc is None else jnp.asarray(rng.uniform(0.5, 2.0, sc.shape), sc.dtype)
+        pools = pools.with_primary(spec.index, data, scales)
+    return pools
+
+
+def _blocks(pools, spec, slots):
+    ba = pools.block_axis
+    out = [np.take(np.asarray(jnp.copy(pools.primary[spec.index])), slots, axis=ba)]
+    if pools.primary_scales[spec.index] is not None:
+        out.append(np.take(np.asarray(jnp.copy(pools.primary_scales[spec.index])), slots, axis=ba))
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(layout="block_first"), dict(layout="layer_first", attention_windows=(8, 64)),
+                                dict(dtype="float8_e4m3fn")])
+def test_scatter_blocks_inverts_gather_blocks(kw):
+    cfg = cache_config(primary_blocks=6, **kw)
+    src, dst = _random_pools(cfg, 1), allocate_pools(cfg)
+    n_pools = len(cfg.pools)
+    src_slots, dst_slots = [[5, 2]] * n_pools, [[0, 3]] * n_pools
+    arrays = gather_blocks(src, src_slots)
+    dst = scatter_blocks(dst, dst_slots, arrays)
+    for spec in cfg.pools:
+        for got, want in zip(_blocks(dst, spec, [0, 3]), _blocks(src, spec, [5, 2]), strict=True):
+            np.testing.assert_array_equal(got, want)
+        for rest in _blocks(dst, spec, [1, 2, 4, 5]):
+            assert not rest.any()  # untouched slots stay zero
+    for bad_slots, bad_arrays in [([[0, 0]] * n_pools, arrays), (dst_slots, arrays[:-1]),
+                                  (dst_slots, (arrays[0][:1],) + tuple(arrays[1:]))]:
+        with pytest.raises(TransferConfigError):
+            scatter_blocks(dst, bad_slots, bad_arrays)
+
+
+def test_blocks_travel_from_pools_to_pools(side):
+    """gather on P -> offer -> pull on D -> scatter into D's pools: the same bytes."""
+    cfg = cache_config(primary_blocks=6)
+    src, dst = _random_pools(cfg, 2), allocate_pools(cfg)
+    arrays = gather_blocks(src, [[1, 4, 2]])
+    params = side.producer.offer("r", arrays, block_ids=[1, 4, 2], num_tokens=12)
+    side.consumer.start_pull("d", params, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dst.primary[0].sharding)
+                                           for a in arrays])
+    res = _one(side.consumer)
+    assert res.status == "ok", res.value
+    dst = scatter_blocks(dst, [[5, 0, 3]], res.value)
+    np.testing.assert_array_equal(_blocks(dst, cfg.pools[0], [5, 0, 3])[0], _blocks(src, cfg.pools[0], [1, 4, 2])[0])
 
 
 def test_pull_lands_in_the_consumer_sharding(side):
