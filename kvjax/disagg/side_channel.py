@@ -8,6 +8,7 @@ timeout and every socket closes with linger 0, so nothing here can hang a caller
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -199,7 +200,7 @@ class SideChannelClient:
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0 or not self._sock.poll(max(1, math.ceil(left * 1000)), zmq.POLLIN):
                 raise SideChannelError(f"no side-channel reply from {self.endpoint} within {limit:.3g} s "
                                        f"to {type(msg).__name__}")
             frames = self._sock.recv_multipart(zmq.NOBLOCK)
