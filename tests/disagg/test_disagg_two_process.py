@@ -64,7 +64,7 @@ def test_producer_killed_before_the_pull_fails_within_deadline(consumer):
         (result,), t1 = _wait(consumer, 10)
         assert result.status == "failed"
         assert isinstance(result.value, (SideChannelError, PullTimeoutError)), result.value
-        assert t1 - t0 < 3.0 + 0.5
+        assert t1 - t0 < 3.0 + 1.5  # the deadline, plus slack for a loaded box
     finally:
         prod.stop()
 
@@ -82,7 +82,7 @@ def test_producer_killed_mid_pull_never_yields_partial_data(consumer):
             time.sleep(0.0005)
         prod.kill()
         (result,), t1 = _wait(consumer, 10)
-        assert t1 - t0 < 4.0 + 0.5
+        assert t1 - t0 < 4.0 + 1.5
         if result.status == "ok":
             (want,) = host_arrays(5, shapes, dtypes)
             assert np.asarray(result.value[0]).tobytes() == want.tobytes()
