@@ -151,6 +151,10 @@ class KVConsumer:
         self._pulls: dict[str, _Pull] = {}
         self._threads: set[threading.Thread] = set()
         self._closed = False
+        self._holds: dict[str, RemotePrefillParams] = {}
+        self._lost: list[PullResult] = []
+        self._hold_wake = threading.Event()
+        self._hold_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ side-channel helpers
     def _client(self, params: RemotePrefillParams) -> SideChannelClient:
@@ -222,6 +226,7 @@ class KVConsumer:
             pull = _Pull(request_id=request_id, params=p, specs=specs_, deadline=self._clock() + limit)
             t = threading.Thread(target=self._run, args=(pull,), name=f"kvjax-pull-{request_id}", daemon=True)
             self._pulls[request_id] = pull
+            self._holds.pop(request_id, None)  # the pull's own thread heartbeats from here on
             self._threads.add(t)
         t.start()
 
@@ -229,9 +234,9 @@ class KVConsumer:
         """Finished pulls since the last call, each reported once: successes with their arrays,
         failures (including pulls past their deadline, reported here) with their error."""
         now = self._clock()
-        out: list[PullResult] = []
         with self._lock:
             pulls = list(self._pulls.values())
+            out, self._lost = self._lost, []
         for pull in pulls:
             if pull.result is None and now >= pull.deadline:
                 if pull.finish(PullResult(pull.request_id, "failed", PullTimeoutError(
@@ -243,6 +248,60 @@ class KVConsumer:
                 with self._lock:
                     self._pulls.pop(pull.request_id, None)
         return out
+
+    def keep_alive(self, request_id: str, params: RemotePrefillParams | Mapping[str, Any]) -> None:
+        """Heartbeat `request_id`'s offer in the background, without blocking the caller, while
+        the request waits for blocks; `start_pull` or `drop` ends it. If the producer no longer
+        has the offer, `poll()` reports the request failed (`PeerError` "unknown_transfer")."""
+        if not isinstance(request_id, str) or not request_id:
+            raise TransferConfigError(f"request_id must be a non-empty string, got {request_id!r}")
+        p = self._params(params)
+        with self._lock:
+            if self._closed:
+                raise RoleError("the consumer is closed")
+            if request_id in self._pulls or request_id in self._holds:
+                raise DuplicateRequestError(f"request {request_id!r} is already held or pulling")
+            self._holds[request_id] = p
+            if self._hold_thread is None:
+                self._hold_thread = threading.Thread(target=self._heartbeat_loop, name="kvjax-keep-alive", daemon=True)
+                self._hold_thread.start()
+
+    def drop(self, request_id: str) -> bool:
+        """Stop heartbeating a held request (e.g. it was aborted); False if it was not held."""
+        with self._lock:
+            return self._holds.pop(request_id, None) is not None
+
+    def _heartbeat_loop(self) -> None:
+        """One thread for every held request: one batched Heartbeat per producer per interval."""
+        clients: dict[tuple[str, int], SideChannelClient] = {}
+        try:
+            while not self._hold_wake.wait(self.config.settings.heartbeat_interval):
+                with self._lock:
+                    holds = dict(self._holds)
+                by_peer: dict[tuple[str, int], dict[int, str]] = {}
+                for rid, p in holds.items():
+                    by_peer.setdefault((p.remote_host, p.remote_port), {})[p.transfer_id] = rid
+                for peer, ids in by_peer.items():
+                    if peer not in clients:
+                        clients[peer] = SideChannelClient(*peer, self.config.settings.side_channel_timeout)
+                    try:
+                        reply = clients[peer].request(Heartbeat(transfer_ids=sorted(ids)))
+                    except KVCacheError as e:  # unreachable for now: the lease decides
+                        log.info("keep-alive to %s:%d failed: %s", *peer, e)
+                        continue
+                    if not isinstance(reply, HeartbeatReply):
+                        continue
+                    with self._lock:
+                        for tid in reply.unknown:
+                            rid = ids[tid]
+                            if self._holds.get(rid) is holds[rid]:
+                                del self._holds[rid]
+                                self._lost.append(PullResult(rid, "failed", PeerError(
+                                    "unknown_transfer", f"the producer no longer offers transfer {tid} "
+                                    "(expired or aborted) while the request waited")))
+        finally:
+            for c in clients.values():
+                c.close()
 
     def stage(self, request_id: str) -> str | None:
         """Where `request_id`'s pull is (None: not in flight): for metrics and tests."""
@@ -261,7 +320,11 @@ class KVConsumer:
             self._closed = True
             pulls = list(self._pulls.values())
             threads = list(self._threads)
+            if self._hold_thread is not None:
+                threads.append(self._hold_thread)
             self._pulls.clear()
+            self._holds.clear()
+        self._hold_wake.set()
         for pull in pulls:
             pull.finish(PullResult(pull.request_id, "failed", PullTimeoutError("the consumer closed")))
             pull.poison()

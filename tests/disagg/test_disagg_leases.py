@@ -409,3 +409,32 @@ def test_bad_pull_arguments_start_nothing(side):
     with pytest.raises(DuplicateRequestError):
         side.consumer.start_pull("d", params, good)
     assert _one(side.consumer).status == "ok"
+
+
+def test_keep_alive_holds_the_lease_in_the_background_until_dropped(pserver, server):
+    s = Side(pserver, server, kv_lease_duration=0.8, heartbeat_interval=0.1, side_channel_timeout=0.5)
+    try:
+        kept = s.producer.offer("kept", _arrays(14))
+        lost = s.producer.offer("lost", _arrays(15))
+        s.consumer.keep_alive("d-kept", kept)
+        s.consumer.keep_alive("d-lost", lost.to_dict())
+        with pytest.raises(DuplicateRequestError):
+            s.consumer.keep_alive("d-kept", kept)
+        assert s.producer.abort("lost")
+        t0 = time.monotonic()
+        results = []
+        while time.monotonic() - t0 < 1.6:  # twice the lease
+            results += s.consumer.poll()
+            assert s.producer.live_offers == 1 and s.producer.lease_left("kept") is not None
+            time.sleep(0.05)
+        (res,) = results  # the aborted offer is reported once, the kept one not at all
+        assert res.request_id == "d-lost" and res.status == "failed" and res.value.code == "unknown_transfer"
+        assert s.consumer.drop("d-kept") is True and s.consumer.drop("d-kept") is False
+        end = time.monotonic() + 3
+        while s.producer.live_offers and time.monotonic() < end:
+            s.producer.poll()
+            time.sleep(0.05)
+        s.producer.poll()
+        assert ("kept", "expired") in s.released
+    finally:
+        s.close()
