@@ -40,8 +40,7 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def server():
-    """One transfer server shared by the consumers of this module (servers are never freed
-    before the process ends, so the tests do not start one each)."""
+    """One transfer server shared by the consumers of this module (cheaper than one per test)."""
     return transfer.start_transfer_server(jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
 
 
