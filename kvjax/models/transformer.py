@@ -32,7 +32,7 @@ from flax import nnx
 
 from kvjax.model_spec import ModelSpec
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
-from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
+from kvjax.models.layers import MLP, RMSNorm, einsum, is_shapes_only, normal_init
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -110,11 +110,16 @@ class Transformer(nnx.Module):
         self.dtype = jnp.dtype(spec.dtype if dtype is None else dtype)
         d, vocab = spec.hidden_size, spec.vocab_size
         self.embed = nnx.Param(normal_init(rngs.params(), (vocab, d), d, self.dtype))  # [V, D]
-        blocks = [Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)]
         period = layer_period(spec)
         # stacks[r]: layers r, r + P, ... as one Block whose parameters carry a leading layer axis
-        self.stacks = _ModuleList([_stack(blocks[r::period]) for r in range(period)])
-        del blocks
+        if is_shapes_only():  # shapes for a checkpoint to fill: one block per position, its shapes repeated
+            counts = [len(range(r, spec.num_layers, period)) for r in range(period)]
+            self.stacks = _ModuleList([_repeat(Block(spec, r, dtype=self.dtype, rngs=rngs), counts[r])
+                                       for r in range(period)])
+        else:
+            blocks = [Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)]
+            self.stacks = _ModuleList([_stack(blocks[r::period]) for r in range(period)])
+            del blocks
         self.final_norm = RMSNorm(d, eps=spec.norm_eps, dtype=self.dtype, offset=spec.norm_weight_offset)
         self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
 
@@ -293,6 +298,13 @@ def _stack(blocks: list[Block]) -> Block:
     graphdef, first = nnx.split(blocks[0])
     states = [first] + [nnx.split(block)[1] for block in blocks[1:]]
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def _repeat(block: Block, count: int) -> Block:
+    """`block` with every parameter given a leading axis of `count` (zeros: under `shapes_only`,
+    where only the shapes matter)."""
+    graphdef, state = nnx.split(block)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), state))
 
 
 def _layer_slice(a: Any, index: int) -> Any:
