@@ -26,3 +26,14 @@ try:  # device tests need 8 CPU devices; must be set before any backend initiali
     jax.config.update("jax_num_cpu_devices", 8)
 except ImportError:  # the ledger alone needs no JAX
     pass
+
+# JAX's persistent compilation cache (on wherever kvjax builds an engine): the suite writes it
+# to one temporary directory, shared with the `kvjax` processes the tests start, never to ~/.cache
+if not os.environ.get("KVJAX_COMPILATION_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    _jax_cache = tempfile.mkdtemp(prefix="kvjax-test-jax-cache-")
+    os.environ["KVJAX_COMPILATION_CACHE_DIR"] = _jax_cache
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)

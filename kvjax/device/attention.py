@@ -24,10 +24,11 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvjax.device import _checks as chk
-from kvjax.device import backend, layers
+from kvjax.device import backend, layers, quant
 from kvjax.device import sharding as shd
-from kvjax.device.gather import _gather_xla, check_table, gather_kv_reference, run_table_checks, safe_table, validate_table
+from kvjax.device.gather import check_table, gather_kv_reference, run_table_checks, safe_table, validate_table
 from kvjax.device.pools import KVPools, PoolMeta
+from kvjax.device.write import at
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -77,12 +78,58 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
 
 
 def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
-    # FP8 dequantises into bfloat16: exact (power-of-two scales), half the bytes of float32
-    fields = _gather_xla(arr, sarr, meta, pool, j, block_table, seq_lens, jnp.bfloat16 if sarr is not None else arr.dtype)
+    """Attention read page by page from the pool in its own dtype: a gather of whole pages
+    `[batch, blocks, kv_heads, tokens, head_dim]` per field (no per-position gather, no float32
+    copy of K or V), scores and the weighted sum as dots accumulating in float32 at
+    HIGHEST precision, the softmax in float32. With 16-bit pages the float32 probabilities enter
+    the weighted sum as two 16-bit terms (`p = hi + lo`, 2^-16 relative) stacked in one dot, so V
+    is read once in its own dtype. FP8 pages enter the dots as their exact bfloat16 values, their
+    per-block scales multiplying the scores (K) and the probabilities (V). Entries outside the
+    pool, and a layer outside it, read the null slot (zero K/V)."""
+    geo = meta.geometry
+    b, ql, n, h = q.shape
+    kh, tpb = pool.num_kv_heads, geo.tokens_per_block
+    g, m = n // kh, block_table.shape[1]
+    in_pool = j < pool.num_layers
+    table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [B, M]
+    index = at(meta.block_axis, table, jnp.where(in_pool, j, 0))
     q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)  # query heads follow their kv heads
-    k = fields[0]
-    v = fields[1] if len(fields) == 2 else fields[0]
-    return dense_attention(q, k, v, seq_lens, scale=scale, window=pool.window)
+    pages, scales = [], []
+    for f in range(geo.kv_factor):
+        x = arr[index + (f,)]  # [B, M, K, T, H] in the storage dtype
+        if sarr is not None:
+            x = quant.from_bytes(x, geo.jnp_dtype).astype(jnp.bfloat16)  # exact
+            scales.append(jnp.swapaxes(sarr[index + (f,)], 1, 2)[:, :, None, None, :, None])  # [B, K, 1, 1, M, 1]
+        pages.append(x)
+    k = pages[0]
+    v = pages[-1]  # K-only caches use K as V
+    dot_dtype = jnp.promote_types(q.dtype, k.dtype)
+    qg = q.astype(dot_dtype).reshape(b, ql, kh, g, h)  # [B, T, K, G, H]
+    logits = jnp.einsum("btkgh,bmkph->bkgtmp", qg, k.astype(dot_dtype), precision=HIGHEST,
+                        preferred_element_type=jnp.float32) * scale  # [B, K, G, T, M, P]
+    if scales:
+        logits = logits * scales[0]
+    logits = logits.reshape(b, kh, g, ql, m * tpb)  # [B, K, G, T, S]
+    kpos = jnp.broadcast_to(jnp.arange(m * tpb, dtype=jnp.int32), (b, m * tpb))  # [B, S]
+    visible = visibility_mask(query_positions(seq_lens, ql), kpos, pool.window)[:, None, None]  # [B, 1, 1, T, S]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)  # [B, K, G, T, S]
+    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    probs = (weights / jnp.where(denom > 0, denom, 1.0)).reshape(b, kh, g, ql, m, tpb)  # [B, K, G, T, M, P]
+    if scales:
+        probs = probs * scales[-1]
+    if v.dtype == jnp.float32:
+        terms = probs  # [B, K, G, T, M, P]
+    else:  # float32 probabilities as hi + lo in V's dtype: one dot, V read once, unconverted
+        hi = probs.astype(v.dtype)
+        terms = jnp.concatenate([hi, (probs - hi.astype(jnp.float32)).astype(v.dtype)], axis=2)  # [B, K, 2G, T, M, P]
+    out = jnp.einsum("bkgtmp,bmkph->btkgh", terms, v, precision=HIGHEST,
+                     preferred_element_type=jnp.float32)  # [B, T, K, G or 2G, H]
+    if v.dtype != jnp.float32:
+        out = out[:, :, :, :g] + out[:, :, :, g:]
+    return out.reshape(b, ql, n, h).astype(q.dtype)  # [B, T, N, H]
 
 
 def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):

@@ -110,9 +110,11 @@ class EngineCore:
                  kv_events: KVEventsConfig | None = None) -> None:
         from kvjax.ledger import KVCacheManager
 
+        from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.engine.scheduler import CapacityScheduler
 
         engine.model.check_cache(cache_config)
+        enable_compilation_cache()  # the runner's programs persist across processes (kvjax.compilation_cache)
         if kv_events is not None:
             cache_config = with_events(cache_config)
         self.engine = engine

@@ -43,6 +43,11 @@ def shapes_only():
         _SHAPES_ONLY.reset(token)
 
 
+def is_shapes_only() -> bool:
+    """Whether a `shapes_only()` block is active (values will never exist)."""
+    return _SHAPES_ONLY.get()
+
+
 @jax.jit
 def _normal_chunk(key: jax.Array, index: jax.Array) -> jax.Array:
     return jax.random.normal(jax.random.fold_in(key, index), (_INIT_CHUNK,), jnp.float32)  # [CHUNK]

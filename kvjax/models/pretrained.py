@@ -1,10 +1,12 @@
 """`from_pretrained`: a Hugging Face checkpoint directory into a `Transformer`, weights straight from disk.
 
 The model is built abstractly (`nnx.eval_shape`: shapes only, no random draws), then every
-parameter is filled from its memory-mapped safetensors tensor: converted to the serving dtype
-and laid out as kvjax stores it (`[D, N, H]` projections, `[D, F]` MLP matrices), one tensor
-at a time, so host memory holds the model once plus one tensor in flight. With a `mesh`, each
-array is placed shard by shard: query / KV heads and MLP columns split over all mesh axes
+parameter is filled from its memory-mapped safetensors tensors: each layer's tensor is converted
+to the serving dtype and laid out as kvjax stores it (`[D, N, H]` projections, `[D, F]` MLP
+matrices) in one numpy assignment, straight into its row of the stacked host array of that
+parameter (`[layers, ...]`, see `kvjax.models.transformer`), which then goes to the device in
+one transfer; host memory holds at most one stacked parameter beside the model. With a `mesh`,
+each array is placed shard by shard: query / KV heads and MLP columns split over all mesh axes
 (tensor parallelism, the same kv-head split as `allocate_pools(config, sharding=mesh)`), the
 rest replicated.
 
@@ -30,18 +32,19 @@ from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PR
 from kvjax.hf_config import spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
 from kvjax.models.layers import shapes_only
-from kvjax.models.transformer import Transformer
+from kvjax.models.transformer import Transformer, layer_period
 
 
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: the parameter (by attribute path), its layout change,
-    and the checkpoint shape it must have."""
+    """Where one checkpoint tensor goes: the parameter (by attribute path), its row of a stacked
+    layer parameter (`None`: not stacked), its layout change, and the checkpoint shape it must have."""
 
     path: tuple[Any, ...]
     hf_shape: tuple[int, ...]
     convert: Callable[[np.ndarray], np.ndarray]
+    row: int | None = None
 
 
 def _same(a: np.ndarray) -> np.ndarray:
@@ -76,30 +79,35 @@ def _targets(spec: ModelSpec, prefix: str, head: str) -> dict[str, _Target]:
     }
     if not spec.tie_embeddings:
         out[head] = _Target(("lm_head",), (v, d), _transpose)
+    period = layer_period(spec)
     for i, k in enumerate(spec.kv_heads_per_layer):
         lp = f"{prefix}layers.{i}."
-        blk = ("blocks", i)
+        blk = ("stacks", i % period)
         att = blk + ("attn",)
-        out[lp + "input_layernorm.weight"] = _Target(blk + ("attn_norm", "scale"), (d,), _same)
+        layer: dict[str, tuple[tuple[Any, ...], tuple[int, ...], Callable[[np.ndarray], np.ndarray]]] = {
+            "input_layernorm.weight": (blk + ("attn_norm", "scale"), (d,), _same),
+        }
         if spec.sandwich_norms:  # Gemma 3 names: post_attention = attention output, pre_feedforward = MLP input
-            out[lp + "post_attention_layernorm.weight"] = _Target(blk + ("post_attn_norm", "scale"), (d,), _same)
-            out[lp + "pre_feedforward_layernorm.weight"] = _Target(blk + ("mlp_norm", "scale"), (d,), _same)
-            out[lp + "post_feedforward_layernorm.weight"] = _Target(blk + ("post_mlp_norm", "scale"), (d,), _same)
+            layer["post_attention_layernorm.weight"] = (blk + ("post_attn_norm", "scale"), (d,), _same)
+            layer["pre_feedforward_layernorm.weight"] = (blk + ("mlp_norm", "scale"), (d,), _same)
+            layer["post_feedforward_layernorm.weight"] = (blk + ("post_mlp_norm", "scale"), (d,), _same)
         else:  # Llama names: post_attention_layernorm is the MLP's input norm
-            out[lp + "post_attention_layernorm.weight"] = _Target(blk + ("mlp_norm", "scale"), (d,), _same)
+            layer["post_attention_layernorm.weight"] = (blk + ("mlp_norm", "scale"), (d,), _same)
         for proj, heads, attr in (("q", n, "wq"), ("k", k, "wk"), ("v", k, "wv")):
-            out[f"{lp}self_attn.{proj}_proj.weight"] = _Target(att + (attr,), (heads * h, d), _heads_in(heads, h))
+            layer[f"self_attn.{proj}_proj.weight"] = (att + (attr,), (heads * h, d), _heads_in(heads, h))
             if spec.qkv_bias:
-                out[f"{lp}self_attn.{proj}_proj.bias"] = _Target(att + ("b" + proj,), (heads * h,), _bias(heads, h))
-        out[lp + "self_attn.o_proj.weight"] = _Target(att + ("wo",), (d, n * h), _heads_out(n, h))
+                layer[f"self_attn.{proj}_proj.bias"] = (att + ("b" + proj,), (heads * h,), _bias(heads, h))
+        layer["self_attn.o_proj.weight"] = (att + ("wo",), (d, n * h), _heads_out(n, h))
         if spec.out_bias:
-            out[lp + "self_attn.o_proj.bias"] = _Target(att + ("bo",), (d,), _same)
+            layer["self_attn.o_proj.bias"] = (att + ("bo",), (d,), _same)
         if spec.qk_norm:
-            out[lp + "self_attn.q_norm.weight"] = _Target(att + ("q_norm", "scale"), (h,), _same)
-            out[lp + "self_attn.k_norm.weight"] = _Target(att + ("k_norm", "scale"), (h,), _same)
-        out[lp + "mlp.gate_proj.weight"] = _Target(blk + ("mlp", "gate"), (f, d), _transpose)
-        out[lp + "mlp.up_proj.weight"] = _Target(blk + ("mlp", "up"), (f, d), _transpose)
-        out[lp + "mlp.down_proj.weight"] = _Target(blk + ("mlp", "down"), (d, f), _transpose)
+            layer["self_attn.q_norm.weight"] = (att + ("q_norm", "scale"), (h,), _same)
+            layer["self_attn.k_norm.weight"] = (att + ("k_norm", "scale"), (h,), _same)
+        layer["mlp.gate_proj.weight"] = (blk + ("mlp", "gate"), (f, d), _transpose)
+        layer["mlp.up_proj.weight"] = (blk + ("mlp", "up"), (f, d), _transpose)
+        layer["mlp.down_proj.weight"] = (blk + ("mlp", "down"), (d, f), _transpose)
+        for name, (path, shape, convert) in layer.items():
+            out[lp + name] = _Target(path, shape, convert, i // period)
     return out
 
 
@@ -169,20 +177,29 @@ def from_pretrained(
     with shapes_only():
         model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(params=0)))
     target_dtype = np.dtype(jnp.dtype(spec.dtype))
+    by_param: dict[tuple[Any, ...], list[tuple[str, _Target]]] = {}
     for name, target in targets.items():
-        stored = tensors.array(name)
-        # astype copies out of the file mapping; a transposed layout is made contiguous (one tensor in flight)
-        host = np.ascontiguousarray(target.convert(stored.astype(target_dtype)))
-        var = _variable(model, target.path)
-        expected = _get(var).shape
-        if host.shape != tuple(expected):  # a layout bug, not a user error: the names and shapes were checked
-            raise AssertionError(f"{name}: converted to {host.shape}, parameter is {expected}")
-        sharding = shardings(target.path[-1], host.ndim)
+        by_param.setdefault(target.path, []).append((name, target))
+    for param_path, sources in by_param.items():
+        var = _variable(model, param_path)
+        expected = tuple(_get(var).shape)
+        host = np.empty(expected, target_dtype)
+        for name, target in sources:
+            # one pass out of the file mapping: the dtype cast and the layout change in one assignment
+            converted = target.convert(tensors.array(name))
+            row = host if target.row is None else host[target.row]
+            if converted.shape != row.shape:  # a layout bug, not a user error: the names and shapes were checked
+                raise AssertionError(f"{name}: converted to {converted.shape}, parameter row is {row.shape}")
+            row[...] = converted
+            del converted
+        if sources[0][1].row is not None and len(sources) != expected[0]:
+            raise AssertionError(f"{param_path}: {len(sources)} checkpoint tensors for {expected[0]} stacked layers")
+        sharding = shardings(param_path[-1], host.ndim)
         if sharding is None:
             _set(var, jax.device_put(host))
         else:
             _set(var, jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
-        del host, stored  # this tensor's file mapping and host copy go before the next one
+        del host  # the next parameter's host copy replaces this one
     return model
 
 
@@ -227,11 +244,12 @@ def _shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], Named
 
     def sharding(name: Any, ndim: int) -> NamedSharding:
         axis = TP_SPLIT_AXIS.get(name)
-        return NamedSharding(mesh, P(*[entry if i == axis else None for i in range(ndim)]))
+        return NamedSharding(mesh, P(*[entry if axis is not None and i == ndim + axis else None for i in range(ndim)]))
 
     return sharding
 
 
-#: Axis of each parameter (kvjax layout) that tensor parallelism splits: query / KV heads of the
-#: projections and their biases ([D, N, H], [D, K, H], [N, H, D], [N, H]), MLP columns ([D, F], [F, D]).
-TP_SPLIT_AXIS = {"wq": 1, "wk": 1, "wv": 1, "wo": 0, "bq": 0, "bk": 0, "bv": 0, "gate": 1, "up": 1, "down": 0}
+#: Axis of each parameter (kvjax layout), counted from the last, that tensor parallelism splits: query /
+#: KV heads of the projections and their biases ([D, N, H], [D, K, H], [N, H, D], [N, H]), MLP columns
+#: ([D, F], [F, D]); the stacked layer parameters carry a leading layer axis in front, never split.
+TP_SPLIT_AXIS = {"wq": -2, "wk": -2, "wv": -2, "wo": -3, "bq": -2, "bk": -2, "bv": -2, "gate": -1, "up": -1, "down": -2}

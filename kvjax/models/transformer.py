@@ -4,6 +4,15 @@
 - `paged_forward(...)`: reads and writes the paged KV cache through `kvjax.device`
   (`write_kv` then `paged_attention`, per layer), for prefill chunks and decode steps alike.
 
+Layers run under `jax.lax.scan`, so a program compiles one group of layers whatever the depth:
+the weights of layers `r, r + P, r + 2P, ...` are stacked along a leading axis (one stacked
+`Block` per position `r` of the model's layer period `P`, `layer_period`: 1 for Llama-like
+models, the local/global pattern length for Gemma 3), the scan runs over the `L // P` whole
+groups (the `P` layers of a group unrolled inside its body, each with its static window, RoPE
+base and KV pool) and the `L % P` remaining layers run unrolled after it. The paged path carries
+the pools through the scan and indexes them by the traced layer number. `unroll=True` runs
+every layer in a Python loop over the same stacked weights: the oracle of the scanned path.
+
 Paged conventions (the engine's contract): a batch row holds the LAST `q_len` tokens of a
 sequence of `seq_lens[b]` tokens, so query `i` sits at position `seq_lens[b] - q_len + i`;
 left-padded rows carry negative positions and slot `-1` (skipped by `write_kv`). Every layer
@@ -24,7 +33,7 @@ from flax import nnx
 from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
-from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
+from kvjax.models.layers import MLP, RMSNorm, einsum, is_shapes_only, normal_init
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -102,7 +111,16 @@ class Transformer(nnx.Module):
         self.dtype = jnp.dtype(spec.dtype if dtype is None else dtype)
         d, vocab = spec.hidden_size, spec.vocab_size
         self.embed = nnx.Param(normal_init(rngs.params(), (vocab, d), d, self.dtype))  # [V, D]
-        self.blocks = _ModuleList([Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)])
+        period = layer_period(spec)
+        # stacks[r]: layers r, r + P, ... as one Block whose parameters carry a leading layer axis
+        if is_shapes_only():  # shapes for a checkpoint to fill: one block per position, its shapes repeated
+            counts = [len(range(r, spec.num_layers, period)) for r in range(period)]
+            self.stacks = _ModuleList([_repeat(Block(spec, r, dtype=self.dtype, rngs=rngs), counts[r])
+                                       for r in range(period)])
+        else:
+            blocks = [Block(spec, i, dtype=self.dtype, rngs=rngs) for i in range(spec.num_layers)]
+            self.stacks = _ModuleList([_stack(blocks[r::period]) for r in range(period)])
+            del blocks
         self.final_norm = RMSNorm(d, eps=spec.norm_eps, dtype=self.dtype, offset=spec.norm_weight_offset)
         self.lm_head = None if spec.tie_embeddings else nnx.Param(normal_init(rngs.params(), (d, vocab), d, self.dtype))
 
@@ -112,6 +130,58 @@ class Transformer(nnx.Module):
         if not isinstance(spec, ModelSpec):
             spec = load_model_spec(spec)
         return cls(spec, rngs=nnx.Rngs(params=seed), dtype=dtype)
+
+    # ------------------------------------------------------------------ layers
+    @property
+    def period(self) -> int:
+        """Layers per scanned group (`layer_period(spec)`)."""
+        return len(self.stacks)
+
+    def block(self, layer: int) -> Block:
+        """Layer `layer` as a standalone `Block` holding copies of its slice of the stacked weights
+        (placed like the stack, without its layer axis): for inspection, not for the forwards."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer={layer!r} must be an int in [0, {self.spec.num_layers})")
+        graphdef, state = nnx.split(self.stacks[layer % self.period])
+        return nnx.merge(graphdef, jax.tree.map(lambda a: _layer_slice(a, layer // self.period), state))
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """Every layer's `Block` (`block(i)`: copies of the stacked weights)."""
+        return tuple(self.block(i) for i in range(self.spec.num_layers))
+
+    def _run_layers(self, x: jax.Array, carry: Any, step: Callable[..., tuple[jax.Array, Any]],
+                    unroll: bool) -> tuple[jax.Array, Any]:
+        """Fold `step(block, layer, r, x, carry) -> (x, carry)` over every layer in order.
+
+        `layer` is the global layer number (a traced int32 under the scan, a Python int otherwise)
+        and `r = layer % period` its static position in the group: per-layer static facts (window,
+        KV pool) must be looked up by `r`, which `layer_period` makes equivalent.
+        """
+        period, num_layers = self.period, self.spec.num_layers
+        groups = num_layers // period
+        parts = [nnx.split(stack) for stack in self.stacks]
+
+        def run(x, carry, g, r):
+            graphdef, state = parts[r]
+            block = nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state))  # this layer's weights
+            return step(block, g * period + r, r, x, carry)
+
+        if unroll:
+            for layer in range(num_layers):
+                x, carry = run(x, carry, layer // period, layer % period)
+            return x, carry
+
+        def body(state, g):
+            x, carry = state
+            for r in range(period):
+                x, carry = run(x, carry, g, r)
+            return (x, carry), None
+
+        (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(groups, dtype=jnp.int32))  # groups >= 1
+        for layer in range(groups * period, num_layers):  # the tail shorter than a period
+            x, carry = run(x, carry, layer // period, layer % period)
+        return x, carry
 
     # ------------------------------------------------------------------ shared pieces
     def _embed(self, tokens: jax.Array) -> jax.Array:
@@ -129,17 +199,21 @@ class Transformer(nnx.Module):
         return logits.astype(jnp.float32)
 
     # ------------------------------------------------------------------ dense oracle
-    def dense_forward(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def dense_forward(self, tokens: jax.Array, positions: jax.Array | None = None, *, unroll: bool = False) -> jax.Array:
         """Logits of every position with no cache. tokens: int [B, S] -> float32 [B, S, V].
 
-        `positions` (int [B, S]) defaults to `0..S-1` in every row.
+        `positions` (int [B, S]) defaults to `0..S-1` in every row; `unroll` loops over the
+        layers in Python instead of scanning (the oracle).
         """
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
         x = self._embed(tokens)  # [B, S, D]
-        for block in self.blocks:
-            x = block.dense(x, positions)  # [B, S, D]
+
+        def step(block, layer, r, x, carry):
+            return block.dense(x, positions), carry  # [B, S, D]
+
+        x, _ = self._run_layers(x, None, step, unroll)
         return self._logits(x)  # [B, S, V]
 
     # ------------------------------------------------------------------ paged path
@@ -169,6 +243,7 @@ class Transformer(nnx.Module):
         slot_mapping: Mapping[int, jax.Array] | jax.Array,
         *,
         impl: str = "auto",
+        unroll: bool = False,
     ) -> tuple[jax.Array, Any]:
         """One prefill chunk or decode step through the paged cache.
 
@@ -176,7 +251,8 @@ class Transformer(nnx.Module):
         int32 [B, max_blocks] of slots (or one array for a single-window cache); seq_lens:
         int32 [B] (tokens of each sequence including this chunk); slot_mapping: window -> int32
         [B * T] (`slot * tokens_per_block + offset`, -1 for padding) or one array; `impl`
-        picks the device ops' implementation ("auto" | "xla" | "pallas").
+        picks the device ops' implementation ("auto" | "xla" | "pallas"); `unroll` loops over
+        the layers in Python instead of scanning (the oracle).
         Returns (float32 logits [B, T, V], updated pools).
         """
         from kvjax.device import paged_attention, write_kv
@@ -184,30 +260,72 @@ class Transformer(nnx.Module):
         config = pools.geometry
         self.check_cache(config)
         b, t = tokens.shape
+        period = self.period
+        pool_of = [config.layer_to_pool[layer][0] for layer in range(config.num_layers)]
+        for layer in range(period, config.num_layers):  # the scan gives layer r's window and pool to r + kP
+            if (config.layer_windows[layer], pool_of[layer]) != (config.layer_windows[layer % period], pool_of[layer % period]):
+                raise ValueError(f"cache layer {layer} sits in pool {pool_of[layer]} (window {config.layer_windows[layer]}), "
+                                 f"unlike layer {layer % period}: the model's layers repeat every {period}")
         x = self._embed(tokens)  # [B, T, D]
-        for layer, block in enumerate(self.blocks):
-            window = config.layer_windows[layer]
+
+        def step(block, layer, r, x, pools):
+            window = config.layer_windows[r]
             table = block_tables[window] if isinstance(block_tables, Mapping) else block_tables  # [B, max_blocks]
             slots = slot_mapping[window] if isinstance(slot_mapping, Mapping) else slot_mapping  # [B * T]
             attn = block.attn
             q, k, v = attn.qkv(block.attn_norm(x), positions)  # [B, T, N, H], [B, T, K, H] x2
             kv_shape = (b * t, attn.num_kv_heads, attn.head_dim)
-            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots, impl=impl)
-            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale, impl=impl)
+            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots, impl=impl, pool=pool_of[r])
+            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale, impl=impl, pool=pool_of[r])
             # attended: [B, T, N, H]
             x = block.add_attention(x, attended)  # [B, T, D]
-            x = block.feed_forward(x)  # [B, T, D]
+            return block.feed_forward(x), pools  # [B, T, D]
+
+        x, pools = self._run_layers(x, pools, step, unroll)
         return self._logits(x), pools  # [B, T, V]
 
 
+# ---------------------------------------------------------------------- layer stacks
+def layer_period(spec: ModelSpec) -> int:
+    """The smallest `P` such that layer `i + P` has layer `i`'s window, KV heads and RoPE kind for
+    every `i`: the length of the group the forwards scan over (1 when all layers are alike;
+    Gemma 3's local/global pattern length; at most `num_layers`)."""
+    kinds = [(spec.layer_windows[i], spec.kv_heads_per_layer[i], spec.uses_local_rope(i)) for i in range(spec.num_layers)]
+    return next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i + p] for i in range(len(kinds) - p)))
+
+
+def _stack(blocks: list[Block]) -> Block:
+    """One `Block` whose parameters are the given blocks' stacked along a new leading axis."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(block)[1] for block in blocks[1:]]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def _repeat(block: Block, count: int) -> Block:
+    """`block` with every parameter given a leading axis of `count` (zeros: under `shapes_only`,
+    where only the shapes matter)."""
+    graphdef, state = nnx.split(block)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros((count, *a.shape), a.dtype), state))
+
+
+def _layer_slice(a: Any, index: int) -> Any:
+    """`a[index]` of a stacked parameter, keeping its placement (a mesh sharding loses the layer axis)."""
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and (len(sharding.spec) == 0 or sharding.spec[0] is None):
+        spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
+        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+        return jax.jit(lambda x: x[index], out_shardings=out)(a)
+    return a[index]
+
+
 # ---------------------------------------------------------------------- jitted entry points
-def jit_dense_forward(model: Transformer) -> Callable[..., jax.Array]:
+def jit_dense_forward(model: Transformer, *, unroll: bool = False) -> Callable[..., jax.Array]:
     """`fwd(tokens [B, S], positions=None) -> logits [B, S, V]`, compiled once per shape."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, tokens, positions):
-        return nnx.merge(graphdef, state).dense_forward(tokens, positions)
+        return nnx.merge(graphdef, state).dense_forward(tokens, positions, unroll=unroll)
 
     def fwd(tokens, positions=None):
         return run(state, tokens, positions)
@@ -215,7 +333,7 @@ def jit_dense_forward(model: Transformer) -> Callable[..., jax.Array]:
     return fwd
 
 
-def jit_paged_forward(model: Transformer, *, impl: str = "auto") -> Callable[..., tuple[jax.Array, Any]]:
+def jit_paged_forward(model: Transformer, *, impl: str = "auto", unroll: bool = False) -> Callable[..., tuple[jax.Array, Any]]:
     """`Transformer.paged_forward` jitted with the pools donated: always rebind the returned pools.
 
     Call as `logits, pools = fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping)`;
@@ -226,7 +344,8 @@ def jit_paged_forward(model: Transformer, *, impl: str = "auto") -> Callable[...
     @functools.partial(jax.jit, donate_argnums=(3,))
     def run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping):
         model = nnx.merge(graphdef, state)
-        return model.paged_forward(tokens, positions, pools, block_tables, seq_lens, slot_mapping, impl=impl)
+        return model.paged_forward(tokens, positions, pools, block_tables, seq_lens, slot_mapping, impl=impl,
+                                   unroll=unroll)
 
     def fwd(tokens, positions, pools, block_tables, seq_lens, slot_mapping):
         return run(state, tokens, positions, pools, block_tables, seq_lens, slot_mapping)
