@@ -781,7 +781,7 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
     from kvjax.engine.config import EngineConfig, cache_config
     from kvjax.engine.engine import Engine
     from kvjax.engine.llm_engine import LLMEngine, split_options
-    from kvjax.llm import _resolve_tokenizer
+    from kvjax.llm import resolve_tokenizer
     from kvjax.models.parallel import mesh_size
 
     cache_values, engine_values = split_options(options, "kvjax serve")
@@ -790,7 +790,7 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
     engine_config = EngineConfig.from_dict(engine_values, "kvjax serve")
     max_num_tokens = engine_config.scheduler.max_num_tokens
     model, tokenizer = _serve_model(args, mesh)
-    tokenizer = _resolve_tokenizer(args.tokenizer) or tokenizer
+    tokenizer = resolve_tokenizer(args.tokenizer) or tokenizer
     engine = Engine(model, engine_config, mesh=mesh)  # shards the weights over the mesh
     geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
     sizing = None

@@ -31,7 +31,8 @@ from kvjax.tokenizer import Tokenizer
 __all__ = ["LLM", "load_model"]
 
 
-def _resolve_tokenizer(tokenizer) -> Tokenizer | None:
+def resolve_tokenizer(tokenizer) -> Tokenizer | None:
+    """A `Tokenizer` from a Tokenizer or a tokenizer directory; None stays None."""
     if tokenizer is None or isinstance(tokenizer, Tokenizer):
         return tokenizer
     if isinstance(tokenizer, (str, os.PathLike)):
@@ -49,7 +50,7 @@ class LLM:
         built-in models' weights; `runner`: a `ModelRunner` of the same model whose compiled
         executables to share."""
         built, loaded = load_model(model, seed=model_seed, dtype=dtype)
-        tok = _resolve_tokenizer(tokenizer) or loaded
+        tok = resolve_tokenizer(tokenizer) or loaded
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else built.spec.name
         self.llm_engine = LLMEngine.from_options(built, tokenizer=tok, seed=seed, runner=runner, **options)
         self._ids = itertools.count()

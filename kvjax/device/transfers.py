@@ -248,6 +248,18 @@ def _merge_scaled(arr, sarr, staging, st_scales, dst, n, ba: int, dtype):
     return jnp.where(keep_new, new, old), new_s
 
 
+def take_blocks(arr: jax.Array, idx: jax.Array, block_axis: int) -> jax.Array:
+    """Copies of blocks `idx` of one primary array (a pool or its FP8 scales), block axis first
+    (`[n, *block]`; the XLA path): what a block leaves the pools as, e.g. for another process."""
+    return _gather_primary(arr, idx, block_axis, "xla", None, None)
+
+
+def put_blocks(arr: jax.Array, blocks: jax.Array, idx: jax.Array, block_axis: int) -> jax.Array:
+    """`arr` with whole blocks `blocks[i]` (`take_blocks`' layout) written into slots `idx[i]`
+    (the XLA path; donate `arr` to update it in place)."""
+    return _scatter_primary(arr, blocks, idx, jnp.zeros_like(idx), False, block_axis, "xla", None, None)
+
+
 def _scatter_primary(arr, staging, dst, n, partial: bool, ba: int, impl: str, mesh, axes):
     if impl == "pallas" and arr.ndim == 6:
         from pallas_kernels import copy_pages

@@ -31,7 +31,7 @@ from jax.experimental import transfer
 from jaxtyping import Array, Int
 
 from kvjax.device.pools import KVPools
-from kvjax.device.transfers import _gather_primary, _scatter_primary
+from kvjax.device.transfers import put_blocks, take_blocks
 from kvjax.disagg.config import MAX_TRANSFER_ID, KVTransferConfig, RemotePrefillParams
 from kvjax.disagg.digest import KVGeometry
 from kvjax.disagg.errors import CapacityError, RoleError, TransferConfigError
@@ -64,7 +64,7 @@ RELEASE_CLOSED = "closed"
 # ----------------------------------------------------------------------------- gathering
 @functools.partial(jax.jit, static_argnames=("ba",))
 def _gather_slots(arr, idx: Int[Array, " n"], *, ba: int):
-    return _gather_primary(arr, idx, ba, "xla", None, None)
+    return take_blocks(arr, idx, ba)
 
 
 def gather_blocks(pools: KVPools, slots: Sequence[Sequence[int]]) -> tuple[jax.Array, ...]:
@@ -91,7 +91,7 @@ def gather_blocks(pools: KVPools, slots: Sequence[Sequence[int]]) -> tuple[jax.A
 
 @functools.partial(jax.jit, static_argnames=("ba",), donate_argnums=(0,))
 def _scatter_slots(arr, blocks, idx: Int[Array, " n"], *, ba: int):
-    return _scatter_primary(arr, blocks, idx, jnp.zeros_like(idx), False, ba, "xla", None, None)
+    return put_blocks(arr, blocks, idx, ba)
 
 
 def _check_slots(pools: KVPools, slots: Sequence[Sequence[int]], *, unique: bool) -> list[np.ndarray]:

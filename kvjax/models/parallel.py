@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kvjax.models.pretrained import _shardings
+from kvjax.models.pretrained import parameter_shardings
 
 
 def _name(path) -> str | None:
@@ -28,7 +28,7 @@ def shard_model(model, mesh: Mesh):
     """Reshard `model`'s parameters over `mesh` in place (returns the model). Parameters
     already placed as asked are left alone; query heads, KV heads and the MLP width must
     divide by the mesh size (ValueError otherwise, nothing moved)."""
-    sharding_of = _shardings(model.spec, mesh)  # checks the mesh and the divisibility first
+    sharding_of = parameter_shardings(model.spec, mesh)  # checks the mesh and the divisibility first
     graphdef, state = nnx.split(model)
 
     def place(path, value):

@@ -172,7 +172,7 @@ def from_pretrained(
     problems = _check_names(spec, tensors, targets, head)
     if problems:
         raise CheckpointError(f"{path}: {problems}")
-    shardings = _shardings(spec, mesh)
+    shardings = parameter_shardings(spec, mesh)
 
     with shapes_only():
         model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(params=0)))
@@ -223,7 +223,7 @@ def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str,
     return ""
 
 
-def _shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], NamedSharding | None]:
+def parameter_shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], NamedSharding | None]:
     """(parameter name, rank) -> its sharding: heads / MLP columns over all mesh axes, else replicated."""
     if mesh is None:
         return lambda name, ndim: None
