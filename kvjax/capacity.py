@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from kvjax._math import ceil_div
 from kvjax.config import CacheConfig
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,10 +66,6 @@ def _bytes(name: str, value: Any) -> int | float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
     return value
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def sink_bubble_length(sink_token_length: int, tokens_per_block: int) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from kvjax._math import ceil_div
 from kvjax.device.buckets import bucket
 
 
@@ -81,7 +82,7 @@ def build_batch(ledger, rows: Sequence[Row], buckets: Buckets, *, chunk_bucket: 
         raise ValueError(f"chunk_bucket={t} is shorter than the longest row ({longest} tokens)")
     seq_lens = np.zeros((b,), np.int32)  # [B]
     seq_lens[:n] = [r.seq_len for r in rows]
-    needed = -(-int(seq_lens.max()) // tpb)
+    needed = ceil_div(int(seq_lens.max()), tpb)
     mb = bucket(needed, buckets.min_blocks)
     tokens = np.zeros((b, t), np.int32)  # [B, T]
     positions = seq_lens[:, None] - t + np.arange(t, dtype=np.int32)[None, :]  # [B, T]

@@ -37,10 +37,9 @@ from typing import cast
 
 import numpy as np
 
+from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
-from kvjax.transfer_plan import TransferKind
 from kvjax.engine.batching import Row, StepExtras
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
@@ -48,6 +47,8 @@ from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_
 from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
+from kvjax.transfer_plan import TransferKind
 
 
 class EngineInvariantError(KVCacheError, AssertionError):
@@ -108,10 +109,9 @@ class EngineCore:
 
     def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
                  kv_events: KVEventsConfig | None = None) -> None:
-        from kvjax.ledger import KVCacheManager
-
         from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.engine.scheduler import CapacityScheduler
+        from kvjax.ledger import KVCacheManager
 
         engine.model.check_cache(cache_config)
         enable_compilation_cache()  # the runner's programs persist across processes (kvjax.compilation_cache)
@@ -170,9 +170,8 @@ class EngineCore:
         tpb = cfg.tokens_per_block
         for w in cfg.windows:
             # SWA windows hold the whole prompt until decoding starts releasing front blocks
-            need = max(
-                -(-len(prompt) // tpb), max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb)
-            )
+            need = max(ceil_div(len(prompt), tpb),
+                       max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb))
             have = cfg.primary_blocks_for(w)
             if need > have:
                 raise InvalidRequestError(

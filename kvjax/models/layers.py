@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax._math import ceil_div
+
 # float32 models compute at full float32 precision (no TF32 / bf16 passes on GPU), so the
 # paged and dense paths agree to ~1e-5 on every backend.
 PRECISION = jax.lax.Precision.HIGHEST
@@ -64,7 +66,7 @@ def normal_init(key: jax.Array, shape: tuple[int, ...], fan_in: int, dtype: jnp.
     scale = np.float32(1.0 / math.sqrt(fan_in))
     if _SHAPES_ONLY.get():
         return jnp.zeros(shape, dtype)
-    chunks = [_normal_chunk(key, np.uint32(i)) for i in range(-(-size // _INIT_CHUNK))]  # n x [CHUNK]
+    chunks = [_normal_chunk(key, np.uint32(i)) for i in range(ceil_div(size, _INIT_CHUNK))]  # n x [CHUNK]
     try:
         host = [np.asarray(c) for c in chunks]
     except jax.errors.TracerArrayConversionError:  # abstract construction: stay in jnp

@@ -44,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvjax._math import ceil_div
 from kvjax.router.metrics import RouterMetrics
 from kvjax.router.policy import make_policy
 from kvjax.router.replicas import ReplicaSet, load_tokenizer, normalise_url
@@ -143,7 +144,7 @@ def prompt_token_ids(parsed: Parsed, tokenizer, max_seq_len: int | None = None) 
 
     def too_long(text: str) -> bool:
         per = tokenizer.max_chars_per_token()
-        return max_seq_len is not None and per is not None and -(-len(text) // per) > max_seq_len
+        return max_seq_len is not None and per is not None and ceil_div(len(text), per) > max_seq_len
 
     if parsed.messages is not None:
         if tokenizer is None:

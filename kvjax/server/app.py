@@ -51,6 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvjax._math import ceil_div
 from kvjax.engine.core import EngineBusyError
 from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.engine.llm_engine import LLMEngine
@@ -217,7 +218,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
         no token of this tokenizer covers more than `chars_per_token` characters."""
         if chars_per_token is None:
             return
-        least = -(-len(text) // chars_per_token)
+        least = ceil_div(len(text), chars_per_token)
         if least + (max_tokens or 1) > max_seq_len:
             raise bad(f"this model's maximum context length is {max_seq_len} tokens ({MAX_SEQ_LEN_OPTION}); the "
                       f"request's {len(text)} characters make at least {least} prompt tokens", param=param,

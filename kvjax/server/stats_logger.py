@@ -14,6 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Hashable
 
+from kvjax._math import ceil_div
 from kvjax.device.buckets import bucket
 
 log = logging.getLogger("kvjax.server.stats")
@@ -41,7 +42,7 @@ def compile_buckets(engine_config, cache_config) -> tuple[str, int]:
     decode = _powers(b.min_batch, s.max_batch_size)
     rows = _powers(1, min(b.prefill_rows, s.max_batch_size))
     chunks = _powers(b.min_chunk, s.max_num_tokens)
-    widths = _powers(b.min_blocks, -(-cache_config.max_seq_len // cache_config.tokens_per_block))
+    widths = _powers(b.min_blocks, ceil_div(cache_config.max_seq_len, cache_config.tokens_per_block))
     count = (len(decode) + len(rows) * len(chunks)) * len(widths)
     text = (f"decode batch {_span(decode)} x 1 token, prefill rows {_span(rows)} x chunk {_span(chunks)} tokens, "
             f"block tables {_span(widths)} wide: at most {count} programs, each compiled on first use")
