@@ -111,8 +111,17 @@ def row_kernels(row: Row, dry: bool) -> None:
     import numpy as np
 
     from kvjax import CacheConfig, TransferKind, TransferPlan
-    from kvjax.device import (allocate_pools, apply_transfers, apply_transfers_reference, gather_kv, gather_kv_reference,
-                              paged_attention, paged_attention_reference, write_kv, write_kv_reference)
+    from kvjax.device import (
+        allocate_pools,
+        apply_transfers,
+        apply_transfers_reference,
+        gather_kv,
+        gather_kv_reference,
+        paged_attention,
+        paged_attention_reference,
+        write_kv,
+        write_kv_reference,
+    )
 
     gpu = jax.default_backend() == "gpu" and not dry
     rng = np.random.default_rng(0)

@@ -34,10 +34,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
-from kvjax import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRangeRetention  # noqa: E402
-from kvjax.ledger import BlockHasher, BlockKey, StoredData  # noqa: E402
 from ledger_floor import FloorDriver  # noqa: E402
 from ledger_trace import TRACE_PARAMS, ideal_hit_rate, make_trace, trace_digest, waves  # noqa: E402
+
+from kvjax import CacheConfig, KVCacheManager, Request, RetentionConfig, TokenRangeRetention  # noqa: E402
+from kvjax.ledger import BlockHasher, BlockKey, StoredData  # noqa: E402
 
 PEERS = {"vllm": "vLLM v1 KVCacheManager", "sglang": "SGLang RadixCache"}
 PEER_RUNNER = HERE / "peer_adapters" / "run_peer.py"

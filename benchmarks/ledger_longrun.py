@@ -59,6 +59,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "ledger"))
 
+from ledger_helpers import SlotModel  # noqa: E402  (the slot model shared with the tests)
+
 from kvjax import (  # noqa: E402
     CacheConfig,
     KVCacheError,
@@ -72,7 +74,7 @@ from kvjax import (  # noqa: E402
 from kvjax.kv_events import MEDIUM_CPU, MEDIUM_GPU, LedgerEventAdapter, decode_batch, encode_batch  # noqa: E402
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, cache_salt_id  # noqa: E402
 from kvjax.router import PrefixIndex  # noqa: E402
-from ledger_helpers import SlotModel  # noqa: E402  (the slot model shared with the tests)
+
 
 class Violation(Exception):
     """The ledger served, kept or reported something wrong (counted, then the episode ends)."""

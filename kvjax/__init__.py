@@ -21,8 +21,8 @@ from kvjax.errors import (
     UnknownBlockError,
     UnknownRequestError,
 )
-from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
 from kvjax.request import MultimodalItem, Request, RetentionConfig, TokenRangeRetention
+from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
 
 _LEDGER_NAMES = {
     "KVCacheManager",

@@ -23,8 +23,8 @@ import logging
 import re
 import sys
 import tomllib
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 #: `--kv-cache-dtype` values (the keys of `kvjax.engine.config.KV_CACHE_DTYPES`, listed here so
@@ -333,7 +333,6 @@ def _weights_of(spec, model_arg: str) -> tuple[int, str]:
     """(weight bytes, where the figure comes from): a checkpoint's tensors, else the spec's parameter count."""
     from kvjax import capacity as C
     from kvjax.config import DTYPE_BYTES
-
     from kvjax.model_spec import checkpoint_dir
 
     path = checkpoint_dir(model_arg)

@@ -37,7 +37,6 @@ from typing import Any
 from kvjax.errors import KVCacheError
 from kvjax.model_spec import ModelSpec, RopeScaling
 
-
 log = logging.getLogger("kvjax")
 _KVJAX_DIR = str(Path(__file__).parent)  # as frames name their files (no resolving)
 

@@ -457,7 +457,8 @@ def _builtin_merges(count: int) -> list[tuple[str, str]]:
 
 @lru_cache(maxsize=8)
 def _builtin_json(vocab_size: int) -> str:
-    from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
 
     base = 256 + len(BUILTIN_SPECIALS)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < base:

@@ -5,7 +5,8 @@ detokenisation that never splits a character, and the built-in byte tokenizer.""
 import json
 
 import pytest
-from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
 
 from kvjax.tokenizer import BUILTIN_SPECIALS, ChatTemplateError, IncrementalDetokenizer, Tokenizer
 

@@ -25,7 +25,6 @@ import sys
 import types
 from array import array
 
-
 _TORCHVISION = None  # how torchvision was found, once per process
 
 

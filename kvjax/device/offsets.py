@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
 from jaxtyping import Array, Int
 
 from kvjax.config import CacheConfig

@@ -9,7 +9,8 @@ import functools
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 #: Position of the kv-heads axis in a pool array, in both layouts.
 HEAD_AXIS = 3

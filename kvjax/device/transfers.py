@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.device import backend, quant
 from kvjax.device import _checks as chk
+from kvjax.device import backend, quant
 from kvjax.device import sharding as shd
 from kvjax.device.buckets import bucket
 from kvjax.device.pools import KVPools, PoolMeta

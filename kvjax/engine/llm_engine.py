@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvjax.config import CacheConfig
-from kvjax.errors import DuplicateRequestError
 from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config
 from kvjax.engine.core import CoreOutput, EngineCore
 from kvjax.engine.engine import Engine
@@ -36,6 +35,7 @@ from kvjax.engine.outputs import CompletionOutput, Logprob, OutputText, Position
 from kvjax.engine.request_state import LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.sampling import SamplingParams, key_seed
 from kvjax.engine.workloads import WorkItem
+from kvjax.errors import DuplicateRequestError
 
 log = logging.getLogger("kvjax.engine")
 

@@ -15,8 +15,8 @@ A request ends with a finish reason: "stop" (an end-of-sequence token: the work 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 import enum
+from typing import Any
 
 from kvjax.engine.workloads import WorkItem
 from kvjax.request import Request

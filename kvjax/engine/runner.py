@@ -25,7 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.engine.batching import ForwardBatch, StepExtras, build_batch
 from kvjax.engine.sampling import apply_penalties, sample, token_logprobs

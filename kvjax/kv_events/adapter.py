@@ -27,7 +27,6 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from kvjax.config import CacheConfig
-from kvjax.ledger.events import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredColumns, StoredData, UpdatedData
 from kvjax.kv_events.wire import (
     KIND_FULL_ATTENTION,
     KIND_SLIDING_WINDOW,
@@ -40,6 +39,7 @@ from kvjax.kv_events.wire import (
     WireEvent,
     canonical_hash,
 )
+from kvjax.ledger.events import CreatedData, KVCacheEvent, RemovedData, StoredBlock, StoredColumns, StoredData, UpdatedData
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax.errors import InvalidArgumentError, IntegrityError
+from kvjax.errors import IntegrityError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from kvjax.ledger.sequence import SequenceWindow

@@ -16,8 +16,8 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from kvjax._math import ceil_div
-from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
+from kvjax.ledger.block_key import cache_salt_id
 from kvjax.ledger.token_path import PLAIN_UNIT, TokenPath, encode_tokens, encode_with_extra, mm_keys_by_block
 from kvjax.ledger.token_store import TokenStore
 from kvjax.request import Request

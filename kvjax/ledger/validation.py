@@ -7,8 +7,8 @@ the argument normalised (numpy integers as `int`, id collections as lists).
 from __future__ import annotations
 
 import threading
-from operator import countOf
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from operator import countOf
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np

@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import Transformer, layer_period
-
 
 
 @dataclasses.dataclass(frozen=True)

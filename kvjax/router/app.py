@@ -163,7 +163,7 @@ def prompt_token_ids(parsed: Parsed, tokenizer, max_seq_len: int | None = None) 
     return fits(list(parsed.prompt))
 
 
-def build_router_app(config: RouterConfig) -> Starlette:
+def build_router_app(config: RouterConfig) -> Starlette:  # noqa: C901 - split next
     """The router's ASGI app; its lifespan starts the HTTP client and the health checks."""
     import anyio
     import anyio.to_thread

@@ -166,7 +166,7 @@ async def _wait_disconnect(receive) -> None:
             return
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
+def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:  # noqa: C901 - split next
     """The ASGI app; its lifespan starts the engine thread and shuts it down gracefully.
     `app.state.on_engine_death` (None: nothing) is called on the event loop if the engine
     thread dies; `launch.py` sets it to stop the server."""

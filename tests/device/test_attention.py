@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from device_helpers import DTYPES, LAYOUTS, fill, make_config, random_tables
-from pallas_kernels.paged_attention import mgpu_supported
+
 from kvjax.device import allocate_pools, dense_attention, gather_kv, paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import mgpu_supported
 
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 reference = jax.jit(paged_attention_reference, static_argnums=(2,), static_argnames=("scale",))

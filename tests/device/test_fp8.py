@@ -12,11 +12,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_helpers import assert_pools_match as pools_equal
+from device_helpers import make_config
 
-from device_helpers import assert_pools_match as pools_equal, make_config
 from kvjax import TransferKind, TransferPlan
-from kvjax.device import (allocate_pools, apply_transfers, gather_kv, gather_kv_reference, paged_attention,
-                          paged_attention_reference, quant, write_kv, write_kv_reference)
+from kvjax.device import (
+    allocate_pools,
+    apply_transfers,
+    gather_kv,
+    gather_kv_reference,
+    paged_attention,
+    paged_attention_reference,
+    quant,
+    write_kv,
+    write_kv_reference,
+)
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 EPS = {"float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3}  # half an ulp, relative (3 and 2 mantissa bits)

@@ -8,12 +8,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from device_helpers import make_config
+
 from kvjax import TransferKind, TransferPlan
-from kvjax.device import (PoolGeometry, allocate_pools, apply_transfers, build_kvcache_offsets, gather_kv,
-                          paged_attention, write_kv)
-from kvjax.device import attention as attn_mod, backend, gather as gather_mod, transfers as tr, write as write_mod
+from kvjax.device import (
+    PoolGeometry,
+    allocate_pools,
+    apply_transfers,
+    backend,
+    build_kvcache_offsets,
+    gather_kv,
+    paged_attention,
+    write_kv,
+)
+from kvjax.device import attention as attn_mod
+from kvjax.device import gather as gather_mod
+from kvjax.device import transfers as tr
+from kvjax.device import write as write_mod
 
 POLICY = dict(enable_block_reuse=False, enable_partial_reuse=False, copy_on_partial_reuse=False, onboard_blocks=False,
               secondary_offload_min_priority=80, event_buffer_max_size=64, max_num_tokens=512, max_beam_width=1)

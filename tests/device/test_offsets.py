@@ -1,8 +1,8 @@
 """KVCacheIndex offsets: the numpy formula (shared with the ledger) and the jitted builder."""
 import numpy as np
 import pytest
-
 from device_helpers import make_config
+
 from kvjax.device import build_kvcache_offsets
 from kvjax.offsets import kvcache_index_offsets
 

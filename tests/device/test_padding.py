@@ -6,12 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_helpers import assert_pools_equal, fill, make_config, snapshot
 from jax.experimental import checkify
 
-from device_helpers import fill, make_config, snapshot, assert_pools_equal
 from kvjax import TransferKind, TransferPlan
-from kvjax.device import (allocate_pools, apply_transfers, checked, gather_kv, paged_attention, slots_for_positions,
-                          write_kv)
+from kvjax.device import allocate_pools, apply_transfers, checked, gather_kv, paged_attention, slots_for_positions, write_kv
 
 TPB, HEADS, DIM = 4, 2, 4
 

@@ -2,8 +2,8 @@
 import jax
 import numpy as np
 import pytest
-
 from device_helpers import make_config
+
 from kvjax.device import allocate_pools, bucket, pad_block_table, pad_seq_lens, pad_slot_mapping
 from kvjax.device.pools import KVPools
 

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from device_helpers import make_config
+
 from kvjax.device import allocate_pools, gather_kv, paged_attention, step_inputs, write_kv
 from kvjax.device import write as write_mod
 

@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from device_helpers import assert_pools_equal, fill, make_config, random_tables, snapshot
 
-from device_helpers import fill, make_config, random_tables, snapshot, assert_pools_equal
 from kvjax import TransferPlan
 from kvjax.device import allocate_pools, apply_transfers, apply_transfers_reference, gather_kv, paged_attention, write_kv
-from kvjax.device import gather as gather_mod, write as write_mod
+from kvjax.device import gather as gather_mod
+from kvjax.device import write as write_mod
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\b")
 

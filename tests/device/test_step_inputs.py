@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from device_helpers import make_config
+
 from kvjax import CacheConfig, KVCacheManager, Request
-from kvjax.device import (allocate_pools, dense_attention, gather_kv, paged_attention, slots_for_positions, step_inputs,
-                          write_kv)
+from kvjax.device import allocate_pools, dense_attention, gather_kv, paged_attention, slots_for_positions, step_inputs, write_kv
 from kvjax.engine import Buckets, Row, build_batch
 
 TPB = 4

@@ -4,9 +4,10 @@ import chex
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
-
 from device_helpers import LAYOUTS, assert_pools_equal, assert_pools_match, fill, make_config, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvjax import TransferKind, TransferPlan
 from kvjax.device import allocate_pools, apply_transfers, apply_transfers_reference, split_segments, write_kv
 from kvjax.device import transfers as tr

@@ -6,15 +6,23 @@ import inspect
 import chex
 import jax.numpy as jnp
 import numpy as np
-
 from device_helpers import fill, make_config
-from kvjax import device
-from kvjax.device import (allocate_pools, gather_kv, gather_kv_reference, paged_attention, paged_attention_reference, quant,
-                          write_kv, write_kv_reference)
+
 import pallas_kernels.copy_pages
 import pallas_kernels.gather_pages
 import pallas_kernels.paged_attention
 import pallas_kernels.write_pages
+from kvjax import device
+from kvjax.device import (
+    allocate_pools,
+    gather_kv,
+    gather_kv_reference,
+    paged_attention,
+    paged_attention_reference,
+    quant,
+    write_kv,
+    write_kv_reference,
+)
 
 
 class OpsVariants(chex.TestCase):

@@ -5,11 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from device_helpers import DTYPES, LAYOUTS, assert_pools_equal, fill, make_config, random_tables, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from device_helpers import DTYPES, LAYOUTS, fill, make_config, random_tables, snapshot, assert_pools_equal
 from kvjax.device import allocate_pools, gather_kv, gather_kv_reference, write_kv, write_kv_reference
-from kvjax.device import gather as gather_mod, write as write_mod
+from kvjax.device import gather as gather_mod
+from kvjax.device import write as write_mod
 
 IMPLS = ("xla", "pallas")
 

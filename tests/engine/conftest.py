@@ -3,8 +3,8 @@ jitted runner per worker, so every bucketed shape compiles once per worker."""
 import dataclasses
 
 import pytest
-
 from engine_helpers import Served
+
 from kvjax.model_catalog import load_model_spec
 
 

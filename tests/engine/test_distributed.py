@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvjax import CacheConfig
 from kvjax.engine import ranks
 from kvjax.engine.ranks import RankDigest, RankDivergenceError, agree_on_cache
-
-from kvjax import CacheConfig
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMEOUT_S = 300
@@ -146,12 +145,11 @@ def test_tensor_parallel_in_one_process_matches_one_device(micro):
     """The same engine code with a mesh of local devices: weights and pools sharded over the KV
     heads (offload / onboard through a tight pool included), no rank checks, the same tokens."""
     import jax
+    from engine_helpers import TIGHT, cache, engine_config
     from jax.sharding import PartitionSpec as P
 
     from kvjax.engine import ChatWorkload, Engine
     from kvjax.models import Transformer
-
-    from engine_helpers import TIGHT, cache, engine_config
 
     items = ChatWorkload(users=6, turns=3, system_prompts=2, system_prompt_tokens=(36, 44), user_tokens=(4, 20),
                          max_new_tokens=(4, 10), arrival_interval=1, think_steps=1, priority=80,

@@ -5,8 +5,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from engine_helpers import TIGHT, assert_same_tokens, cache, check_accounting
+
 from kvjax.engine import ChatWorkload, FewShotWorkload, SchedulerPolicy, SharedSystemPromptWorkload, WorkItem
 
 GNE, MAX_UTIL = SchedulerPolicy.GUARANTEED_NO_EVICT, SchedulerPolicy.MAX_UTILIZATION

@@ -3,10 +3,11 @@ ops after the others applied) mid-run; the ledger drops what did not arrive, the
 recomputes the prefixes it had reused, and greedy outputs stay identical to the dense oracle."""
 import dataclasses
 
-import kvjax.device
 from engine_helpers import TIGHT, assert_same_tokens, cache, check_accounting
-from kvjax.errors import TransferError
+
+import kvjax.device
 from kvjax.engine import ChatWorkload
+from kvjax.errors import TransferError
 from kvjax.ledger import KVCacheManager
 from kvjax.transfer_plan import TransferPlan
 

@@ -2,8 +2,8 @@
 onboard of blocks with their scales, and greedy tokens close to the full-precision pools'."""
 import numpy as np
 import pytest
-
 from engine_helpers import TIGHT, cache, check_accounting
+
 from kvjax.engine import ChatWorkload
 from kvjax.engine.config import KV_CACHE_DTYPES
 

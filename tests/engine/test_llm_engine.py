@@ -6,8 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
-
 from engine_helpers import BUCKETS, MAX_SEQ_LEN, ROOMY, SECONDARY, TIGHT, TPB, cache, engine_config
+
 from kvjax import LLM, SamplingParams, Tokenizer
 from kvjax.engine import Engine, EngineBusyError, LLMEngine
 from kvjax.errors import DuplicateRequestError

@@ -4,11 +4,11 @@ forward's log-softmax, n completions sharing one prompt, stop reasons."""
 import jax
 import numpy as np
 import pytest
-
 from engine_helpers import ROOMY, cache, engine_config
+from test_llm_engine import OPTIONS, drain, prompts
+
 from kvjax import LLM, SamplingParams, Tokenizer
 from kvjax.engine import Engine, LLMEngine
-from test_llm_engine import OPTIONS, drain, prompts
 
 
 @pytest.fixture(scope="module")

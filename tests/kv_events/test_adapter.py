@@ -2,6 +2,7 @@
 run whose wire stream rebuilds exactly the full blocks the ledger holds, per tier and group."""
 
 import pytest
+from kv_helpers import RandomDriver, index_view, ledger_view, small_config
 
 from kvjax import KVCacheManager, Request, RetentionConfig, TokenRangeRetention
 from kvjax.kv_events import (
@@ -14,8 +15,6 @@ from kvjax.kv_events import (
 )
 from kvjax.ledger.events import KVCacheEvent, RemovedData, StoredBlock, StoredData, UpdatedData
 from kvjax.router import PrefixIndex
-
-from kv_helpers import RandomDriver, index_view, ledger_view, small_config
 
 
 def events_of(ledger):

@@ -4,6 +4,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from kv_helpers import RandomDriver, small_config
 
 from kvjax import KVCacheManager
 from kvjax.kv_events import (
@@ -17,8 +18,6 @@ from kvjax.kv_events import (
     decode_batch,
     encode_batch,
 )
-
-from kv_helpers import RandomDriver, small_config
 
 
 # ---------------------------------------------------------------- vLLM 0.33's structs

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import zmq
+from kv_helpers import RandomDriver, index_view, ledger_view, small_config
 
 from kvjax import KVCacheManager
 from kvjax.kv_events import (
@@ -19,8 +20,6 @@ from kvjax.kv_events import (
     is_bind_endpoint,
 )
 from kvjax.router import PrefixIndex
-
-from kv_helpers import RandomDriver, index_view, ledger_view, small_config
 
 ANY_PORT = "tcp://127.0.0.1:*"
 TOPIC = "kv@r0"

@@ -15,10 +15,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from ledger_helpers import SlotModel, make_config, tag
 
 from kvjax import InvalidRequestError, KVCacheManager, OutOfBlocksError, Request
 from kvjax.errors import InvalidArgumentError, UnknownRequestError
-from ledger_helpers import SlotModel, make_config, tag
 
 R = range
 

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from ledger_helpers import FakeClock, busy_manager, make_config
 
 from kvjax import (
     DuplicateRequestError,
@@ -30,7 +31,6 @@ from kvjax import (
     UnknownRequestError,
 )
 from kvjax.errors import ArgumentTypeError, TransferSequenceError
-from ledger_helpers import FakeClock, busy_manager, make_config
 
 # classes of bad input (a value standing for each)
 BAD = {

@@ -1,9 +1,10 @@
 """Claiming and releasing blocks through `RefCounts` (a block is referenced or in exactly one
 free queue, never both, whichever call takes it), and the storing cursor `StoreCursor`."""
+from ledger_helpers import make_manager
+
 from kvjax import Request
 from kvjax.ledger.free_queues import NOT_FREE, PRIMARY, SECONDARY
 from kvjax.ledger.sequence import StoreCursor
-from ledger_helpers import make_manager
 
 
 def _wm(m):

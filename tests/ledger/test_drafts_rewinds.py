@@ -16,10 +16,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from ledger_helpers import SlotModel, make_config, tag
 
 from kvjax import InvalidRequestError, KVCacheManager, OutOfBlocksError, Request
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID
-from ledger_helpers import SlotModel, make_config, tag
 
 R = range
 

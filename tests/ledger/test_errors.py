@@ -4,6 +4,7 @@ full `snapshot()` before and after on a ledger holding live sequences, beams, ca
 offloaded and pinned blocks, pending retention expiries and events."""
 import numpy as np
 import pytest
+from ledger_helpers import FakeClock, make_config, make_manager
 
 from kvjax import (
     CacheConfig,
@@ -18,7 +19,6 @@ from kvjax import (
     TokenRangeRetention,
     UnknownRequestError,
 )
-from ledger_helpers import FakeClock, make_config, make_manager
 
 R = range
 

@@ -17,6 +17,7 @@ import weakref
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
+from ledger_helpers import make_config
 
 from kvjax import KVCacheManager, Request
 from kvjax.ledger import RemovedData, StoredData, UpdatedData
@@ -31,7 +32,6 @@ from kvjax.ledger.block_hashing import (
     trtllm64_block_hash,
 )
 from kvjax.ledger.block_key import BlockKey, MmKey
-from ledger_helpers import make_config
 
 
 def stored_hashes(m: KVCacheManager) -> list:
@@ -245,8 +245,14 @@ def test_sha256_hasher_keeps_no_memo():
 def test_fast_event_constructors_fill_every_field():
     """The ledger builds Stored events without the dataclasses' `__init__`; what it builds
     must equal (and hash like) what the public constructors build."""
-    from kvjax.ledger.events import KVCacheEvent, KVCacheEventManager, StoredBlock, StoredData
-    from kvjax.ledger.events import _new_stored_data, add_stored_blocks
+    from kvjax.ledger.events import (
+        KVCacheEvent,
+        KVCacheEventManager,
+        StoredBlock,
+        StoredData,
+        _new_stored_data,
+        add_stored_blocks,
+    )
 
     args = (b"\x01" * 32, (1, 2, 3), 7, 1, 80, ())
     slow = StoredBlock(*args)

@@ -19,6 +19,8 @@ import hashlib
 import random
 
 import pytest
+from ledger_helpers import make_config
+from test_event_hashes import _ref_encode
 
 from kvjax import KVCacheManager, Request
 from kvjax.errors import KVCacheError
@@ -26,8 +28,6 @@ from kvjax.ledger import CreatedData, KVCacheEvent, RemovedData, StoredBlock, St
 from kvjax.ledger.block_hashing import trtllm64_block_hash
 from kvjax.ledger.block_key import BlockKey
 from kvjax.request import MultimodalItem, RetentionConfig, TokenRangeRetention
-from ledger_helpers import make_config
-from test_event_hashes import _ref_encode
 
 ROOT_SHA = hashlib.sha256(b"kvjax/block-hash/sha256/v1").digest()
 

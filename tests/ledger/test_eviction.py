@@ -2,11 +2,11 @@
 front of the lowest non-empty queue, O(1) claim/take/release, retention expiry through
 refresh() (trtllm.md §1.8, SPEC §3 "Eviction" and "Retention")."""
 import pytest
+from ledger_helpers import FakeClock
 
 from kvjax import OutOfBlocksError
 from kvjax.ledger.block_columns import PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.free_queues import NOT_FREE, FreeQueues
-from ledger_helpers import FakeClock
 
 
 def make(num_primary=4, num_secondary=2, offload_min=30, clock=None):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ledger_helpers import make_config, make_manager
 
 from kvjax import InvalidArgumentError, KVCacheManager, Request, UnknownRequestError
-from ledger_helpers import make_config, make_manager
 
 KINDS = {
     "list": list,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from ledger_helpers import FakeClock
 
 from kvjax import CacheConfig, KVCacheManager, MultimodalItem, Request, RetentionConfig, TokenRangeRetention
 from kvjax.errors import IntegrityError
@@ -26,7 +27,6 @@ from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.sequence import StoreCursor
 from kvjax.ledger.sorted_firsts import SortedFirsts
-from ledger_helpers import FakeClock
 
 TPB = 4
 SYS = list(range(12))  # a 3-block shared prefix

@@ -10,6 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 
 import ledger_longrun  # noqa: E402
 
+
 def test_long_run_slice_has_no_violations():
     run = ledger_longrun.LongRun(seed=1, fail_rate=0.1)
     run.run(1000 * len(ledger_longrun.families(4)), episode_ops=1000)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import random
 
-from kvjax import KVCacheManager, Request, RetentionConfig, TokenRangeRetention
 from ledger_helpers import FakeClock, make_config
+
+from kvjax import KVCacheManager, Request, RetentionConfig, TokenRangeRetention
 
 
 def test_expiry_heap_is_bounded_by_the_pool():

@@ -5,6 +5,7 @@ evicted. A seeded random driver interleaves resets with admissions, growth and r
 import random
 
 from ledger_helpers import cached_ids, free_order, make_manager
+
 from kvjax import Request
 from kvjax.config import MIN_PRIORITY
 from kvjax.ledger.events import RemovedData, StoredData

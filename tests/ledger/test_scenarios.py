@@ -8,6 +8,15 @@ non-empty priority queue and only it leaves the tree.
 """
 import numpy as np
 import pytest
+from ledger_helpers import (
+    FakeClock,
+    cached_ids,
+    cached_tokens,
+    free_order,
+    free_queue,
+    make_manager,
+    plan_ops,
+)
 
 from kvjax import (
     InvalidRequestError,
@@ -21,15 +30,6 @@ from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredB
 from kvjax.ledger.block_hashing import sha256_block_hash as block_hash
 from kvjax.ledger.block_key import BlockKey, cache_salt_id
 from kvjax.offsets import kvcache_index_offsets
-from ledger_helpers import (
-    FakeClock,
-    cached_ids,
-    cached_tokens,
-    free_order,
-    free_queue,
-    make_manager,
-    plan_ops,
-)
 
 PH = PLACEHOLDER_BLOCK_ID
 R = range

@@ -14,13 +14,13 @@ import struct
 
 import numpy as np
 import pytest
+from ledger_helpers import make_config
 
 from kvjax import DuplicateRequestError, InvalidArgumentError, KVCacheError, KVCacheManager, Request, UnknownRequestError
 from kvjax.errors import OutOfBlocksError
 from kvjax.ledger import decode_batch
 from kvjax.ledger.decode_batch import int_array
 from kvjax.ledger.validation import max_table_width
-from ledger_helpers import make_config
 
 CONFIGS = {
     "one_window": dict(tokens_per_block=4, max_seq_len=48, primary_blocks=24, secondary_blocks=4, event_buffer_max_size=4096),

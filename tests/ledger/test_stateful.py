@@ -33,10 +33,10 @@ KV unnoticed.
 """
 from __future__ import annotations
 
-
 import hypothesis.strategies as st
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
 
 from kvjax import (
     InvalidRequestError,
@@ -47,7 +47,6 @@ from kvjax import (
     TokenRangeRetention,
 )
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID, CreatedData, RemovedData, StoredData, UpdatedData, decode_batch
-from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
 
 # Shared prefixes: bases 0 and 1 share 8 tokens, so prompts cut from them meet at block
 # boundaries (tpb 2 or 4) and diverge inside blocks (partial matches) when suffixes differ.

@@ -11,13 +11,13 @@ from __future__ import annotations
 import random
 
 import pytest
+from ledger_helpers import make_config
 
 from kvjax import CacheConfig, KVCacheManager, Request
 from kvjax.errors import InvalidArgumentError, KVCacheError, UnknownRequestError
 from kvjax.ledger import decode_batch, radix_tree
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.request import RetentionConfig, TokenRangeRetention
-from ledger_helpers import make_config
 
 TPB = 4
 

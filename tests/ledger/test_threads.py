@@ -10,10 +10,10 @@ import sys
 import threading
 
 import pytest
+from ledger_helpers import FakeClock, make_config
 
 from kvjax import KVCacheManager, OutOfBlocksError, Request, UnknownRequestError
 from kvjax.ledger import decode_batch
-from ledger_helpers import FakeClock, make_config
 
 TPB = 4
 

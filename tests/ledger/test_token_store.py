@@ -14,12 +14,12 @@ import struct
 
 import numpy as np
 import pytest
+from ledger_helpers import make_config
 
 from kvjax import KVCacheManager, Request
 from kvjax.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
 from kvjax.ledger.decode_batch import SMALL_BATCH
 from kvjax.ledger.token_store import PAGE, TokenStore
-from ledger_helpers import make_config
 
 
 def _encode(tokens: list[int]) -> bytes:

@@ -8,11 +8,11 @@ and recomputing from the cut-back length must leave every request reading its ow
 from __future__ import annotations
 
 import pytest
+from ledger_helpers import SlotModel, make_config, plan_ops, tag
 
 from kvjax import InvalidArgumentError, KVCacheManager, Request, TransferKind
 from kvjax.errors import TransferSequenceError
 from kvjax.ledger import PLACEHOLDER_BLOCK_ID
-from ledger_helpers import SlotModel, make_config, plan_ops, tag
 
 LOST = ("lost",)  # what a failed op leaves in its destination
 

@@ -5,8 +5,8 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-
 from hf_helpers import FIXTURES, copy_fixture, read_all, rewrite_single_file, write_safetensors
+
 from kvjax.checkpoint_files import INDEX_FILE, CheckpointError, CheckpointTensors, read_header
 
 

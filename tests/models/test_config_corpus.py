@@ -155,6 +155,7 @@ def test_corpus_configs_as_parsed_json_match_the_checkpoint_reader():
 def test_from_pretrained_warns_or_refuses_unknown_fields(tmp_path):
     """The strict switch reaches the loader: refused before any weight is read; off, the model loads."""
     from hf_helpers import copy_fixture
+
     from kvjax.hf_config import UnknownConfigFieldWarning
     from kvjax.model_catalog import servable_model
     from kvjax.models import from_pretrained

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
 from hf_helpers import FAMILIES, FIXTURES, copy_fixture, expected, read_all, rewrite_single_file
+
 from kvjax.checkpoint_files import CheckpointError
 from kvjax.hf_config import UnsupportedConfigError
 from kvjax.model_catalog import load_model_spec

@@ -8,8 +8,8 @@ import logging
 import warnings
 
 import pytest
-
 from hf_helpers import FAMILIES, FIXTURES
+
 from kvjax.hf_config import (
     NOT_NUMERIC,
     NOT_NUMERIC_SUFFIXES,

@@ -6,8 +6,8 @@ Each family's prompts share long prefixes (40 tokens, and 21: a partial block); 
 come back later in the run, after their blocks were evicted to the host tier.
 """
 import pytest
-
 from hf_helpers import FAMILIES, FIXTURES, SLIDING, expected
+
 from kvjax.engine import Engine, EngineConfig, ModelRunner, SchedulerConfig, cache_config
 from kvjax.engine.batching import Buckets
 from kvjax.engine.workloads import WorkItem

@@ -2,9 +2,9 @@
 wrote into each fixture's expected.json (encodings, decoding, rendered chat template, EOS ids),
 and `kvjax.LLM` on a checkpoint directory generating transformers' greedy tokens."""
 import pytest
+from hf_helpers import FAMILIES, FIXTURES, expected
 
 from kvjax import LLM, SamplingParams, Tokenizer
-from hf_helpers import FAMILIES, FIXTURES, expected
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,7 +8,6 @@ from flax import nnx
 from kvjax.models import MLP, Attention, RMSNorm, apply_rope, grouped_attention, visibility_mask
 
 
-
 @pytest.fixture(autouse=True)
 def strict_rank_promotion():
     with jax.numpy_rank_promotion("raise"):

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from hf_helpers import FIXTURES
+from test_model_paged import TPB, run_schedule
+
 from kvjax.model_spec import ModelSpec
 from kvjax.models import Block, Transformer, from_pretrained, jit_dense_forward, jit_paged_forward
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import layer_period
-from test_model_paged import TPB, run_schedule
 
 UNIFORM = ModelSpec(name="uniform", num_layers=5, num_attention_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32,
                     intermediate_size=64, vocab_size=97, max_seq_len=128, dtype="float32", embedding_scale="sqrt_hidden_size")

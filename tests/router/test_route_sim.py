@@ -1,17 +1,15 @@
 """A short seeded route simulation: KV-aware routing keeps conversations where their prefix is
 cached (hit rate above round-robin and least-loaded, near a single replica holding all the
 cache) without piling load on one replica; the router's index ends equal to every ledger."""
+import numpy as np
 import pytest
+from kv_helpers import index_view, ledger_view, small_config
 
 from kvjax.cli import main
 from kvjax.engine.scheduler import SchedulerConfig
 from kvjax.engine.workloads import ChatWorkload
 from kvjax.router import make_policy
-import numpy as np
-
 from kvjax.router.sim import TimeModel, TimeModelRunner, format_table, scaled, simulate, simulated_tokens
-
-from kv_helpers import index_view, ledger_view, small_config
 
 VOCAB = 512
 

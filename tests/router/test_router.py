@@ -3,6 +3,7 @@ fed by a replica's events equals what that replica's admission would reuse."""
 import random
 
 import pytest
+from kv_helpers import RandomDriver, small_config
 
 from kvjax import KVCacheManager, Request
 from kvjax.kv_events import BlockStored, LedgerEventAdapter, decode_batch, encode_batch
@@ -14,8 +15,6 @@ from kvjax.ledger.block_hashing import (
 )
 from kvjax.ledger.block_key import BlockKey, cache_salt_id
 from kvjax.router import KVAwarePolicy, RoundRobinPolicy, Router
-
-from kv_helpers import RandomDriver, small_config
 
 
 @pytest.mark.parametrize("kind, block_hash, root", [("sha256", sha256_block_hash, SHA256_ROOT_HASH),

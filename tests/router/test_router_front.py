@@ -13,6 +13,7 @@ import uuid
 import httpx
 import pytest
 import uvicorn
+from serve_helpers import metric_value, wait_for
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -21,8 +22,6 @@ from starlette.routing import Route
 from kvjax.router.app import REPLICA_HEADER, RouterConfig
 from kvjax.router.launch import RouterThread
 from kvjax.router.replicas import connect_endpoint, normalise_url
-
-from serve_helpers import metric_value, wait_for
 
 
 class FakeReplica:

@@ -9,11 +9,10 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import ServeProcess, metric_value, wait_for
 
 from kvjax.router.app import REPLICA_HEADER, RouterConfig
 from kvjax.router.launch import RouterThread
-
-from serve_helpers import ServeProcess, metric_value, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import MODEL
+
 from kvjax.engine.sampling import SamplingParams
 from kvjax.server import ServerConfig
 from kvjax.server.launch import serve

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_helpers import ENGINE, MODEL, OPTIONS
+
 from kvjax import LLM, SamplingParams
 from kvjax.models import dense_greedy
 
