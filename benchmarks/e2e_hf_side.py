@@ -3,8 +3,8 @@
     python e2e_hf_side.py make DIR [--layers 30]            # a SmolLM2-135M-shaped checkpoint, random weights
     python e2e_hf_side.py single|offline DIR [--new-tokens 64]   # one measurement, one JSON line on stdout
 
-Imports nothing of kvjax: the prompts are rebuilt here from the same seed and lengths as
-`e2e_bench.prompts` (numpy's default_rng gives the same ids on both sides).
+Imports nothing of kvjax: the prompts come from `e2e_bench.prompts` (that module's top level
+imports only the standard library), so both sides serve the same token ids.
 """
 from __future__ import annotations
 
@@ -13,19 +13,7 @@ import json
 import os
 import time
 
-SYSTEM_LEN, UNIQUE_LEN, OFFLINE_N, OFFLINE_NEW = 256, 32, 32, 64
-
-
-def prompts(vocab: int, seed: int = 0) -> dict:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    system = rng.integers(10, vocab, SYSTEM_LEN).tolist()
-    return {
-        "single": rng.integers(10, vocab, 128).tolist(),
-        "single_warm": rng.integers(10, vocab, 128).tolist(),
-        "offline": [system + rng.integers(10, vocab, UNIQUE_LEN).tolist() for _ in range(OFFLINE_N)],
-    }
+from e2e_bench import OFFLINE_N, OFFLINE_NEW, prompts  # noqa: E402  (this folder is on sys.path: imports only the stdlib)
 
 
 def make(path: str, layers: int) -> None:
