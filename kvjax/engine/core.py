@@ -4,7 +4,7 @@ Requests arrive at any time (`add_request`), each `step()` runs one iteration an
 tokens it produced, `abort_request` takes a request out (its blocks are stored for reuse), and
 the ledger lives as long as the core, so later requests reuse what earlier ones cached.
 
-One step (SPEC §2):
+One step:
   1. the `CapacityScheduler` picks running requests, admissions, pauses from the ledger's
      accounting (waiting requests in the queue policy's order: FCFS or LPM);
   2. ledger commits: `remove_sequence` for paused requests (blocks stored for reuse),

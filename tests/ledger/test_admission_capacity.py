@@ -1,4 +1,4 @@
-"""Admission capacity and the scheduler queries that predict it (issue 7, behaviours 4 and 5).
+"""Admission capacity and the scheduler queries that predict it.
 
 * A partially matched free non-leaf block is copied, and the copy source is free again for the
   rest of the same admission (TensorRT-LLM's `NonLeafCopySourceTightPool`): the transfer plan

@@ -1,4 +1,4 @@
-"""Bad input, everywhere, before any state changes (issue 7, behaviour 7).
+"""Bad input, everywhere, before any state changes (every entry point refuses it with a typed error).
 
 A table over the whole public surface (every argument of every `KVCacheManager` method, and
 the constructors of `Request`, `RetentionConfig`, `TokenRangeRetention`, `MultimodalItem`,

@@ -1,5 +1,5 @@
 """BlockKey: equality (partial matching is tested on the tree), TensorRT-LLM's chained 64-bit
-block hash (`trtllm64_block_hash`, BlockKeyHasher, trtllm.md §1.4) and cache-salt ids. The
+block hash (`trtllm64_block_hash`, TensorRT-LLM's BlockKeyHasher) and cache-salt ids. The
 default SHA-256 hash is tested in test_event_hashes.py."""
 import ctypes
 import subprocess
@@ -15,7 +15,7 @@ MM_B = MmKey(bytes(range(1, 33)), 0)
 
 
 # --------------------------------------------------------------------------- an independent reference
-# Transcribed from trtllm.md §1.4 with ctypes fixed-width integers (a different route from the
+# Transcribed from TensorRT-LLM's BlockKeyHasher with ctypes fixed-width integers (a different route from the
 # ledger's masks): hash32Mix adds the golden constant in 32 bits before widening (bit-exactness
 # note), hash64Mix works in 64 bits.
 def _u32(x):

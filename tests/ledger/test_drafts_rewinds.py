@@ -1,4 +1,4 @@
-"""Draft tokens, rewinds and pins (issue 7, behaviours 1-3).
+"""Draft tokens, rewinds and pins.
 
 * Sliding windows keep every block that a position the next forward still computes can see:
   up to `num_draft_tokens` unverified drafts plus the newest token (docs/semantics.md).

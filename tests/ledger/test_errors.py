@@ -1,5 +1,5 @@
-"""Bad input raises a clear typed error AND leaves the ledger exactly as it was (SPEC §4
-"A failed call leaves the ledger unchanged"; issue 2 quality bar). Every case compares the
+"""Bad input raises a clear typed error AND leaves the ledger exactly as it was (a
+failed call leaves the ledger unchanged). Every case compares the
 full `snapshot()` before and after on a ledger holding live sequences, beams, cached,
 offloaded and pinned blocks, pending retention expiries and events."""
 import numpy as np

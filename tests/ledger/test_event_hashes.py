@@ -1,4 +1,4 @@
-"""Block hashes in KV events (issue 7, behaviour 9; the trtllm64 memo of behaviour 8).
+"""Block hashes in KV events (both hash formulas, the trtllm64 one memoised per block).
 
 The default hash is SHA-256 over the parent hash and a canonical encoding of the whole key
 (tokens, extra ids, LoRA id, cache salt, multimodal items): different keys never encode alike,

@@ -1,4 +1,4 @@
-"""The KV event stream, pinned bit for bit (issue 10: cheaper events must publish the same stream).
+"""The KV event stream, pinned bit for bit (a faster event path must publish the same stream).
 
 A seeded driver serves requests of every key shape (plain, extra ids, LoRA, cache salt,
 multimodal items, retention priorities, partial last blocks that grow, sliding windows,
@@ -125,7 +125,7 @@ def reference_hash(event_hash: str, block, parent):
     return trtllm64_block_hash(key, 0 if parent is None else parent)
 
 
-# (hash, windows, salts, seed) -> SHA-256 of the stream's reprs, taken before issue 10's event work
+# (hash, windows, salts, seed) -> SHA-256 of the stream's reprs, taken before the columnar event work
 PINNED = {
     ("sha256", None, True, 1): "dae045151edc0899476e64d62edc7bb5556a7102569ca567ed70f15a52bcefe7",
     ("sha256", (64, 8), True, 2): "acf1214874682e0952e32c1b8f4bb7c0cc643d44e3a84a6d3cccd8843a2c3b17",

@@ -1,6 +1,6 @@
 """FreeQueues: 101 priority queues per cache level as intrusive lists over block ids, victim =
 front of the lowest non-empty queue, O(1) claim/take/release, retention expiry through
-refresh() (trtllm.md §1.8, SPEC §3 "Eviction" and "Retention")."""
+refresh() (TensorRT-LLM's eviction and retention rules, docs/semantics.md)."""
 import pytest
 from ledger_helpers import FakeClock
 

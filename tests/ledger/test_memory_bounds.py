@@ -1,4 +1,4 @@
-"""Memory bounded by the pools, not by time or request count (issue 7, behaviour 8).
+"""Memory bounded by the pools, not by time or request count.
 
 * The retention-expiry heap deletes lazily; without compaction it gains one stale entry per
   release with a duration (request rate x duration). It must stay within its limit

@@ -1,4 +1,4 @@
-"""RadixTree: one radix tree shared by all windows, with compressed runs (trtllm.md §1.5:
+"""RadixTree: one radix tree shared by all windows, with compressed runs (TensorRT-LLM's lookup tree:
 auto-prune, re-attach clears the old slot, attach never overwrites, partial child lookup;
 SGLang: a stored run is one node until a path diverges from it)."""
 import array

@@ -1,6 +1,6 @@
 """Scenario tests pinning the ledger's exact behaviour on tiny pools (tokens_per_block 4).
 
-Every number is derived by hand from docs/semantics.md / trtllm.md and the design decisions of issue 2:
+Every number is derived by hand from docs/semantics.md (TensorRT-LLM's rules) and kvjax's design decisions:
 fresh blocks come in ascending id order, never-used before released; release goes to the back
 of the block's priority queue, last block of a sequence first; rewind releases to the front; a
 cached block is one attached to the radix tree; the eviction victim is the front of the lowest
@@ -715,7 +715,7 @@ def test_beam_search_one_int_token_goes_to_every_beam():
 def test_beam_search_full_last_block():
     m = make_manager(max_beam_width=2)
     m.add_sequence(Request("a", list(R(8)), beam_width=2))
-    # reuse path: the last context block is per beam even when full (trtllm.md §1.14)
+    # reuse path: the last context block is per beam even when full (as TensorRT-LLM does)
     assert m.block_ids("a") == [[0, 1], [0, 2]]
     m2 = make_manager(max_beam_width=2, enable_block_reuse=False)
     m2.add_sequence(Request("a", list(R(8)), beam_width=2))

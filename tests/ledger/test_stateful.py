@@ -1,4 +1,4 @@
-"""Hypothesis stateful test of the whole ledger on tiny pools (issue 2 quality bar, issue 7).
+"""Hypothesis stateful test of the whole ledger on tiny pools (random operation sequences against a model of every slot).
 
 Random operation sequences (add, add batch, chunked prefill, add token, speculative steps with
 draft tokens and rejections, rewind, store, remove, pin/unpin, refresh with a fake clock,

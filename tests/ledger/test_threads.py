@@ -1,4 +1,4 @@
-"""Concurrent readers (issue 7, behaviour 11): one writer thread drives the ledger while reader
+"""Concurrent readers: one writer thread drives the ledger while reader
 threads call the thread-safe reads; no read may be torn or raise a spurious IntegrityError.
 
 The interpreter's switch interval is cut to 20 µs so threads interleave inside operations,

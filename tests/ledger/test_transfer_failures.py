@@ -1,4 +1,4 @@
-"""Failed transfers lose nothing and serve nothing stale (issue 7, behaviour 10).
+"""Failed transfers lose nothing and serve nothing stale.
 
 Plans are numbered; the newest plan can be reported once, applied or failed (wholly or by op).
 A failure drops the blocks whose content did not arrive from the tree and cuts back every live
