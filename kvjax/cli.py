@@ -15,17 +15,17 @@ A bad flag or config file prints one line, `kvjax: error: ...`, and exits with s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import functools
 import logging
 import re
 import sys
-import tomllib
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
+
+from kvjax.serve_command import cmd_serve, parse_value
 
 #: `--kv-cache-dtype` values (the keys of `kvjax.engine.config.KV_CACHE_DTYPES`, listed here so
 #: that parsing flags imports no engine code).
@@ -430,13 +430,6 @@ class _Setup:
     checkpoint: str | None = None  # a Hugging Face checkpoint directory, else a random-weight model
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare string
-
-
 def _setup(args, *, demo: bool) -> _Setup:
     """Load and validate everything a serving command needs, before JAX is imported."""
     from kvjax.engine.config import EngineConfig
@@ -450,7 +443,7 @@ def _setup(args, *, demo: bool) -> _Setup:
         if "=" not in item:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
-        overrides[key.strip()] = _parse_value(value.strip())
+        overrides[key.strip()] = parse_value(value.strip())
     if demo:
         for flag, key in (("users", "users"), ("turns", "turns"), ("max_new_tokens", "max_new_tokens")):
             if getattr(args, flag, None) is not None:
@@ -610,7 +603,7 @@ def cmd_route_sim(args) -> int:
         if "=" not in item:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
-        overrides[key.strip()] = _parse_value(value.strip())
+        overrides[key.strip()] = parse_value(value.strip())
     cache = {k: v for k, v in (("primary_blocks", args.primary_blocks), ("secondary_blocks", args.secondary_blocks))
              if v is not None}
     kv_aware = {k: v for k, v in (("alpha", args.alpha), ("imbalance_cap", args.imbalance_cap)) if v is not None}
@@ -663,7 +656,6 @@ def router_config(args):
 
 
 def cmd_router(args) -> int:
-    import logging
 
     from kvjax.router.launch import serve_router
 
@@ -678,181 +670,6 @@ def cmd_router(args) -> int:
           file=sys.stderr)
     serve_router(config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-# ---------------------------------------------------------------------- serve
-def serve_options(args) -> dict[str, Any]:
-    """The engine and cache options of `kvjax serve`'s flags (checked by `LLMEngine.from_options`)."""
-    options: dict[str, Any] = {}
-    for item in args.option:
-        if "=" not in item:
-            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        options[key.strip()] = _parse_value(value.strip())
-    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "kv_cache_dtype", "policy",
-                 "queue_policy", "max_wait_steps", "max_batch_size", "max_num_tokens"):
-        if getattr(args, flag) is not None:
-            options[flag] = getattr(args, flag)
-    if args.no_prefix_caching and args.enable_prefix_caching:
-        raise ValueError("--no-prefix-caching contradicts --enable-prefix-caching")
-    if args.no_prefix_caching or args.enable_prefix_caching is False:
-        options["enable_block_reuse"] = False
-    return options
-
-
-def kv_events_config(args):
-    """The `KVEventsConfig` of `kvjax serve`'s --kv-events-* flags (None without an endpoint)."""
-    from kvjax.engine.event_publishing import KVEventsConfig
-
-    if args.kv_events_endpoint is None:
-        if args.kv_events_replay_endpoint is not None or args.kv_events_topic:
-            raise ValueError("--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint")
-        return None
-    return KVEventsConfig(args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-                          topic=args.kv_events_topic, data_parallel_rank=args.data_parallel_rank)
-
-
-@contextlib.contextmanager
-def _logging_to_stderr(level: str):
-    """A stderr handler on the `kvjax` logger at `level` while a command runs (removed after,
-    so repeated `main` calls in one process neither stack handlers nor keep the level)."""
-    root = logging.getLogger("kvjax")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    old_level = root.level
-    root.addHandler(handler)
-    root.setLevel(level.upper())
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(old_level)
-
-
-def serve_mesh(tensor_parallel_size: int):
-    """The device mesh of `--tensor-parallel-size` (None for 1); refused when JAX sees fewer devices."""
-    if tensor_parallel_size == 1:
-        return None
-    import jax
-
-    devices = jax.devices()
-    if len(devices) < tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} needs {tensor_parallel_size} devices, but JAX "
-                         f"sees {len(devices)} ({devices[0].platform})")
-    return jax.make_mesh((tensor_parallel_size,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=devices[:tensor_parallel_size])
-
-
-def _device_memory_stats(mesh) -> dict | None:
-    """JAX's memory figures of the (first) device the cache lives on; None on a CPU backend."""
-    import jax
-
-    if mesh is None:
-        device = jax.local_devices()[0]
-    else:
-        device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    return device.memory_stats()
-
-
-def _serve_model(args, mesh):
-    """(model, tokenizer) of `kvjax serve`'s MODEL, with --dtype, --model-seed, --strict-config."""
-    from kvjax.model_catalog import servable_model
-    from kvjax.tokenizer import Tokenizer
-
-    spec, path = servable_model(args.model, strict_config=args.strict_config)
-    if path is None:
-        if args.strict_config:
-            raise ValueError("--strict-config checks a checkpoint's config.json; a built-in model has none")
-        from kvjax.models import Transformer
-
-        return Transformer.from_spec(spec, seed=args.model_seed, dtype=args.dtype), Tokenizer.builtin(spec.vocab_size)
-    from kvjax.models import from_pretrained
-
-    # the config was read (and checked, strictly if asked) by servable_model: read it quietly again
-    return from_pretrained(path, dtype=args.dtype, mesh=mesh, strict_config=args.strict_config), Tokenizer.from_pretrained(path)
-
-
-def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
-    """(LLMEngine, how its KV cache was sized or None) for `kvjax serve`: the model on `mesh`, the
-    engine (which shards it), then the cache: --primary-blocks if given, else sized from memory
-    (`capacity.serving_kv_cache_bytes`); a cache that cannot hold one --max-model-len request is refused."""
-    from kvjax import capacity as C
-    from kvjax.engine.config import EngineConfig, cache_config
-    from kvjax.engine.engine import Engine
-    from kvjax.engine.llm_engine import LLMEngine, split_options
-    from kvjax.llm import resolve_tokenizer
-    from kvjax.models.parallel import mesh_size
-
-    cache_values, engine_values = split_options(options, "kvjax serve")
-    if "primary_blocks" in cache_values and args.kv_cache_memory_bytes is not None:
-        raise ValueError("--primary-blocks and --kv-cache-memory-bytes both size the KV cache: give one")
-    engine_config = EngineConfig.from_dict(engine_values, "kvjax serve")
-    max_num_tokens = engine_config.scheduler.max_num_tokens
-    model, tokenizer = _serve_model(args, mesh)
-    tokenizer = resolve_tokenizer(args.tokenizer) or tokenizer
-    engine = Engine(model, engine_config, mesh=mesh)  # shards the weights over the mesh
-    geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
-    sizing = None
-    if "primary_blocks" not in cache_values:
-        reserve = C.activation_reserve_bytes(model.spec, max(max_num_tokens, engine_config.scheduler.max_batch_size))
-        total, sizing = C.serving_kv_cache_bytes(
-            utilization=args.gpu_memory_utilization, activations=reserve, memory_stats=_device_memory_stats(mesh),
-            kv_cache_bytes=args.kv_cache_memory_bytes, num_devices=1 if mesh is None else mesh_size(mesh))
-        sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block)
-        geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
-    C.check_max_seq_len_fits(geometry)
-    return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events), sizing
-
-
-def serve_config(args, engine):
-    """The `ServerConfig` of `kvjax serve`'s flags."""
-    from kvjax.server import ServerConfig
-    from kvjax.server.auth import api_keys
-
-    names = args.served_model_name or [args.model]
-    return ServerConfig(names[0], max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
-                        shutdown_timeout=args.shutdown_timeout, tokenizer_source=args.tokenizer or args.model,
-                        other_model_names=tuple(n for n in names[1:] if n != names[0]), api_keys=api_keys(args.api_key),
-                        log_requests=not args.disable_log_requests,
-                        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
-
-
-def cmd_serve(args) -> int:
-    from kvjax.engine.llm_engine import split_options
-
-    options = serve_options(args)
-    split_options(options, "kvjax serve")  # unknown keys fail before the model loads
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    kv_events = kv_events_config(args)
-    from kvjax.server.auth import api_keys
-
-    api_keys(args.api_key)  # an empty key fails before the model loads
-    with _logging_to_stderr(args.log_level):
-        _run_server(args, options, kv_events)
-    return 0
-
-
-def _run_server(args, options, kv_events) -> None:
-    from kvjax.server import serve
-    from kvjax.server.stats_logger import log_startup
-
-    mesh = serve_mesh(args.tensor_parallel_size)
-    engine, sizing = serve_engine(args, options, kv_events, mesh)
-    try:
-        config = serve_config(args, engine)
-        log_startup(engine, model_name=config.model_name, model_arg=args.model, sizing=sizing,
-                    mesh_size=args.tensor_parallel_size)
-        events = engine.kv_events_info()
-        where = "" if events is None else f"; KV events on {events['endpoint']}" + (
-            f" (replay {events['replay_endpoint']})" if events["replay_endpoint"] else "")
-        auth = "; an API key is required on /v1" if config.api_keys else ""
-        print(f"kvjax serve: model {config.model_name!r} on http://{args.host}:{args.port} (max_model_len "
-              f"{engine.max_seq_len}, {engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} "
-              f"primary blocks{where}{auth})", file=sys.stderr)
-        serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.close()  # idempotent: the server's shutdown closed it already unless serving failed
 
 
 def main(argv: list[str] | None = None) -> int:

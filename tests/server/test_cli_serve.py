@@ -87,13 +87,13 @@ def test_serve_vllm_flags(monkeypatch, capsys):
 
 def test_serve_sizes_the_cache_from_device_memory(monkeypatch, capsys):
     """With device memory figures (a GPU), the cache gets utilization x limit - in use - activations."""
-    import kvjax.cli
+    import kvjax.serve_command
     from kvjax import capacity as C
     from kvjax.model_catalog import load_model_spec
 
     gib = 2**30
     stats = {"bytes_limit": 2 * gib, "bytes_in_use": 100 * 2**20}
-    monkeypatch.setattr(kvjax.cli, "_device_memory_stats", lambda mesh: stats)
+    monkeypatch.setattr(kvjax.serve_command, "_device_memory_stats", lambda mesh: stats)
     seen = _fake_serve(monkeypatch)
     assert main(["serve", "micro", "--gpu-memory-utilization", "0.5", "--max-num-batched-tokens", "64",
                  "--log-level", "warning"]) == 0, capsys.readouterr().err
