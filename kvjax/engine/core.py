@@ -280,28 +280,48 @@ class EngineCore:
         return outputs
 
     def _step(self, outputs: list[CoreOutput]) -> None:
+        """One iteration, in the order of the module docstring's numbered steps."""
         now = self.clock.now()
         sched = self.scheduler.schedule(list(self.running.values()), self.waiting, step=self.step_index)
         self.deferred += sched.deferred
-        led = self.ledger
-
-        # 1. pauses (MAX_UTILIZATION): blocks stored for reuse, request re-queued first
-        for r in sched.pause:
+        for r in sched.pause:  # 1. pauses (MAX_UTILIZATION): blocks stored for reuse, request re-queued first
             self._pause(r)
-        # 2. the pending token of every scheduled generating request enters the ledger: one
-        # batched call (atomic), or, when it finds no block for some request, one by one
-        decode: list[LiveRequest] = []
-        generation = sched.generation
+        decode = self._commit_pending_tokens(sched.generation)  # 2.
+        admitted = self._admit(sched.admit, now)  # 3. admissions (one batch: two-phase matching in the ledger)
+        if self.rank_digest is not None:  # every rank, every step, before any device work
+            self._rank_sync(sched.pause, decode, admitted)
+        if not self.running:
+            self._idle_step(len(admitted), len(sched.pause))
+            return
+        running = len(self.running)
+        prefill = self._prefill_chunks(sched.context + admitted, len(decode))  # 4.
+        # 5. data movements decided by this step's ledger calls, before any forward; what did
+        #    not arrive leaves the ledger's cache and the requests that relied on it recompute
+        prefill, onboarded = self._apply_transfers(prefill)
+        self._decode_forward(decode, outputs)  # 6. forwards + sampling
+        self._prefill_forwards(prefill, outputs)
+        self.ledger.refresh_blocks()
+        prefill_tokens = sum(n for _, n in prefill)
+        self.last_step = StepCounts(running, len(decode), prefill_tokens, len(admitted), len(sched.pause), onboarded)
+        if self.steps is not None:
+            self._record_step(len(decode), prefill_tokens, len(admitted), len(sched.pause))
+
+    def _commit_pending_tokens(self, generation: list[LiveRequest]) -> list[LiveRequest]:
+        """The pending token of every scheduled generating request enters the ledger: one batched
+        call (atomic), or, when it finds no block for some request, one by one (a request that
+        still finds none is paused). Returns the requests that decode this step."""
+        led = self.ledger
         pending = [r.pending for r in generation]
         assert None not in pending  # a scheduled generating request holds its sampled token
         try:
             led.add_tokens([r.request_id for r in generation], cast("list[int]", pending))
-            generation_done = True
+            batched = True
         except OutOfBlocksError:  # nothing changed: redo it one by one below
-            generation_done = False
+            batched = False
+        decode: list[LiveRequest] = []
         for r in generation:
             assert r.pending is not None  # a scheduled generating request holds its sampled token
-            if not generation_done:
+            if not batched:
                 try:  # a batch of one, not add_token: the tokens stay where the batched steps keep them
                     led.add_tokens([r.request_id], [r.pending])
                 except OutOfBlocksError:  # the scheduler's accounting let this through: recover
@@ -310,43 +330,47 @@ class EngineCore:
                     continue
             r.pending = None
             decode.append(r)
-        # 3. admissions (one batch: two-phase matching in the ledger)
-        admitted = self._admit(sched.admit, now)
-        if self.rank_digest is not None:  # every rank, every step, before any device work
-            self._rank_sync(sched.pause, decode, admitted)
-        if not self.running:
-            self.last_step = StepCounts(0, 0, 0, len(admitted), len(sched.pause), 0)
-            if self.waiting and not sched.pause:
-                head = self.waiting[0]
-                raise EngineInvariantError(
-                    f"request {head.request_id!r} cannot be admitted into an idle cache "
-                    f"(free blocks per window: {[led.num_free_blocks(w) for w in led.windows]})"
-                )
-            return
-        running = len(self.running)
-        # 4. prefill chunks from the token budget, oldest admission first
-        budget = self.cfg.scheduler.max_num_tokens - len(decode)
+        return decode
+
+    def _idle_step(self, admitted: int, paused: int) -> None:
+        """A step that left nothing running: fine unless a waiting request can never be admitted."""
+        self.last_step = StepCounts(0, 0, 0, admitted, paused, 0)
+        if self.waiting and not paused:
+            head = self.waiting[0]
+            raise EngineInvariantError(
+                f"request {head.request_id!r} cannot be admitted into an idle cache "
+                f"(free blocks per window: {[self.ledger.num_free_blocks(w) for w in self.ledger.windows]})"
+            )
+
+    def _prefill_chunks(self, candidates: list[LiveRequest], num_decode: int) -> list[tuple[LiveRequest, int]]:
+        """Prefill chunks from what the step's token budget leaves after decoding, oldest admission first."""
+        budget = self.cfg.scheduler.max_num_tokens - num_decode
         prefill: list[tuple[LiveRequest, int]] = []
-        for r in sorted(sched.context + admitted, key=lambda r: r.order):
+        for r in sorted(candidates, key=lambda r: r.order):
             if budget <= 0:
                 break
             n = min(r.context_remaining, budget)
             if n > 0:
                 prefill.append((r, n))
                 budget -= n
-        # 5. data movements decided by this step's ledger calls, before any forward; what did
-        #    not arrive leaves the ledger's cache and the requests that relied on it recompute
-        prefill, onboarded = self._apply_transfers(prefill)
-        # 6. forwards + sampling
-        if decode:
-            rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
-            toks, chosen, margins, lps = self._forward(rows, decode, chunk_bucket=1)
-            led.store_new_blocks([r.request_id for r in decode])
-            for r, t, c, m, lp in zip(decode, toks, chosen, margins, lps, strict=True):
-                outputs.append(self._emit(r, int(t), float(c), float(m), lp))
+        return prefill
+
+    def _decode_forward(self, decode: list[LiveRequest], outputs: list[CoreOutput]) -> None:
+        """One forward of every decoding request's last token; their full blocks stored."""
+        if not decode:
+            return
+        rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
+        toks, chosen, margins, lps = self._forward(rows, decode, chunk_bucket=1)
+        self.ledger.store_new_blocks([r.request_id for r in decode])
+        for r, t, c, m, lp in zip(decode, toks, chosen, margins, lps, strict=True):
+            outputs.append(self._emit(r, int(t), float(c), float(m), lp))
+
+    def _prefill_forwards(self, prefill: list[tuple[LiveRequest, int]], outputs: list[CoreOutput]) -> None:
+        """The prefill chunks' forwards (`prefill_rows` rows each; rows that score their prompt
+        run in forwards of their own, so only they pay for it), then each chunk's bookkeeping in
+        admission order."""
         sampled: list[tuple] = []
         group = self.cfg.buckets.prefill_rows
-        # rows that score their prompt run in forwards of their own: only they pay for it
         scoring = [(r, n) for r, n in prefill if r.scores_prompt()]
         plain = [(r, n) for r, n in prefill if not r.scores_prompt()]
         for part_list, scores in ((plain, False), (scoring, True)):
@@ -356,29 +380,31 @@ class EngineCore:
                 sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part], scores_prompt=scores), strict=True))
         sampled.sort(key=lambda x: x[0][0].order)
         for (r, n), t, c, m, lp in sampled:
-            r.context_pos += n
-            self.counters.computed_prompt_tokens += n
-            adm = r.admissions[-1]
-            r.admissions[-1] = adm = dataclasses.replace(adm, computed=adm.computed + n)
-            led.set_context_position(r.request_id, r.context_pos)
-            if r.context_pos < len(r.context):
-                continue
-            if adm.computed + adm.reused != adm.prompt_len:
-                raise EngineInvariantError(
-                    f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}"
-                )
-            led.store_context_blocks(r.request_id)
-            r.phase = Phase.GENERATION
-            self._release_held(r)
-            if r.remaining_new_tokens <= 0:  # nothing to generate (max_new_tokens == 0)
-                self._finish(r, "length")
-                outputs.append(CoreOutput(r, (), True))
-            else:
-                outputs.append(self._emit(r, int(t), float(c), float(m), lp))
-        led.refresh_blocks()
-        self.last_step = StepCounts(running, len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause), onboarded)
-        if self.steps is not None:
-            self._record_step(len(decode), sum(n for _, n in prefill), len(admitted), len(sched.pause))
+            self._prefilled(r, n, int(t), float(c), float(m), lp, outputs)
+
+    def _prefilled(self, r: LiveRequest, n: int, token: int, chosen: float, margin: float, lp: TokenLogprobs | None,
+                   outputs: list[CoreOutput]) -> None:
+        """`n` more prompt tokens of `r` computed; at the prompt's end its blocks are stored, the
+        requests held for it released, and its first token emitted."""
+        led = self.ledger
+        r.context_pos += n
+        self.counters.computed_prompt_tokens += n
+        adm = r.admissions[-1]
+        r.admissions[-1] = adm = dataclasses.replace(adm, computed=adm.computed + n)
+        led.set_context_position(r.request_id, r.context_pos)
+        if r.context_pos < len(r.context):
+            return
+        if adm.computed + adm.reused != adm.prompt_len:
+            raise EngineInvariantError(
+                f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
+        led.store_context_blocks(r.request_id)
+        r.phase = Phase.GENERATION
+        self._release_held(r)
+        if r.remaining_new_tokens <= 0:  # nothing to generate (max_new_tokens == 0)
+            self._finish(r, "length")
+            outputs.append(CoreOutput(r, (), True))
+        else:
+            outputs.append(self._emit(r, token, chosen, margin, lp))
 
     def _rank_sync(self, paused: list[LiveRequest], decode: list[LiveRequest], admitted: list[LiveRequest]) -> None:
         """Fold this step's ledger decisions into the rank digest and compare it across ranks
