@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server (`kvjax serve`): `build_app` (Starlette routes, `app.py`),
-the engine thread (`engine_loop.py`), request checking (`protocol.py`), Prometheus metrics
-(`metrics.py`), and `serve` / `ServerThread` to run it (`launch.py`).
+"""The OpenAI-compatible HTTP server (`kvjax serve`): `build_app` (Starlette routes, `app.py`;
+handlers in `completion_routes.py` and `service_routes.py`), the engine thread
+(`engine_loop.py`), request checking (`protocol.py`), Prometheus metrics (`metrics.py`), and
+`serve` / `ServerThread` to run it (`launch.py`).
 
 Names load on first use, so `kvjax.server.protocol` (which the router front shares to read
 requests exactly as a replica does) does not import the engine or JAX."""
@@ -8,7 +9,7 @@ _NAMES = {
     "EngineLoop": "kvjax.server.engine_loop",
     "QueueFull": "kvjax.server.engine_loop",
     "ShuttingDown": "kvjax.server.engine_loop",
-    "ServerConfig": "kvjax.server.app",
+    "ServerConfig": "kvjax.server.config",
     "build_app": "kvjax.server.app",
     "ServerThread": "kvjax.server.launch",
     "serve": "kvjax.server.launch",

@@ -310,16 +310,16 @@ def test_a_request_that_fails_inside_the_server_fails_alone(stack, server, monke
 
 
 def test_a_failing_event_stream_ends_in_band_and_aborts_its_request(server, monkeypatch):
-    import kvjax.server.app as app_module
+    import kvjax.server.streaming as streaming
 
-    sse = app_module._sse
+    sse = streaming.sse
 
     def failing_sse(obj):  # only chunks of include_usage streams carry "usage": None
         if obj.get("usage", 0) is None and obj["choices"][0].get("text"):
             raise RuntimeError("injected stream failure")
         return sse(obj)
 
-    monkeypatch.setattr(app_module, "_sse", failing_sse)
+    monkeypatch.setattr(streaming, "sse", failing_sse)
     counters = server.engine_loop.engine.core.counters
     aborted = counters.finished["abort"]
     body = {"model": MODEL, "prompt": [2, 7, 1, 8], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
