@@ -29,10 +29,7 @@ PREFIX = "kvjax"
 # `obj._name` reads allowed although `_name` is not defined in the reading module:
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}  # public despite the underscore
 ALLOWED_PRIVATE_READS: set[tuple[str, str]] = {
-    # (reading module, attribute): the integrity checks compare an owner's private index with
-    # its public state; each wants a read-only accessor in the owner module
-    ("kvjax.ledger.integrity", "_heap"),  # kvjax/ledger/free_queues.py: the expiry heap's entries
-    ("kvjax.ledger.integrity", "_first_key"),  # kvjax/ledger/radix_tree.py: a node's first block and key
+    # (reading module, attribute): each with why the owner offers no public way
     # jax.experimental.transfer has no public way to end a pull that will never complete: the
     # P/D transport ends its own stuck pulls at kvjax's deadlines with the connection's poison
     ("kvjax.disagg.consumer", "_poison_connection"),

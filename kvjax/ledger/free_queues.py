@@ -359,6 +359,11 @@ class FreeQueues:
         """Entries in the expiry heap, disarmed ones included (bounded by `heap_limit`)."""
         return len(self._heap)
 
+    def heap_entries(self) -> tuple[tuple[float, int, int], ...]:
+        """The expiry heap's (expiry, counter, block) entries, disarmed ones included, as a copy:
+        the integrity checks need every armed expiry to still have its entry (else it never fires)."""
+        return tuple(self._heap)
+
     def refresh(self) -> int:
         """Move free blocks whose retention expired to the back of the default queue."""
         heap = self._heap

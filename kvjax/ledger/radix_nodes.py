@@ -157,8 +157,9 @@ class RadixNodes:
         self.free_ids.append(n)
         self.num_nodes -= 1
 
-    def _first_key(self, n: int) -> tuple[bytes, bytes | tuple]:
-        """(first block's bytes, key under the parent) of node `n`."""
+    def first_key(self, n: int) -> tuple[bytes, bytes | tuple]:
+        """(first block's bytes, key under the parent) of live node `n`: what its parent files it
+        under and its partial-match index sorts (read-only; the integrity checks compare both)."""
         c = self.content[n]
         bb = self.unit(n) * self.tokens_per_block
         first = c if len(c) <= bb else c[:bb]
@@ -166,7 +167,7 @@ class RadixNodes:
         return first, child_key(sid, first, self.mm.get(n, ()))
 
     def _add_child(self, p: int, n: int) -> None:
-        first, key = self._first_key(n)
+        first, key = self.first_key(n)
         kids = self.children[p]
         if kids is None:
             kids = self.children[p] = {}
@@ -179,7 +180,7 @@ class RadixNodes:
             firsts.add(first, self.pid[n])
 
     def _remove_child(self, p: int, n: int) -> None:
-        # `_first_key` inlined: this runs for every pruned node (each eviction of a leaf run)
+        # `first_key` inlined: this runs for every pruned node (each eviction of a leaf run)
         c = self.content[n]
         sid = self.sig[n]
         bb = (EXTRA_UNIT if self.signatures[sid][0] else PLAIN_UNIT) * self.tokens_per_block
@@ -276,7 +277,7 @@ class RadixNodes:
         hs = self.hashes[n]
         if hs is not None:
             self.hashes[h], self.hashes[n] = hs[:o], hs[o:]
-        _, key = self._first_key(h)
+        _, key = self.first_key(h)
         kids = self.children[p]
         assert kids is not None  # `n` was one of them
         kids[key] = h  # the same key: the parent's partial index is unchanged

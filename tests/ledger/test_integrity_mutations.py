@@ -12,6 +12,7 @@ from __future__ import annotations
 import array
 import contextlib
 import heapq
+import inspect
 import re
 import signal
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from ledger_helpers import FakeClock
 
 from kvjax import CacheConfig, KVCacheManager, MultimodalItem, Request, RetentionConfig, TokenRangeRetention
 from kvjax.errors import IntegrityError
+from kvjax.ledger import integrity
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
@@ -667,3 +669,47 @@ def test_case_ids_unique_and_messages_compile() -> None:
     assert len(ids) == len(set(ids))
     for c in CASES:
         re.compile(c[3])
+
+
+# --------------------------------------------------------------------------- what the checks read
+def test_heap_entries_copy_the_whole_expiry_heap() -> None:
+    """`FreeQueues.heap_entries` (read by the lost-expiry check) holds every heap entry, the
+    stale ones too, as an immutable copy: a later arming changes the heap, not the copy."""
+    m = rich()
+    q = _wm(m).queues
+    entries = q.heap_entries()
+    assert isinstance(entries, tuple) and sorted(entries) == sorted(q._heap)
+    assert len(entries) == q.heap_size > len(q.armed) > 0
+    assert all((q.expiry[b], c, b) in entries for b, c in q.armed.items())
+    keep = RetentionConfig((TokenRangeRetention(0, None, 70, 50.0),))
+    m.add_sequence(Request("x", list(range(800, 808)), retention=keep))
+    m.remove_sequence("x")  # arms two more expiries
+    assert q.heap_size == len(entries) + 2 and len(q.heap_entries()) == q.heap_size
+    m.verify_integrity()
+
+
+@pytest.mark.parametrize("builder", [rich, multimodal])
+def test_first_key_is_the_key_each_child_is_filed_under(builder) -> None:
+    """`first_key(c)` (read by the child-key check) is the key `c`'s parent files it under, and
+    its first block's bytes open `c`'s content (multimodal and salted nodes included)."""
+    m = builder()
+    t = _tree(m)
+    checked = 0
+    for n in [ROOT, *t.iter_nodes()]:
+        for key, c in (t.children[n] or {}).items():
+            first, own_key = t.first_key(c)
+            assert own_key == key
+            assert t.content[c].startswith(first) and len(first) == min(len(t.content[c]), t.unit(c) * TPB)
+            checked += 1
+    assert checked == t.num_nodes
+
+
+def test_every_check_says_which_invariant_it_guards() -> None:
+    """A failing check is found by its name and its docstring: every check function has one."""
+    checks = {
+        name: f
+        for name, f in vars(integrity).items()
+        if inspect.isfunction(f) and f.__module__ == integrity.__name__ and name.lstrip("_").startswith(("verify", "check"))
+    }
+    assert len(checks) >= 20
+    assert [name for name, f in checks.items() if not (f.__doc__ or "").strip()] == []
