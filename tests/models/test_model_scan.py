@@ -13,6 +13,7 @@ from flax import nnx
 from hf_helpers import FIXTURES
 from test_model_paged import TPB, run_schedule
 
+from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec
 from kvjax.models import Block, Transformer, from_pretrained, jit_dense_forward, jit_paged_forward
 from kvjax.models.layers import shapes_only
@@ -34,8 +35,8 @@ def _tokens(vocab, shape, seed):
 
 def test_layer_period():
     assert layer_period(UNIFORM) == 1 and layer_period(GEMMA_LIKE) == 3
-    assert layer_period(ModelSpec.load("tiny-swa")) == 4  # windows 64, 64, 64, global: no repeat inside 4 layers
-    assert layer_period(ModelSpec.load("gemma-3-27b")) == 6
+    assert layer_period(load_model_spec("tiny-swa")) == 4  # windows 64, 64, 64, global: no repeat inside 4 layers
+    assert layer_period(load_model_spec("gemma-3-27b")) == 6
     assert layer_period(dataclasses.replace(UNIFORM, attention_windows=(8, 16, 8, 16, 16))) == 5
     model = Transformer.from_spec(GEMMA_LIKE, seed=1)
     assert model.period == 3 and [s.attn.wq.shape for s in model.stacks] == [(3, 32, 4, 8)] + [(2, 32, 4, 8)] * 2
