@@ -124,8 +124,8 @@ class StatsLogger:
             return None
         c = core.counters
         counts = (c.computed_prompt_tokens, c.generated_tokens)
-        if self._last_time is None:
-            self._last_time, self._last_counts = now, counts
+        if self._last_time is None:  # the first call starts the clock; the counts count from zero (a
+            self._last_time = now  # request served before this call is in the first line, not lost)
             return None
         elapsed = now - self._last_time
         if elapsed < self.interval:

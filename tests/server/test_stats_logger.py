@@ -52,6 +52,20 @@ def test_stats_line_every_interval_while_active(caplog):
         StatsLogger(interval=0)
 
 
+def test_work_done_before_the_first_call_is_in_the_first_line():
+    """A request served before the logger's first call (the engine thread steps it first) still
+    counts: the counts start from zero, not from the first call's."""
+    core = FakeCore()
+    c = core.counters
+    c.computed_prompt_tokens, c.generated_tokens = 30, 10  # one request, prefilled and finished
+    stats = StatsLogger(interval=1.0)
+    assert stats.step(core, 50.0) is None  # starts the clock
+    line = stats.step(core, 51.0)
+    assert line is not None and line.startswith("Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 10.0")
+    assert stats.step(core, 52.0) is not None  # the line that says it went idle
+    assert stats.step(core, 53.0) is None
+
+
 def _out(rid, n, finished, reason=None):
     return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "", list(range(n)), reason)], finished)
 
