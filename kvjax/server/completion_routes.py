@@ -88,15 +88,9 @@ async def completions(server: ServerState, request: Request):
             assert parsed.prompt is not None  # a completion request without a prompt was refused when parsed
             text, ids = None, list(parsed.prompt)
         max_tokens = parsed.max_tokens if parsed.max_tokens is not None else 16
-        check_fits(server, ids, max_tokens, "prompt")
-        params = parsed.sampling_params(max_tokens)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        check_request(server, rid, ids, params, "prompt")
-        return await respond(server, request, parsed, rid, text, ids, params, chat=False)
+        return await _answer(server, request, parsed, text, ids, max_tokens, chat=False)
     except APIError as e:
-        if e.status == 400:
-            server.metrics.request_rejected("invalid")
-        return error_response(e)
+        return _refused(server, e)
 
 
 async def chat_completions(server: ServerState, request: Request):
@@ -115,12 +109,24 @@ async def chat_completions(server: ServerState, request: Request):
             max_tokens = min(server.config.default_max_tokens, max_seq_len - len(ids))
         else:
             max_tokens = parsed.max_tokens
-        check_fits(server, ids, max_tokens, "messages")
-        params = parsed.sampling_params(max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        check_request(server, rid, ids, params, "messages")
-        return await respond(server, request, parsed, rid, text, ids, params, chat=True)
+        return await _answer(server, request, parsed, text, ids, max_tokens, chat=True)
     except APIError as e:
-        if e.status == 400:
-            server.metrics.request_rejected("invalid")
-        return error_response(e)
+        return _refused(server, e)
+
+
+async def _answer(server: ServerState, request: Request, parsed: Parsed, text: str | None, ids: list[int],
+                  max_tokens: int, *, chat: bool):
+    """The checks both endpoints make once the prompt's ids are known, then the answer."""
+    param = "messages" if chat else "prompt"
+    check_fits(server, ids, max_tokens, param)
+    params = parsed.sampling_params(max_tokens)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    check_request(server, rid, ids, params, param)
+    return await respond(server, request, parsed, rid, text, ids, params, chat=chat)
+
+
+def _refused(server: ServerState, e: APIError) -> Response:
+    """An error answer; a 400 counts as a request refused as invalid."""
+    if e.status == 400:
+        server.metrics.request_rejected("invalid")
+    return error_response(e)
