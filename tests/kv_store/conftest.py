@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from kv_store_helpers import start_redis_or_skip
+from kv_store_helpers import start_redis
 
 from kvjax.kv_store import FileStore, MemoryStore, RedisStore
 
@@ -14,7 +14,7 @@ _prefixes = itertools.count()
 
 @pytest.fixture(scope="session")
 def redis_server():
-    server = start_redis_or_skip()
+    server = start_redis()
     yield server
     server.stop()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis
-from kv_store_helpers import start_redis_or_skip
+from kv_store_helpers import start_redis
 
 from kvjax.kv_store import RedisStore, StoreIOError, StoreWorker, load_store
 
@@ -54,7 +54,7 @@ def test_worker_over_redis(redis_server):
 
 
 def test_a_dead_server_fails_whole_batches_with_store_io_error():
-    server = start_redis_or_skip()  # its own server: this test stops it
+    server = start_redis()  # its own server: this test stops it
     try:
         s = RedisStore(server.url, prefix="d:", socket_timeout_s=2.0)
         assert s.batch_put(["a"], [b"1"]) == [True]
@@ -83,23 +83,28 @@ def test_bad_parameters():
         RedisStore("http://127.0.0.1:1/0")
 
 
-def test_missing_redis_server_skips_locally_and_fails_in_ci(monkeypatch):
+def test_missing_redis_server_fails_unless_skipped_on_request(monkeypatch):
     import kv_store_helpers
 
     monkeypatch.setattr(kv_store_helpers.shutil, "which", lambda name: None)
     monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match="CI must run them"):
-        start_redis_or_skip()
+    monkeypatch.setenv("KVJAX_SKIP_REDIS_TESTS", "1")
+    with pytest.raises(pytest.fail.Exception, match="CI must run them"):  # CI may not opt out
+        start_redis()
     monkeypatch.delenv("CI")
-    with pytest.raises(pytest.skip.Exception, match="not installed"):
-        start_redis_or_skip()
+    monkeypatch.delenv("KVJAX_SKIP_REDIS_TESTS")
+    with pytest.raises(pytest.fail.Exception, match="KVJAX_SKIP_REDIS_TESTS=1"):
+        start_redis()
+    monkeypatch.setenv("KVJAX_SKIP_REDIS_TESTS", "1")
+    with pytest.raises(pytest.skip.Exception, match="on request"):
+        start_redis()
 
 
 def test_a_full_server_refuses_puts_per_key():
     """With maxmemory reached and no eviction, Redis answers OOM to a SET: that key is False
     (so may later keys of the same pipeline be, while its input buffer counts as used memory),
     the keys before it went through, nothing partial is readable, and with room it works."""
-    server = start_redis_or_skip()
+    server = start_redis()
     try:
         raw = redis.Redis.from_url(server.url)
         raw.config_set("maxmemory-policy", "noeviction")
