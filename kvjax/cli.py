@@ -478,7 +478,7 @@ def _model_and_runner(spec, seed: int, checkpoint: str | None = None):
     from kvjax.engine.runner import ModelRunner
     from kvjax.models import Transformer, from_pretrained
 
-    model = from_pretrained(checkpoint) if checkpoint else Transformer.from_spec(spec, seed=seed)
+    model = from_pretrained(checkpoint, spec=spec) if checkpoint else Transformer.from_spec(spec, seed=seed)
     return model, ModelRunner(model)
 
 

@@ -109,8 +109,8 @@ def _serve_model(args, mesh):
         return Transformer.from_spec(spec, seed=args.model_seed, dtype=args.dtype), Tokenizer.builtin(spec.vocab_size)
     from kvjax.models import from_pretrained
 
-    # the config was read (and checked, strictly if asked) by servable_model: read it quietly again
-    return from_pretrained(path, dtype=args.dtype, mesh=mesh, strict_config=args.strict_config), Tokenizer.from_pretrained(path)
+    # the config was read (and checked, strictly if asked) by servable_model: not read again
+    return from_pretrained(path, spec=spec, dtype=args.dtype, mesh=mesh), Tokenizer.from_pretrained(path)
 
 
 def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):

@@ -150,7 +150,8 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def from_pretrained(
-    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False
+    path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False,
+    spec: ModelSpec | None = None,
 ) -> Transformer:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
 
@@ -161,9 +162,12 @@ def from_pretrained(
     Raises `UnsupportedConfigError` for a config kvjax would compute wrong, `CheckpointError`
     for missing, truncated or mismatched weight files. Config fields kvjax does not know are
     named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
+    `spec`: this checkpoint's spec when the caller already read its config (`servable_model`),
+    so the config is neither read nor warned about twice.
     """
     path = Path(path)
-    spec = spec_from_checkpoint(path, strict=strict_config)
+    if spec is None:
+        spec = spec_from_checkpoint(path, strict=strict_config)
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=_dtype_name(dtype))
     tensors = CheckpointTensors(path)  # every header read and checked before any allocation
