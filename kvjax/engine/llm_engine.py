@@ -174,6 +174,7 @@ class LLMEngine:
                 group.children.append(r)
                 group.texts.append(OutputText(detok, params.stop))
                 group.logprobs.append([] if params.logprobs is not None else None)
+                group.cumulative.append(0.0)
         except BaseException:
             for cid in added:  # all or nothing
                 self.core.abort_request(cid)
@@ -287,9 +288,10 @@ class LLMEngine:
             seen = group.logprobs[i]
             if seen is not None:
                 assert r.logprobs is not None  # the request asked for them
-                seen.extend(self._position(lp) for lp in r.logprobs[len(seen):])  # converted once
-                logprobs = list(seen)
-                cum = float(sum(lp.logprob for lp in r.logprobs))
+                new = r.logprobs[len(seen):]  # converted and summed once
+                seen.extend(self._position(lp) for lp in new)
+                group.cumulative[i] += sum(lp.logprob for lp in new)
+                logprobs, cum = list(seen), float(group.cumulative[i])
             completions.append(CompletionOutput(i, text.visible(), list(r.output), r.finish_reason if done else None,
                                                 r.stop_reason if done else None, logprobs, cum))
         first = group.children[0]
@@ -326,4 +328,5 @@ class _Group:
     children: list[LiveRequest] = dataclasses.field(default_factory=list)
     texts: list[OutputText] = dataclasses.field(default_factory=list)
     logprobs: list[list[PositionLogprobs] | None] = dataclasses.field(default_factory=list)
+    cumulative: list[float] = dataclasses.field(default_factory=list)  # each completion's summed logprob so far
     prompt_logprobs: list[PositionLogprobs | None] | None = None
