@@ -319,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-events-topic", default="", help="topic prefixed to every KV-event message (default none)")
     sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
                     help="data-parallel rank written into the KV-event batches (default 0)")
+    sv.add_argument("--compilation-cache-dir", metavar="DIR",
+                    help="JAX's persistent compilation cache for this server's programs (default: "
+                         "$KVJAX_COMPILATION_CACHE_DIR, else ~/.cache/kvjax/jax)")
+    sv.add_argument("--no-compilation-cache", action="store_true",
+                    help="compile every program anew (no persistent compilation cache)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.add_argument("--disable-log-requests", action="store_true", help="no per-request line (logged at debug level)")
     sv.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")

@@ -174,10 +174,27 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def compilation_cache(args) -> str | None:
+    """Set up JAX's persistent compilation cache as --compilation-cache-dir / --no-compilation-cache
+    ask, before any program compiles; returns the directory in use (None: off)."""
+    import jax
+
+    from kvjax.compilation_cache import enable_compilation_cache
+
+    if args.no_compilation_cache:
+        if args.compilation_cache_dir is not None:
+            raise ValueError("--compilation-cache-dir and --no-compilation-cache contradict each other: give one")
+        jax.config.update("jax_enable_compilation_cache", False)  # EngineCore's enable call then does nothing
+        return None
+    return enable_compilation_cache(args.compilation_cache_dir)  # a directory set here stands for EngineCore
+
+
 def _run_server(args, options, kv_events) -> None:
     from kvjax.server import serve
     from kvjax.server.stats_logger import log_startup
 
+    cache_dir = compilation_cache(args)
+    logging.getLogger("kvjax.serve").info("compilation cache: %s", cache_dir or "off")
     mesh = serve_mesh(args.tensor_parallel_size)
     engine, sizing = serve_engine(args, options, kv_events, mesh)
     try:

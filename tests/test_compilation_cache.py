@@ -94,3 +94,24 @@ def test_where_the_cache_goes(tmp_path, monkeypatch, restore_jax_cache):
         monkeypatch.setenv(kcc.SWITCH_ENV, off)
         assert kcc.enable_compilation_cache(tmp_path / "kw") is None
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "user")
+
+
+def test_serve_flags(tmp_path, monkeypatch, restore_jax_cache):
+    """`kvjax serve --compilation-cache-dir DIR` puts the cache there (EngineCore's later call keeps
+    it); `--no-compilation-cache` turns it off; both at once is refused."""
+    from kvjax.cli import build_parser
+    from kvjax.serve_command import compilation_cache
+
+    monkeypatch.delenv(kcc.SWITCH_ENV, raising=False)
+    parse = build_parser().parse_args
+    args = parse(["serve", "tiny", "--compilation-cache-dir", str(tmp_path / "c")])
+    assert compilation_cache(args) == str(tmp_path / "c") == jax.config.jax_compilation_cache_dir
+    assert kcc.enable_compilation_cache() == str(tmp_path / "c")  # what EngineCore does next
+    with pytest.raises(ValueError, match="contradict"):
+        compilation_cache(parse(["serve", "tiny", "--no-compilation-cache", "--compilation-cache-dir", "x"]))
+    saved = jax.config.jax_enable_compilation_cache
+    try:
+        assert compilation_cache(parse(["serve", "tiny", "--no-compilation-cache"])) is None
+        assert kcc.enable_compilation_cache() is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
