@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def can_store(bm: BlockManager, seq: TrackedSequence) -> bool:
-    return bm.reuse and not seq.is_cross
+    return bm.reuse  # (never in a cache whose windows do not store: cross)
 
 
 def store_context(bm: BlockManager, live: LiveSequences, seq: TrackedSequence) -> None:
@@ -43,7 +43,7 @@ def store_new_blocks(bm: BlockManager, live: LiveSequences, ids: list | tuple) -
         seqs = live.of(ids)
         if not bm.reuse:
             return
-        seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
+        seqs = [s for s in seqs if s.beam_width == 1]
     counts = live.materialised_many(seqs)
     rows = bm.with_unstored_blocks(seqs, counts)
     if rows:
