@@ -4,7 +4,7 @@ Each is a `WindowBlockManager` (the shared per-window machinery) stating the rul
 its kind differs, as vLLM's `FullAttentionManager` / `SlidingWindowManager` and TensorRT-LLM's
 per-window managers do; the rest of the ledger asks the window and never tests its kind. The
 visibility rule `query - window + 1` lives here only (`SlidingWindow.first_visible`, and its
-inverse `first_query_hiding`); `tests/ledger/test_window_kinds.py` fails if arithmetic on a
+inverse in `SlidingWindow.detach_limit`); `tests/ledger/test_window_kinds.py` fails if arithmetic on a
 window's size appears in another ledger module. (The device code keeps its own copy,
 `kvjax.device.attention.visibility_mask`.)
 
@@ -110,18 +110,16 @@ class SlidingWindow(WindowBlockManager):
     detaches: ClassVar[bool] = True
 
     def first_visible(self, query: int) -> int:
-        return max(0, query - self.window + 1)
-
-    def first_query_hiding(self, key: int) -> int:
-        """The oldest query that sees no key before position `key` (> 0): the inverse of
-        `first_visible`."""
-        return key + self.window - 1
+        first = query - self.window + 1
+        return first if first > 0 else 0  # (a conditional, not `max`: `add_token`'s slow path asks)
 
     def detach_limit(self, sw: SequenceWindow, num_draft_tokens: int) -> int | None:
-        # the oldest query of the next forward is the newest token less the drafts: the front
-        # block goes once that query no longer sees its last key
+        """`first_visible` inverted: the front block goes once the oldest query of the next
+        forward (the newest token less the drafts) sees no key before the block's end, i.e.
+        reaches `end + window - 1`; until then the sequence may hold that query's position
+        plus the drafts, in tokens."""
         front_end = (sw.num_front_removed + 1) * self.tokens_per_block
-        return self.first_query_hiding(front_end) + num_draft_tokens
+        return front_end + self.window - 1 + num_draft_tokens
 
     def match(self, path: TokenPath, n_full: int) -> tuple[list, list[int]]:
         return self.tree.match(self.index, path, n_full, True)

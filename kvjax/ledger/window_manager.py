@@ -174,7 +174,7 @@ class WindowBlockManager(abc.ABC):
 
     def detach_invisible(self, sw: SequenceWindow, oldest: int) -> None:
         """Release the sequence's front blocks that no query at `oldest` or later sees."""
-        end = self.detach_end(oldest)
+        end = self.first_visible(oldest) // self.tokens_per_block  # `detach_end`, one call less
         while sw.num_front_removed < end:
             self.detach_front_block(sw)
 
