@@ -4,9 +4,9 @@ Each is a `WindowBlockManager` (the shared per-window machinery) stating the rul
 its kind differs, as vLLM's `FullAttentionManager` / `SlidingWindowManager` and TensorRT-LLM's
 per-window managers do; the rest of the ledger asks the window and never tests its kind. The
 visibility rule `query - window + 1` lives here only (`SlidingWindow.first_visible`, and its
-inverse in `SlidingWindow.detach_limit`); `tests/ledger/test_window_kinds.py` fails if arithmetic on a
-window's size appears in another ledger module. (The device code keeps its own copy,
-`kvjax.device.attention.visibility_mask`.)
+inverse in `SlidingWindow.detach_limit`): `tests/ledger/test_window_kinds.py` fails if
+arithmetic on a window's size appears in another ledger module. (The device code keeps its
+own copy, `kvjax.device.attention.visibility_mask`.)
 
 A new kind (e.g. a recurrent-state window, TensorRT-LLM's `kRecurrentStates`, window -1, whose
 sequences hold placeholder blocks) derives from `WindowBlockManager` and states:
