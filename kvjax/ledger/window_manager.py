@@ -202,8 +202,9 @@ class WindowBlockManager(abc.ABC):
         return (ceil_div(with_drafts, tpb) - ceil_div(prompt_len, tpb)) * request.beam_width
 
     def step_blocks(self, seq: TrackedSequence, steps: int, beam: int) -> int:
-        """Blocks the next `steps` decode steps of a live sequence start (`needed_blocks_one_step`;
-        none during a chunked prefill, none past the window's token limit)."""
+        """Blocks the next `steps` decode steps of a live sequence start, `beam` per block
+        (`needed_blocks_one_step`, the request's beam width; none during a chunked prefill,
+        none past the window's token limit)."""
         if seq.context_position < seq.prompt_len:
             return 0
         tpb = self.tokens_per_block
