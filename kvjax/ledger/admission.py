@@ -1,11 +1,11 @@
 """Admission with reuse: plan every request and window read-only, check the batch's capacity,
 then commit, so that admission is atomic and batch-aware.
 
-`plan_sequence` walks the tree for every window and fixes the prepopulated length (the
-minimum over windows, shortened until every sliding window is safe); `check_capacity` decides
-in-place versus copy for partial matches and counts what the batch takes (`window_need`, the
-count the scheduler queries share); only then does `commit_admission` claim, copy, onboard
-and allocate. A failed check raises before anything changed.
+`plan_sequence` walks the tree for every window (`match`, per the window's kind) and fixes the
+prepopulated length (the minimum over windows, shortened until every window's `reuse_safe`
+holds); `check_capacity` decides in-place versus copy for partial matches and counts what the
+batch takes (`window_need`, the count the scheduler queries share); only then does
+`commit_admission` claim, copy, onboard and allocate. A failed check raises before anything changed.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
-from kvjax._math import ceil_div
 from kvjax.errors import InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
@@ -34,8 +33,8 @@ if TYPE_CHECKING:
 class WindowAdmission:
     """What admission will do for one request in one window.
 
-    `matched` holds the fully matched block ids from position 0 (None: a position a sliding
-    window does not need, left as a placeholder); `partial` the (block, tokens) matched in the
+    `matched` holds the fully matched block ids from position 0 (None: a position a window
+    that detaches does not need, left as a placeholder); `partial` the (block, tokens) matched in the
     next position, if any; the remaining shared positions and per-beam blocks are allocated.
     """
 
@@ -43,7 +42,7 @@ class WindowAdmission:
     partial: tuple[int, int] | None
     num_shared: int  # context blocks shared by all beams
     num_per_beam: int = 0  # 1 when the last context block is allocated once per beam
-    gap_ends: list[int] = dataclasses.field(default_factory=list)  # sliding window: end of each missing position
+    gap_ends: list[int] = dataclasses.field(default_factory=list)  # a window that detaches: end of each missing position
     coverage: int = 0  # tokens matched
     # the matched blocks `window_need` found free (a one-request batch): committing takes
     # exactly these out of the free queues
@@ -106,7 +105,7 @@ def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int,
     tpb = bm.tokens_per_block
     tree = bm.tree
     n_full = min(usable // tpb, num_shared)
-    matched, gaps = tree.match(wm.index, path, n_full, wm.is_swa)
+    matched, gaps = wm.match(path, n_full)
     while matched and matched[-1] is None:  # a walk cannot end on a gap
         matched.pop()
         gaps.pop()
@@ -127,50 +126,36 @@ def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int,
     return WindowAdmission(matched, partial, num_shared, 0, gaps, coverage, None)
 
 
-def _safe(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
-    """Can `length` prepopulated tokens be reused in this window? A sliding window needs
-    every position inside the window before the reuse point to be real."""
-    if length > wa.coverage:
-        return False
-    if not wm.is_swa:
-        return True
-    last_gap = 0
-    for end in wa.gap_ends:
-        if end - bm.tokens_per_block < length:
-            last_gap = end
-    return last_gap == 0 or length >= last_gap + wm.window
+def _safe(wm: WindowBlockManager, wa: WindowAdmission, length: int) -> bool:
+    """Can `length` prepopulated tokens be reused in this window? (`reuse_safe`: a window
+    that detaches needs every position its first new queries see to be real.)"""
+    return length <= wa.coverage and wm.reuse_safe(wa.gap_ends, length)
 
 
 def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
     tpb = bm.tokens_per_block
-    n_ctx = ceil_div(seq.prompt_len, tpb)
-    beam = seq.beam_width
     plan = AdmissionPlan(seq, [], 0, None, [0, 0, 0, 0])
-    if bm.is_cross:
-        plan.windows = [WindowAdmission([], None, n_ctx) for _ in bm.windows]
-        return plan
+    windows = bm.windows
     if not bm.reuse:
-        shared = n_ctx if beam == 1 or seq.prompt_len % tpb == 0 else n_ctx - 1
-        plan.windows = [WindowAdmission([], None, shared, int(shared < n_ctx)) for _ in bm.windows]
+        plan.windows = [WindowAdmission([], None, *wm.context_blocks(seq, False)) for wm in windows]
         return plan
-    shared = n_ctx if beam == 1 else n_ctx - 1
     usable = seq.prompt_len - 1  # the last prompt token is always recomputed (its logits)
     path = plan.path = prompt_path(bm, seq, usable)
-    windows = bm.windows
-    per_beam = int(shared < n_ctx)
-    if len(windows) == 1 and not windows[0].is_swa:  # the usual case: nothing to reconcile
+    if len(windows) == 1 and not windows[0].detaches:  # the usual case: every match kept, nothing to reconcile
+        shared, per_beam = windows[0].context_blocks(seq, True)
         wa = walk(bm, windows[0], path, usable, shared)
         wa.num_per_beam = per_beam
         plan.windows = [wa]
         plan.prepopulated = wa.coverage
         return plan
-    was = [walk(bm, wm, path, usable, shared) for wm in windows]
+    splits = [wm.context_blocks(seq, True) for wm in windows]
+    was = [walk(bm, wm, path, usable, shared) for wm, (shared, _) in zip(windows, splits, strict=True)]
     length = min(wa.coverage for wa in was)
-    while length > 0 and not all(_safe(bm, wm, wa, length) for wm, wa in zip(windows, was, strict=True)):
+    while length > 0 and not all(_safe(wm, wa, length) for wm, wa in zip(windows, was, strict=True)):
         length = (length - 1) // tpb * tpb
-    for wm, wa in zip(windows, was, strict=True):
+    for wm, wa, (_, per_beam) in zip(windows, was, splits, strict=True):
         wa.num_per_beam = per_beam
-        if length < wa.coverage or wm.is_swa:
+        if length < wa.coverage or wm.detaches:
             _truncate(bm, wm, wa, length)
     plan.windows = was
     plan.prepopulated = length
@@ -179,7 +164,8 @@ def plan_sequence(bm: BlockManager, seq: TrackedSequence) -> AdmissionPlan:
 
 def _truncate(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, length: int) -> None:
     """Keep the matches inside the first `length` tokens (a straddled full block becomes a
-    partial match); a sliding window leaves positions it will never read as placeholders."""
+    partial match); a window that detaches leaves positions no query from `length` on reads
+    as placeholders."""
     tpb = bm.tokens_per_block
     full, rest = divmod(length, tpb)
     if full < len(wa.matched):
@@ -188,11 +174,8 @@ def _truncate(bm: BlockManager, wm: WindowBlockManager, wa: WindowAdmission, len
         del wa.matched[full:]
     elif wa.partial is not None and rest < wa.partial[1]:
         wa.partial = (wa.partial[0], rest) if rest else None
-    if wm.is_swa:
-        needed_from = length - wm.window + 1  # first key position the first new query sees
-        for d in range(len(wa.matched)):
-            if (d + 1) * tpb <= needed_from:
-                wa.matched[d] = None
+    for d in range(min(wm.detach_end(length), len(wa.matched))):
+        wa.matched[d] = None
     wa.coverage = length
 
 
@@ -213,10 +196,7 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
     # ones need an onboard target (referenced blocks are always primary).
     if len(plans) == 1:
         wa = plans[0].windows[idx]
-        if wm.is_swa:  # only a sliding window's walk leaves gaps (None)
-            free_matched = wa.free = [b for b in wa.matched if b is not None and not ref[b]]  # unreferenced = queued
-        else:
-            free_matched = wa.free = [b for b in cast("list[int]", wa.matched) if not ref[b]]
+        free_matched = wa.free = [b for b in wm.real_blocks(wa.matched) if not ref[b]]  # unreferenced = queued
     else:
         free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
     held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
@@ -316,7 +296,7 @@ def _hold_matches(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> list[in
 
 def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan, i: int, in_place: dict) -> list[int]:
     """Phase A for request `i` of the batch: claim its full matches and its partial one (in
-    place or as a copy); returns its row so far (placeholders for a sliding window's gaps)."""
+    place or as a copy); returns its row so far (placeholders for the gaps of a window that detaches)."""
     tpb = bm.tokens_per_block
     seq = adm.seq
     wa = adm.windows[wm.index]
@@ -324,8 +304,7 @@ def _claim_matches(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan,
     c = wm.counters
     alloc_total, alloc_new = c.alloc_total, c.alloc_new
     matched = wa.matched
-    # only a sliding window's walk leaves gaps (None) in `matched`
-    real = [b for b in matched if b is not None] if wm.is_swa else cast("list[int]", matched)
+    real = wm.real_blocks(matched)  # only a window that detaches leaves gaps (None) in `matched`
     gaps = len(matched) - len(real)
     _onboard_full(wm, real)
     if seq.retention is not None and matched:

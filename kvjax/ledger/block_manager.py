@@ -1,6 +1,7 @@
 """`BlockManager`: the window managers, the shared radix tree, events and the transfer recorder,
-and the multi-window operations that span them: token growth, the sliding-window detach,
-storing and release. Admission lives in `kvjax.ledger.admission`.
+and the multi-window operations that span them: token growth, the detach of blocks no query
+sees any more, storing and release. Each window is a manager of its attention kind
+(`kvjax.ledger.window_kinds`). Admission lives in `kvjax.ledger.admission`.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvjax.ledger.free_queues import PRIMARY
 from kvjax.ledger.radix_tree import RadixTree
 from kvjax.ledger.sequence import TrackedSequence
 from kvjax.ledger.transfer_recorder import TransferRecorder
-from kvjax.ledger.window_manager import WindowBlockManager
+from kvjax.ledger.window_kinds import window_manager_for
 
 
 class BlockManager:
@@ -28,29 +29,32 @@ class BlockManager:
         self.recorder = TransferRecorder()
         self.events = KVCacheEventManager(config.event_buffer_max_size) if config.event_buffer_max_size > 0 else None
         self.windows = [
-            WindowBlockManager(i, w, config, self.tree, self.recorder, self.events, clock) for i, w in enumerate(config.windows)
+            window_manager_for(i, w, config, self.tree, self.recorder, self.events, clock) for i, w in enumerate(config.windows)
         ]
         self.window_index = {wm.window: wm.index for wm in self.windows}
-        self.has_swa = any(wm.is_swa for wm in self.windows)
+        # the windows that release front blocks as a sequence grows (empty: none ever does)
+        self.detaching = [wm for wm in self.windows if wm.detaches]
+        # sequences grow token by token (all windows agree: the kind follows the cache type)
+        self.grows = all(wm.grows for wm in self.windows)
+        # a request's length is its encoder's (what a request must state: validation's question)
         self.is_cross = config.cache_type == "cross"
         # TensorRT-LLM disables reuse when sink tokens leave a bubble before generation starts.
-        self.reuse = config.enable_block_reuse and not self.is_cross and config.sink_bubble_length == 0
+        self.reuse = config.enable_block_reuse and all(wm.stores for wm in self.windows) and config.sink_bubble_length == 0
 
     # ------------------------------------------------------------------ growth
     def fast_limit(self, seq: TrackedSequence) -> int:
         """The token count below which `add_token` only stores its token: the count from which
         the next token starts a block (or passes `max_seq_len`), or slides a block out of a
-        window; 0 (always the slow path) for beams, cross caches and extra ids, whose tokens
-        take checks only the slow path makes."""
-        if seq.is_cross or seq.beam_width != 1 or seq.extra_ids is not None:
+        window; 0 (always the slow path) for beams, caches that do not grow (cross) and extra
+        ids, whose tokens take checks only the slow path makes."""
+        if not self.grows or seq.beam_width != 1 or seq.extra_ids is not None:
             return 0
         tpb = self.tokens_per_block
         limit = min(len(seq.windows[0].blocks[0]) * tpb, self.config.max_seq_len)
-        if self.has_swa:
-            for wm in self.windows:
-                if wm.is_swa:  # the count at which the next front block may leave the window
-                    front = seq.windows[wm.index].num_front_removed + 1
-                    limit = min(limit, wm.window + seq.num_draft_tokens + front * tpb - 1)
+        for wm in self.detaching:  # the count at which the next front block may leave the window
+            detach = wm.detach_limit(seq.windows[wm.index], seq.num_draft_tokens)
+            if detach is not None:
+                limit = min(limit, detach)
         return max(limit, 0)
 
     def grown_limits(self, counts: np.ndarray) -> np.ndarray:
@@ -97,24 +101,14 @@ class BlockManager:
 
     def released_blocks_visible(self, seq: TrackedSequence, query: int) -> list[int]:
         """Windows in which a query at `query` would see a block already released."""
-        tpb = self.tokens_per_block
-        out = []
-        for wm in self.windows:
-            nfr = seq.windows[wm.index].num_front_removed
-            if nfr and nfr * tpb > query - wm.window + 1:
-                out.append(wm.window)
-        return out
+        return [wm.window for wm in self.detaching if wm.released_visible(seq.windows[wm.index], query)]
 
     def detach_out_of_window(self, seq: TrackedSequence) -> None:
-        """Sliding windows: release front blocks that no query of the next forward (the oldest
-        one being `oldest_query`) and no later one can see."""
-        tpb = self.tokens_per_block
-        first_visible = self.oldest_query(seq) + 1  # + 1 - window, per window below
-        for wm in self.windows:
-            if wm.is_swa:
-                sw = seq.windows[wm.index]
-                while (sw.num_front_removed + 1) * tpb <= first_visible - wm.window:
-                    wm.detach_front_block(sw)
+        """Release front blocks that no query of the next forward (the oldest one being
+        `oldest_query`) and no later one can see, in the windows that detach."""
+        oldest = self.oldest_query(seq)
+        for wm in self.detaching:
+            wm.detach_invisible(seq.windows[wm.index], oldest)
 
     # ------------------------------------------------------------------ storing
     def store(self, seq: TrackedSequence, num_tokens: int, allow_partial: bool) -> int:

@@ -115,7 +115,7 @@ def store_candidates(bm: BlockManager, live: LiveSequences, ids: list | tuple) -
     table's (`LiveSequences.slot_rows`, cached per id list); a request holding no row yet reads the empty
     row's hint, 0. The rest are checked in full by the caller, as any row would be."""
     b = live.batch
-    if b is None or bm.has_swa or len(bm.windows) != 1 or not same_ids(b.ids, ids):
+    if b is None or bm.detaching or len(bm.windows) != 1 or not same_ids(b.ids, ids):
         return None
     wm = bm.windows[0]
     rows = live.slot_rows(ids, wm)  # [n] one per request, unless some request has beams
@@ -147,7 +147,7 @@ def add_tokens(bm: BlockManager, live: LiveSequences, request_ids: Sequence[Hash
         tok.append_rows(rows, counts, arr)
         return False
     at = np.flatnonzero(event)  # [k]
-    if bad is None and not bm.has_swa and grow_batched(bm, live, batch, counts, arr, at):
+    if bad is None and not bm.detaching and grow_batched(bm, live, batch, counts, arr, at):
         return True
     vals = arr.tolist() if given is None else given
     plans = plan_rows(bm, live, ids, vals, at.tolist(), checked=True)  # raises before any change
@@ -279,7 +279,7 @@ def plan_rows(
         if n <= live.limit_of(seq) and type(token) is int and 0 <= token <= INT32_MAX:
             out.append((r, _PLAIN, token))
             continue
-        token = checked_token(seq, token, n, bm.config.max_seq_len)
+        token = checked_token(bm, seq, token, n)
         if free is None:
             free = [wm.num_free_primary for wm in windows]
         grows = (n - 1) % tpb == 0
@@ -291,15 +291,12 @@ def plan_rows(
             for wm in windows:
                 free[wm.index] -= need
         detaches = False
-        if bm.has_swa:  # as `BlockManager.detach_out_of_window` will, once the token is in
+        if bm.detaching:  # as `BlockManager.detach_out_of_window` will, once the token is in
             oldest = bm.oldest_query(seq, n)
-            for wm in windows:
-                if not wm.is_swa:
-                    continue
+            for wm in bm.detaching:
                 sw = seq.windows[wm.index]
                 ref, dropped = wm.refs.ref, pending[wm.index]
-                pos = sw.num_front_removed
-                while (pos + 1) * tpb <= oldest + 1 - wm.window:
+                for pos in range(sw.num_front_removed, wm.detach_end(oldest)):
                     detaches = True
                     held: set[int] = set()
                     for beam in sw.blocks:
@@ -309,8 +306,7 @@ def plan_rows(
                             k = dropped[b] = dropped.get(b, 0) + 1
                             if ref[b] == k:
                                 free[wm.index] += 1
-                    pos += 1
-        simple = seq.beam_width == 1 and seq.extra_ids is None and not seq.is_cross and not detaches
+        simple = seq.beam_width == 1 and seq.extra_ids is None and not detaches  # (a cross cache raised above)
         out.append((r, _GROW if grows and simple else _SLOW, token))
     return out
 

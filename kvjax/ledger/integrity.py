@@ -71,7 +71,7 @@ def _verify_sequence_limits(bm: BlockManager, live: LiveSequences) -> None:
                 _fail(f"request {rid!r}: its token list has a stale limit, or it also holds a token-store row")
         elif seq.limit != 0 or limits[seq.row] != limit:
             _fail(f"request {rid!r}: its token-store row has a stale limit")
-        if not seq.is_cross and seq.num_tokens < seq.prompt_len:
+        if seq.num_tokens < seq.prompt_len:  # (a cross sequence holds exactly its encoder length)
             _fail(f"request {rid!r} holds fewer tokens than its prompt")
 
 
@@ -164,7 +164,7 @@ def _verify_store_hint(
         return
     cur = sw.cursor
     w = wm.window
-    if cur is None or wm.is_swa or due != (cur.full_blocks + 1) * bm.tokens_per_block:
+    if cur is None or wm.detaches or due != (cur.full_blocks + 1) * bm.tokens_per_block:
         _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
     found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
     own = sw.blocks[0][cur.full_blocks - 1]

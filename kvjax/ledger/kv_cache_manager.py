@@ -210,7 +210,7 @@ class KVCacheManager:
         except (KeyError, TypeError):
             raise UnknownRequestError(f"unknown request id {request_id!r}") from None
         bm = self._bm
-        if seq.beam_width == 1 and bm.reuse and not seq.is_cross and bm.has_unstored_block(seq, self._live.materialised(seq)):
+        if seq.beam_width == 1 and bm.reuse and bm.has_unstored_block(seq, self._live.materialised(seq)):
             self._store_new(seq)
 
     @writer

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax._math import ceil_div
 from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError, SchedulingStateError
 from kvjax.ledger.admission import plan_sequence, window_need
 from kvjax.ledger.packing import int_array
@@ -94,26 +93,11 @@ def needed_blocks_one_step(
     two_steps_lookahead = check_query_args(two_steps_lookahead, summary)
     wm = window_manager(bm, window)
     request, seq = resolve(bm, live, request_or_id)
-    tpb = bm.tokens_per_block
-    beam = request.beam_width
     if seq is None:  # context phase
         if summary is None or len(summary.admission_blocks) != len(bm.windows):
             summary = analyze_prefix_reuse(bm, live, request)
-        needed = summary.admission_blocks[wm.index]
-        if request.num_draft_tokens and not bm.is_cross:  # added by the first step
-            prompt_len = len(request.prompt)
-            with_drafts = min(prompt_len + request.num_draft_tokens, bm.config.max_seq_len)
-            needed += (ceil_div(with_drafts, tpb) - ceil_div(prompt_len, tpb)) * beam
-        return needed
-    if seq.is_cross or seq.context_position < seq.prompt_len:
-        return 0
-    curr = seq.num_tokens
-    steps = 2 if two_steps_lookahead else 1
-    max_add = min(steps * (seq.num_draft_tokens + 1), seq.max_new_tokens - (curr - seq.prompt_len))
-    nxt = curr + max(max_add, 0)
-    if nxt > wm.max_token_num:
-        return 0
-    return (ceil_div(nxt, tpb) - ceil_div(curr, tpb)) * beam
+        return summary.admission_blocks[wm.index] + wm.draft_blocks(request)  # drafts: added by the first step
+    return wm.step_blocks(seq, 2 if two_steps_lookahead else 1, request.beam_width)
 
 
 def remaining_blocks_to_completion(
@@ -122,55 +106,19 @@ def remaining_blocks_to_completion(
     check_query_args(False, summary)
     wm = window_manager(bm, window)
     request, seq = resolve(bm, live, request_or_id)
-    cfg, tpb = bm.config, bm.tokens_per_block
-    bubble = cfg.sink_bubble_length
-    beam = request.beam_width
-    if bm.is_cross:
-        if seq is not None:
-            return 0
-        assert request.encoder_len is not None  # `resolve` validated the request for a cross cache
-        return ceil_div(request.encoder_len, tpb)
-    prompt_len = len(request.prompt)
-    final = prompt_len + request.max_new_tokens
-    alloc = 0 if seq is None else len(seq.windows[wm.index].blocks[0])
-    reuse_ok = bm.reuse and not cfg.is_variable_window and alloc == 0
-    if wm.is_swa:
-        held = 0 if seq is None else alloc - seq.windows[wm.index].num_front_removed
-        ctx = ceil_div(prompt_len + bubble, tpb)
-        if reuse_ok:
-            summary = summary or analyze_prefix_reuse(bm, live, request)
-            ctx -= min(summary.reusable_blocks_allocated, (prompt_len - 1) // tpb)
-        # held blocks peak at ceil((window + drafts) / tpb) + 1: the blocks the oldest draft
-        # query sees, and a new block is allocated before the token's detach releases one
-        span = wm.window + request.num_draft_tokens
-        steady = min(ceil_div(final + bubble, tpb), ceil_div(span, tpb) + 1) * beam
-        # until the first token is added nothing has left the window: if that token starts
-        # a block, the whole context plus one block is held for a moment
-        cur = prompt_len if seq is None else seq.num_tokens
-        first = (ctx if seq is None else held) + beam * int(cur < final and (cur + bubble) % tpb == 0)
-        peak = max(first, steady)
-        return max(0, peak - held)
-    span = wm.window + wm.temporary_window
-    ctx = (min(prompt_len, span) + bubble) // tpb
-    total = ceil_div(min(final, span) + bubble, tpb)
-    gen = total - ctx
-    reusable = 0
-    if reuse_ok:
-        summary = summary or analyze_prefix_reuse(bm, live, request)
-        reusable = min(summary.reusable_blocks_allocated, ctx, (prompt_len - 1) // tpb)
-    cur_tokens = prompt_len if seq is None else seq.num_tokens
-    extra = int(final > wm.window and ceil_div(final, tpb) > ceil_div(cur_tokens, tpb) and ceil_div(final, tpb) > total)
-    if alloc < ctx - reusable:
-        return (ctx - reusable - alloc) + (gen + extra) * beam
-    return max(0, (total - reusable - alloc + extra) * beam)
+
+    def reusable() -> int:  # admission's own walk, only when the window's formula credits reuse
+        return (summary or analyze_prefix_reuse(bm, live, request)).reusable_blocks_allocated
+
+    return wm.remaining_blocks(request, seq, bm.reuse and not bm.config.is_variable_window, reusable)
 
 
 # ---------------------------------------------------------------------------- many live requests
 # A scheduler asks these of every running request every step: one call per request costs
 # several microseconds (argument checks, the lock, a dozen attribute reads), 9 ms a step at
 # 1,024 requests. The batched forms read each sequence once per field and do the arithmetic
-# in numpy (about 1 ms); a sliding window's or a cross cache's remaining blocks take the
-# scalar form per request.
+# in numpy (about 1 ms), where the window's kind has a batched form (`remaining_blocks_many`:
+# full attention; a sliding window's or a cross cache's take the scalar form per request).
 
 
 def _live_rows(live: LiveSequences, request_ids: object) -> tuple[list | tuple, list[TrackedSequence]]:
@@ -185,28 +133,20 @@ def remaining_blocks_to_completion_many(
     """`remaining_blocks_to_completion(id, window)` of each live request id, int64 `[n]`."""
     ids, seqs = _live_rows(live, request_ids)
     wm = window_manager(bm, window)
-    if bm.is_cross or wm.is_swa or not seqs:
-        return np.array([remaining_blocks_to_completion(bm, live, r, window, None) for r in ids], dtype=np.int64)
-    tpb, bubble = bm.tokens_per_block, bm.config.sink_bubble_length
-    widx = wm.index
-    prompt = int_array([s.prompt_len for s in seqs])  # [n]
-    final = prompt + int_array([s.max_new_tokens for s in seqs])  # [n]
-    beam = int_array([s.beam_width for s in seqs])  # [n]
-    try:
-        rows = live.slot_rows(ids, wm)  # one slot-table row per request unless some request has beams
-    except DuplicateRequestError:  # a block table takes each id once; a query may ask twice
-        rows = None
-    if rows is not None and len(rows) == len(ids):  # a row's length is its beam-0 block count: no walk
-        alloc = wm.slot_table.lengths[rows].astype(np.int64)  # [n]
-    else:
-        alloc = int_array([len(s.windows[widx].blocks[0]) for s in seqs])  # [n]
-    # a full-attention window spans `max_seq_len`, so the scalar form's clipping to the window
-    # (and its extra block for a request outgrowing it) never applies here
-    ctx = (prompt + bubble) // tpb  # [n]
-    total = ceil_div(final + bubble, tpb)  # [n]
-    # (a live request holds its prompt's blocks, never none: the scalar form's credit for
-    # reusable blocks, which only a request holding none gets, does not apply)
-    return np.where(alloc < ctx, ctx - alloc + (total - ctx) * beam, np.maximum(0, (total - alloc) * beam))
+
+    def allocated() -> np.ndarray:  # [n] each request's beam-0 block count
+        try:
+            rows = live.slot_rows(ids, wm)  # one slot-table row per request unless some request has beams
+        except DuplicateRequestError:  # a block table takes each id once; a query may ask twice
+            rows = None
+        if rows is not None and len(rows) == len(ids):  # a row's length is its beam-0 block count: no walk
+            return wm.slot_table.lengths[rows].astype(np.int64)  # [n]
+        return int_array([len(s.windows[wm.index].blocks[0]) for s in seqs])  # [n]
+
+    def one(i: int) -> int:
+        return remaining_blocks_to_completion(bm, live, ids[i], window, None)
+
+    return wm.remaining_blocks_many(seqs, allocated, one)
 
 
 def needed_blocks_one_step_many(
@@ -216,16 +156,7 @@ def needed_blocks_one_step_many(
     two_steps_lookahead = check_flag("two_steps_lookahead", two_steps_lookahead)
     ids, seqs = _live_rows(live, request_ids)
     wm = window_manager(bm, window)
-    tpb = bm.tokens_per_block
-    cur = int_array([s.num_tokens for s in seqs])  # [n]
-    prompt = int_array([s.prompt_len for s in seqs])  # [n]
-    idle = np.array([s.is_cross or s.context_position < s.prompt_len for s in seqs], dtype=bool)  # [n]
-    steps = 2 if two_steps_lookahead else 1
-    drafts = int_array([s.num_draft_tokens for s in seqs])  # [n]
-    left = int_array([s.max_new_tokens for s in seqs]) - (cur - prompt)  # [n] tokens still to generate
-    nxt = cur + np.maximum(np.minimum(steps * (drafts + 1), left), 0)  # [n]
-    need = (ceil_div(nxt, tpb) - ceil_div(cur, tpb)) * int_array([s.beam_width for s in seqs])  # [n] blocks the new tokens start
-    return np.where(idle | (nxt > wm.max_token_num), 0, need)
+    return wm.step_blocks_many(seqs, 2 if two_steps_lookahead else 1)
 
 
 # ---------------------------------------------------------------------------- dry runs

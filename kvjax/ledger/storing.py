@@ -18,19 +18,15 @@ if TYPE_CHECKING:
     from kvjax.ledger.sequence import TrackedSequence
 
 
-def can_store(bm: BlockManager, seq: TrackedSequence) -> bool:
-    return bm.reuse and not seq.is_cross
-
-
 def store_context(bm: BlockManager, live: LiveSequences, seq: TrackedSequence) -> None:
     """The materialised full context blocks ("early reuse")."""
-    if can_store(bm, seq):
+    if bm.reuse:  # (never in a cache whose windows do not store: cross)
         bm.store(seq, min(live.materialised(seq), seq.prompt_len), allow_partial=False)
 
 
 def store_all(bm: BlockManager, live: LiveSequences, seq: TrackedSequence) -> None:
     """Every materialised block, the trailing partial one included (one beam only)."""
-    if can_store(bm, seq) and seq.beam_width == 1:
+    if bm.reuse and seq.beam_width == 1:
         bm.store(seq, live.materialised(seq), allow_partial=True)
 
 
@@ -43,7 +39,7 @@ def store_new_blocks(bm: BlockManager, live: LiveSequences, ids: list | tuple) -
         seqs = live.of(ids)
         if not bm.reuse:
             return
-        seqs = [s for s in seqs if s.beam_width == 1 and not s.is_cross]
+        seqs = [s for s in seqs if s.beam_width == 1]
     counts = live.materialised_many(seqs)
     rows = bm.with_unstored_blocks(seqs, counts)
     if rows:

@@ -161,9 +161,8 @@ def apply_failure(bm: BlockManager, live: LiveSequences, seq_no: int, ops: list,
         _cut_back(bm, live, seq, cut)
         recompute[rid] = cut
         for wm in bm.windows:
-            # the first recomputed query sees keys from cut - window + 1: released blocks there
-            # (placeholders) would be read as zeros
-            if wm.is_swa and seq.windows[wm.index].num_front_removed * tpb > max(0, cut - wm.window + 1):
+            # released blocks (placeholders) the first recomputed query sees would be read as zeros
+            if wm.released_visible(seq.windows[wm.index], cut):
                 readmit.add(rid)
     return TransferFailure(seq_no, recompute, frozenset(readmit), dropped, pinned)
 

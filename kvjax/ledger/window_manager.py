@@ -3,22 +3,29 @@
 It owns block ids `0..P-1` (primary memory) and `P..P+S-1` (secondary memory) as columns
 (`BlockColumns`: slot, level; `RefCounts`; `FreeQueues`: queues and retention), and the
 per-window half of every ledger decision: allocate (evict or offload a victim), onboard,
-partial copy, store into the shared tree, release, and the sliding-window detach. Every byte
+partial copy, store into the shared tree, release, and the front-block detach. Every byte
 movement it decides goes to the shared `TransferRecorder`.
+
+It is the shared machinery only: what differs between attention kinds (which keys a query
+sees, what may be detached, what a step or a request needs, how a prefix match ends, how
+admission splits a prompt) is declared here as the kind interface and stated by each kind in
+`kvjax.ledger.window_kinds`, which also makes the manager of a window.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import abc
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from kvjax._math import ceil_div
 from kvjax.config import DEFAULT_PRIORITY, CacheConfig
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY, BlockColumns
 from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.events import add_stored_blocks, new_columns
 from kvjax.ledger.free_queues import FreeQueues
-from kvjax.ledger.packing import packer
+from kvjax.ledger.packing import int_array, packer
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
 from kvjax.ledger.sequence import StoreCursor
@@ -33,13 +40,26 @@ if TYPE_CHECKING:
     from kvjax.ledger.events import KVCacheEventManager
     from kvjax.ledger.radix_tree import RadixTree
     from kvjax.ledger.sequence import SequenceWindow, TrackedSequence
+    from kvjax.ledger.token_path import TokenPath
+    from kvjax.request import Request
 
 _OFFLOAD = int(TransferKind.OFFLOAD)
 _ONBOARD = int(TransferKind.ONBOARD)
 _COPY = int(TransferKind.COPY)
 
 
-class WindowBlockManager:
+class WindowBlockManager(abc.ABC):
+    """One attention window's blocks and rules; a kind (`kvjax.ledger.window_kinds`) supplies
+    the kind interface below (class attributes and abstract methods)."""
+
+    #: releases a sequence's front blocks as it grows (placeholders in its rows, gaps in a
+    #: prefix match, no store hints): the block manager detaches only in these windows
+    detaches: ClassVar[bool] = False
+    #: a sequence grows token by token (a cross-attention cache holds the encoder's KV, fixed)
+    grows: ClassVar[bool] = True
+    #: its blocks may be stored in the tree for reuse
+    stores: ClassVar[bool] = True
+
     def __init__(
         self,
         index: int,
@@ -53,7 +73,8 @@ class WindowBlockManager:
         self.index = index
         self.window = window
         self.tokens_per_block = config.tokens_per_block
-        self.is_swa = config.is_swa(window)
+        self.max_seq_len = config.max_seq_len
+        self.sink_bubble_length = config.sink_bubble_length
         self.num_primary = config.primary_blocks_for(window)
         self.num_secondary = config.secondary_blocks_for(window)
         self.num_blocks = self.num_primary + self.num_secondary
@@ -111,6 +132,109 @@ class WindowBlockManager:
         self.tree.detach(self.index, b)
         if evicted:
             self.counters.evicted += 1
+
+    # ------------------------------------------------------------------ the kind interface
+    # Each kind states these; everything else in the ledger asks the window, never its kind.
+    @abc.abstractmethod
+    def first_visible(self, query: int) -> int:
+        """The first key position a query at position `query` attends to (>= 0): the one home
+        of the kind's visibility rule in the ledger."""
+
+    @abc.abstractmethod
+    def match(self, path: TokenPath, n_full: int) -> tuple[list, list[int]]:
+        """Admission's read-only walk over the path's first `n_full` full blocks: the matched
+        block ids from position 0 (None: a position the kind may leave missing) and the end
+        token of each None's block (`RadixTree.match`)."""
+
+    @abc.abstractmethod
+    def reuse_safe(self, gap_ends: list[int], length: int) -> bool:
+        """May a request reuse its first `length` matched tokens (all covered by the walk)
+        although the walk left the positions ending at `gap_ends` missing?"""
+
+    @abc.abstractmethod
+    def real_blocks(self, matched: list[int | None]) -> list[int]:
+        """The block ids of a walk's `matched` list (its gaps left out)."""
+
+    @abc.abstractmethod
+    def remaining_blocks(
+        self, request: Request, seq: TrackedSequence | None, reuse: bool, reusable: Callable[[], int]
+    ) -> int:
+        """`remaining_blocks_to_completion` in this window: blocks the request (`seq`: its live
+        sequence, None before admission) still needs to finish. `reuse`: the ledger may credit
+        cached blocks; `reusable()`: the prompt's blocks admission would reuse that live
+        sequences already hold (a tree walk: asked only when used)."""
+
+    def detach_end(self, oldest: int) -> int:
+        """How many front block positions no query at `oldest` or later sees."""
+        return self.first_visible(oldest) // self.tokens_per_block
+
+    def released_visible(self, sw: SequenceWindow, query: int) -> bool:
+        """Would a query at `query` see a block this sequence already released?"""
+        return sw.num_front_removed * self.tokens_per_block > self.first_visible(query)
+
+    def detach_invisible(self, sw: SequenceWindow, oldest: int) -> None:
+        """Release the sequence's front blocks that no query at `oldest` or later sees."""
+        end = self.first_visible(oldest) // self.tokens_per_block  # `detach_end`, one call less
+        while sw.num_front_removed < end:
+            self.detach_front_block(sw)
+
+    def detach_limit(self, sw: SequenceWindow, num_draft_tokens: int) -> int | None:
+        """The most tokens the sequence may hold before its next token detaches its front
+        block (None: it never does); `num_draft_tokens` newest tokens are unverified drafts,
+        queries of the next forward too."""
+        return None
+
+    def context_blocks(self, seq: TrackedSequence, reuse: bool) -> tuple[int, int]:
+        """Admission's split of the prompt's blocks: (blocks every beam shares, 1 when the last
+        context block is allocated once per beam). With beams the last block is per beam
+        unless, reuse off, it is full."""
+        n_ctx = ceil_div(seq.prompt_len, self.tokens_per_block)
+        shared = n_ctx if seq.beam_width == 1 or (not reuse and seq.prompt_len % self.tokens_per_block == 0) else n_ctx - 1
+        return shared, int(shared < n_ctx)
+
+    def draft_blocks(self, request: Request) -> int:
+        """Blocks the first step's draft tokens start after the prompt (a request not yet admitted)."""
+        if not request.num_draft_tokens:
+            return 0
+        tpb = self.tokens_per_block
+        prompt_len = len(request.prompt)
+        with_drafts = min(prompt_len + request.num_draft_tokens, self.max_seq_len)
+        return (ceil_div(with_drafts, tpb) - ceil_div(prompt_len, tpb)) * request.beam_width
+
+    def step_blocks(self, seq: TrackedSequence, steps: int, beam: int) -> int:
+        """Blocks the next `steps` decode steps of a live sequence start, `beam` per block
+        (`needed_blocks_one_step`, the request's beam width; none during a chunked prefill,
+        none past the window's token limit)."""
+        if seq.context_position < seq.prompt_len:
+            return 0
+        tpb = self.tokens_per_block
+        curr = seq.num_tokens
+        max_add = min(steps * (seq.num_draft_tokens + 1), seq.max_new_tokens - (curr - seq.prompt_len))
+        nxt = curr + max(max_add, 0)
+        if nxt > self.max_token_num:
+            return 0
+        return (ceil_div(nxt, tpb) - ceil_div(curr, tpb)) * beam
+
+    def step_blocks_many(self, seqs: Sequence[TrackedSequence], steps: int) -> np.ndarray:
+        """`step_blocks` of each live sequence (its own beam width), int64 `[n]`."""
+        tpb = self.tokens_per_block
+        cur = int_array([s.num_tokens for s in seqs])  # [n]
+        prompt = int_array([s.prompt_len for s in seqs])  # [n]
+        idle = np.array([s.context_position < s.prompt_len for s in seqs], dtype=bool)  # [n]
+        drafts = int_array([s.num_draft_tokens for s in seqs])  # [n]
+        left = int_array([s.max_new_tokens for s in seqs]) - (cur - prompt)  # [n] tokens still to generate
+        nxt = cur + np.maximum(np.minimum(steps * (drafts + 1), left), 0)  # [n]
+        beam = int_array([s.beam_width for s in seqs])  # [n]
+        need = (ceil_div(nxt, tpb) - ceil_div(cur, tpb)) * beam  # [n] blocks the new tokens start
+        return np.where(idle | (nxt > self.max_token_num), 0, need)
+
+    def remaining_blocks_many(
+        self, seqs: Sequence[TrackedSequence], allocated: Callable[[], np.ndarray], one: Callable[[int], int]
+    ) -> np.ndarray:
+        """`remaining_blocks` of each live sequence, int64 `[n]`: `one(i)` answers row `i` alone;
+        `allocated()` is each row's beam-0 block count, int64 `[n]`, for a kind that answers
+        the rows together."""
+        return np.array([one(i) for i in range(len(seqs))], dtype=np.int64)
 
     # ------------------------------------------------------------------ allocation
     def get_free_block(self, priority: int | None, duration: float | None) -> int:
@@ -212,7 +336,7 @@ class WindowBlockManager:
         """Append referenced blocks (or placeholders) to one beam, or with `beam=None` share them
         with every beam. Slots are mirrored for block tables (placeholders -> null slot)."""
         slots: list[int] | np.ndarray
-        if self.num_secondary or self.is_swa:
+        if self.num_secondary or self.detaches:
             slot, null = self.columns.slot, self.null_slot
             slots = [slot[b] if b >= 0 else null for b in blocks]
         else:  # no host tier: every block keeps its own slot (no swaps); no placeholders either
@@ -251,7 +375,7 @@ class WindowBlockManager:
                 release(blk)
 
     def detach_front_block(self, sw: SequenceWindow) -> None:
-        """Sliding window: the front block left the window; release it, keep a placeholder."""
+        """The front block left what any query sees: release it, keep a placeholder."""
         pos = sw.num_front_removed
         seen: list[int] = []
         for b, beam in enumerate(sw.blocks):
@@ -274,13 +398,13 @@ class WindowBlockManager:
         until a new full block materialises the sequence has nothing to store, which is all
         `store_new_blocks` may skip a row for. A cursor on another request's block (ours stayed
         private: a duplicate) can lose its position to an eviction, after which the sequence
-        stores its own block there; a sliding window releases old blocks. Those, and no
+        stores its own block there; a window that detaches releases old blocks. Those, and no
         cursor, file 0 (always check). The one way a referenced block leaves its position is
         a store that moves it under another key (a partial block that grew; a block offered
         with fewer tokens than its cached key stays, `RadixTree._holds_longer`): `store` then
         clears every hint of the window."""
         sw.cursor = cursor
-        due = (cursor.full_blocks + 1) * self.tokens_per_block if cursor is not None and own and not self.is_swa else 0
+        due = (cursor.full_blocks + 1) * self.tokens_per_block if cursor is not None and own and not self.detaches else 0
         self.slot_table.set_store_due(sw, due)
 
     def cursor_position(self, seq: TrackedSequence, sw: SequenceWindow) -> tuple[tuple[int, int], int] | None:
