@@ -19,7 +19,8 @@ each query/key head serving `Hv / Hk` consecutive value heads. Everything runs i
 output is cast back to the value dtype.
 
 Letters: B batch, T tokens, Hk query/key heads, Hv value heads, Dk key head dim, Dv value head
-dim, N chunks, C chunk length.
+dim, N chunks, C chunk length. Both forms are jitted (one executable per shape), so eager
+callers do not dispatch their many small ops one by one.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def l2_normalize(x: Float[Array, "... d"], eps: float = 1e-6) -> Float[Array, ".
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+@jax.jit
 def recurrent_delta_rule(
     q: Float[Array, "b t h dk"],
     k: Float[Array, "b t h dk"],
@@ -63,6 +65,7 @@ def recurrent_delta_rule(
     return jnp.moveaxis(out, 0, 1), final
 
 
+@functools.partial(jax.jit, static_argnames="chunk_size")
 def chunked_delta_rule(
     q: Float[Array, "b t h dk"],
     k: Float[Array, "b t h dk"],
@@ -78,8 +81,6 @@ def chunked_delta_rule(
     The tail is padded to a whole chunk with k = v = 0, g = 0, beta = 0: padded tokens neither
     decay nor write the state, so the final state is the one after the last real token.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     c = chunk_size
@@ -137,6 +138,8 @@ def gated_delta_rule(
     `chunk_size=None` runs the recurrent form (decode), else the chunked form (prefill).
     """
     hk, hv = q.shape[2], v.shape[2]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     if hv % hk:
         raise ValueError(f"{hv} value heads do not split over {hk} query/key heads")
     f32 = jnp.float32
