@@ -97,13 +97,15 @@ class Qwen35Spec:
         if any(t not in (LINEAR, FULL) for t in self.layer_types) or not self.layer_types:
             raise ValueError(f"layer_types must be a non-empty list of {LINEAR!r} / {FULL!r}, got {self.layer_types}")
         if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_attention_heads} attention heads do not split over {self.num_kv_heads} kv heads")
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) does not split over num_key_value_heads "
+                             f"({self.num_kv_heads})")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"{self.linear_num_value_heads} value heads do not split over {self.linear_num_key_heads} key heads")
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) does not split over "
+                             f"linear_num_key_heads ({self.linear_num_key_heads})")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if self.conv_kernel < 2:
-            raise ValueError(f"conv_kernel must be at least 2, got {self.conv_kernel}")
+            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {self.conv_kernel}")
 
     @property
     def num_layers(self) -> int:
@@ -484,8 +486,12 @@ class Qwen35ForCausalLM(nnx.Module):
                 raise InvalidArgumentError(f"token ids must lie in [0, {self.spec.vocab_size}), got {host.min()}..{host.max()}")
 
     def dense_forward(self, tokens: Int[Array, "b s"], *, chunk_size: int = DEFAULT_CHUNK) -> Float[Array, "b s v"]:
-        """Float32 logits of every position, no cache (the oracle)."""
+        """Float32 logits of every position, no cache (the oracle). Compiled per shape (`jax.jit`)."""
         self._check_tokens(tokens)
+        graphdef, params = nnx.split(self)
+        return _dense_jit(graphdef, params, tokens, chunk_size)
+
+    def _dense(self, tokens: Int[Array, "b s"], chunk_size: int) -> Float[Array, "b s v"]:
         b, s = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, S, D]
@@ -521,14 +527,19 @@ class Qwen35ForCausalLM(nnx.Module):
         """
         self._check_tokens(tokens)
         b, t = tokens.shape
-        if len(state.layers) != self.spec.num_layers or state.lengths.shape != (b,):
-            raise InvalidArgumentError(f"state of {len(state.layers)} layers and {state.lengths.shape[0]} rows does not "
-                                       f"fit a {self.spec.num_layers}-layer model and {b} rows of tokens")
+        self._check_state(state, b)
         capacity = self.capacity(state)
         overrun = state.lengths + t > (self.spec.max_seq_len if capacity is None else capacity)  # [B]
         if not isinstance(state.lengths, jax.core.Tracer) and bool(np.any(np.asarray(overrun))):
             raise InvalidArgumentError(f"rows with {np.asarray(state.lengths).tolist()} tokens cannot take {t} more: "
                                        f"the attention cache holds {capacity}")
+        graphdef, params = nnx.split(self)
+        return _chunk_jit(graphdef, params, tokens, state, chunk_size)
+
+    def _chunk(self, tokens: Int[Array, "b t"], state: Qwen35State, chunk_size: int) -> tuple[Float[Array, "b t v"], Qwen35State]:
+        t = tokens.shape[1]
+        capacity = self.capacity(state)
+        overrun = state.lengths + t > (self.spec.max_seq_len if capacity is None else capacity)  # [B]
         positions = state.lengths[:, None] + jnp.arange(t, dtype=state.lengths.dtype)[None, :]  # [B, T]
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
         new_layers = []
@@ -539,12 +550,32 @@ class Qwen35ForCausalLM(nnx.Module):
         logits = jnp.where(overrun[:, None, None], jnp.nan, logits)
         return logits, Qwen35State(tuple(new_layers), state.lengths + t)
 
+    def _check_state(self, state: Any, batch: int) -> None:
+        """A state of this model (`init_state`'s structure) for `batch` rows, else InvalidArgumentError."""
+        want = jax.tree.structure(jax.eval_shape(lambda: self.init_state(batch, 1)))
+        if jax.tree.structure(state) != want or getattr(state.lengths, "shape", None) != (batch,):
+            raise InvalidArgumentError(f"state does not fit this model and {batch} rows of tokens: expected "
+                                       f"{self.spec.num_layers} layer states ({', '.join(self.spec.layer_types)}) from "
+                                       "init_state(batch, capacity)")
+
     def capacity(self, state: Qwen35State) -> int | None:
         """Tokens the attention layers of `state` hold (None: a model without attention layers)."""
         for layer_state in state.layers:
             if isinstance(layer_state, AttentionKV):
                 return int(layer_state.k.shape[1])
         return None
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
+def _dense_jit(graphdef: Any, params: Any, tokens: jax.Array, chunk_size: int) -> jax.Array:
+    model = nnx.merge(graphdef, params)
+    return model._dense(tokens, chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
+def _chunk_jit(graphdef: Any, params: Any, tokens: jax.Array, state: Qwen35State, chunk_size: int) -> Any:
+    model = nnx.merge(graphdef, params)
+    return model._chunk(tokens, state, chunk_size)
 
 
 # ---------------------------------------------------------------------- checkpoint
