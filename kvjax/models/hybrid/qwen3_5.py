@@ -552,8 +552,8 @@ class Qwen35ForCausalLM(nnx.Module):
 
     def _check_state(self, state: Any, batch: int) -> None:
         """A state of this model (`init_state`'s structure) for `batch` rows, else InvalidArgumentError."""
-        want = jax.tree.structure(jax.eval_shape(lambda: self.init_state(batch, 1)))
-        if jax.tree.structure(state) != want or getattr(state.lengths, "shape", None) != (batch,):
+        want: Any = jax.tree.structure(jax.eval_shape(lambda: self.init_state(batch, 1)))
+        if want != jax.tree.structure(state) or getattr(state.lengths, "shape", None) != (batch,):
             raise InvalidArgumentError(f"state does not fit this model and {batch} rows of tokens: expected "
                                        f"{self.spec.num_layers} layer states ({', '.join(self.spec.layer_types)}) from "
                                        "init_state(batch, capacity)")
