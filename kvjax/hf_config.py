@@ -2,7 +2,11 @@
 
 Supported `model_type`s: `llama` (Llama 2/3.x), `mistral`, `qwen2` (Qwen2/2.5), `qwen3`,
 `gemma3_text` (Gemma 3 text, e.g. gemma-3-1b) and `gemma3` (the multimodal Gemma 3
-checkpoints; only their `text_config` is read, the vision tower is left unused).
+checkpoints; only their `text_config` is read, the vision tower is left unused). Hybrid model
+types (`HYBRID_MODEL_TYPES`: recurrent + attention layers, e.g. Qwen3.5) have no `ModelSpec`:
+their own modules read their configs (`kvjax.models.hybrid`, with this module's reader) and
+`spec_from_hf_config` refuses them with `HybridModelNotServedError` (the engine does not serve
+them yet).
 
 Both spellings of a config are read: as published on the hub (`rope_theta`, `rope_scaling`,
 `rope_local_base_freq`, `sliding_window_pattern`, `torch_dtype`) and as recent transformers
