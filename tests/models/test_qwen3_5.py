@@ -1,10 +1,12 @@
 """Qwen3.5 (gated DeltaNet + gated attention) against transformers 5.24 on the committed tiny
 checkpoint (tests/fixtures/hf_hybrid/qwen3_5, written by tests/fixtures/make_hybrid_fixtures.py),
 and the stateful chunk forward against the dense one."""
+import functools
 import json
 import shutil
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import chex
 import jax
@@ -33,34 +35,26 @@ EXPECTED = json.loads((FIXTURE / "expected.json").read_text())
 CONFIG = json.loads((FIXTURE / "config.json").read_text())
 
 
+FAMILIES = ["qwen3_5", "qwen3_5-tied"]
 CAPACITY = 96  # one state shape for every test, so the jitted steps compile once per token count
 PAD = 80  # the dense oracle runs on [5, PAD] (causal: padding after a prompt leaves its logits alone)
 
 
 @pytest.fixture(scope="module")
 def model() -> Qwen35ForCausalLM:
-    return load_qwen3_5(FIXTURE, dtype="float32")
+    return _family("qwen3_5")[0]
 
 
 @pytest.fixture(scope="module")
 def dense(model):
     """Dense logits of up to 5 token lists, through one compiled [5, PAD] forward."""
-    forward = jax.jit(model.dense_forward)
-
-    def run(rows):
-        batch = np.zeros((5, PAD), np.int32)
-        for i, r in enumerate(rows):
-            batch[i, :len(r)] = r
-        logits = np.asarray(forward(jnp.asarray(batch)))
-        return [logits[i, :len(r)] for i, r in enumerate(rows)]
-
-    return run
+    return _family("qwen3_5")[2]
 
 
 @pytest.fixture(scope="module")
 def step(model):
     """The jitted chunk forward (8-token delta-rule chunks); compiles once per (batch, token count)."""
-    return jax.jit(lambda tokens, state: model.forward_chunk(tokens, state, chunk_size=8))
+    return _family("qwen3_5")[3]
 
 
 def _feed(step, state, tokens, sizes):
@@ -76,27 +70,55 @@ def _feed(step, state, tokens, sizes):
 
 
 # ---------------------------------------------------------------------- parity with transformers
-def test_dense_logits_match_transformers(dense):
+@functools.cache
+def _family(name: str):
+    """(model, its expected.json, dense oracle over [5, PAD], jitted chunk step) of a fixture."""
+    path = FIXTURE.parent / name
+    m = load_qwen3_5(path, dtype="float32")
+    forward = jax.jit(m.dense_forward)
+
+    def dense(rows):
+        batch = np.zeros((5, PAD), np.int32)
+        for i, r in enumerate(rows):
+            batch[i, :len(r)] = r
+        logits = np.asarray(forward(jnp.asarray(batch)))
+        return [logits[i, :len(r)] for i, r in enumerate(rows)]
+
+    step = jax.jit(lambda tokens, state: m.forward_chunk(tokens, state, chunk_size=8))
+    return m, json.loads((path / "expected.json").read_text()), dense, step
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_logits_match_transformers(family):
+    model, expected, dense, _ = _family(family)
     worst = 0.0
-    got_all = dense(EXPECTED["prompts"])
-    for prompt, got, want in zip(EXPECTED["prompts"], got_all, EXPECTED["logits"], strict=True):
-        assert got.dtype == np.float32 and got.shape == (len(prompt), CONFIG["vocab_size"])
+    got_all = dense(expected["prompts"])
+    for prompt, got, want in zip(expected["prompts"], got_all, expected["logits"], strict=True):
+        assert got.dtype == np.float32 and got.shape == (len(prompt), model.spec.vocab_size)
         for pos, values in zip(want["positions"], want["values"], strict=True):
             worst = max(worst, float(np.abs(got[pos] - np.asarray(values)).max()))
     assert worst <= 1e-3, worst
 
 
-def test_greedy_with_state_matches_transformers(model, step):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_state_matches_transformers(family):
     """Prefill (chunked form: 8-token calls, 8-token delta-rule chunks, the rest one token per call),
     then the recurrent form token by token: transformers' greedy tokens."""
-    for prompt, want in zip(EXPECTED["prompts"], EXPECTED["greedy"], strict=True):
+    model, expected, _, step = _family(family)
+    for prompt, want in zip(expected["prompts"], expected["greedy"], strict=True):
         logits, state = _feed(step, model.init_state(1, CAPACITY), prompt, [8] * (len(prompt) // 8))
         got = [int(np.argmax(logits[-1]))]
         for _ in want[1:]:
             logits, state = step(jnp.asarray([[got[-1]]], jnp.int32), state)
             got.append(int(jnp.argmax(logits[0, -1])))
         assert got == want
-    assert EXPECTED["min_top2_margin"] > 1e-2  # wide enough that 1e-4 of float32 noise cannot flip a token
+    assert expected["min_top2_margin"] > 1e-2  # wide enough that 1e-4 of float32 noise cannot flip a token
+
+
+def test_tied_fixture_covers_the_other_corners():
+    spec = _family("qwen3_5-tied")[0].spec
+    assert spec.tie_embeddings and spec.conv_kernel == 2 and spec.rotary_dim == 16 and spec.num_kv_heads == 1
+    assert spec.linear_num_key_heads == spec.linear_num_value_heads and _family("qwen3_5-tied")[0].lm_head is None
 
 
 # ---------------------------------------------------------------------- chunked prefill + decode == dense
@@ -161,6 +183,14 @@ class ChunkForwardVariants(chex.TestCase):
         chex.assert_shape(second, (1, 1, 256))
         want = np.asarray(model.dense_forward(jnp.asarray([prompt + [7]])))[0]
         chex.assert_trees_all_close(jnp.concatenate([first[0], second[0]]), want, atol=1e-4, rtol=1e-4)
+
+    def test_eager_calls_compile_once_per_shape(self):
+        model = self.model
+        with mock.patch.object(Qwen35ForCausalLM, "_chunk", chex.assert_max_traces(Qwen35ForCausalLM._chunk, n=1)):
+            state = model.init_state(3, 5)
+            for i in range(3):
+                _, state = model.forward_chunk(jnp.full((3, 1), 3 + i, jnp.int32), state)
+        np.testing.assert_array_equal(state.lengths, [3, 3, 3])
 
     def test_decode_step_compiles_once(self):
         model = self.model
