@@ -1,6 +1,7 @@
 """Qwen3.5 (gated DeltaNet + gated attention) against transformers 5.24 on the committed tiny
 checkpoint (tests/fixtures/hf_hybrid/qwen3_5, written by tests/fixtures/make_hybrid_fixtures.py),
 and the stateful chunk forward against the dense one."""
+import dataclasses
 import functools
 import json
 import shutil
@@ -144,6 +145,22 @@ def test_rows_at_different_lengths_decode_together(model, step, dense):
         np.testing.assert_allclose(np.asarray(logits[row, -1]), want[row][-1], atol=1e-4, rtol=1e-4)
 
 
+def test_random_weights_from_a_spec():
+    """`from_spec`: deterministic per seed, and its chunk forward equals its dense forward too."""
+    spec = dataclasses.replace(_spec(), name="random", dtype="float32", layer_types=("full_attention", "linear_attention"))
+    a, b, c = (Qwen35ForCausalLM.from_spec(spec, seed=s) for s in (1, 1, 2))
+    chex.assert_trees_all_equal(nnx.state(a, nnx.Param), nnx.state(b, nnx.Param))
+    assert not np.array_equal(a.embed[...], c.embed[...])
+    tokens = jnp.asarray([[5, 9, 200]], jnp.int32)
+    state, got = a.init_state(1, 3), []
+    for i in range(3):  # one compiled decode step
+        logits, state = a.forward_chunk(tokens[:, i:i + 1], state)
+        got.append(logits)
+    want = a.dense_forward(tokens, chunk_size=2)
+    chex.assert_trees_all_close(jnp.concatenate(got, axis=1), want, atol=1e-4, rtol=1e-4)
+    assert float(jnp.std(want)) > 0.1  # not a degenerate model
+
+
 # ---------------------------------------------------------------------- state
 def test_state_pytree_shapes(model):
     spec = model.spec
@@ -257,6 +274,16 @@ def test_the_engine_refuses_hybrid_models_clearly(model):
         servable_model(str(FIXTURE))
     with pytest.raises(HybridModelNotServedError, match="Qwen35ForCausalLM .* is a hybrid model"):
         Engine(model)
+
+
+@pytest.mark.parametrize("argv", [["capacity", "--model", str(FIXTURE), "--gpu-memory", "80GiB"],
+                                  ["serve", str(FIXTURE), "--port", "0"]])
+def test_the_command_line_says_not_served_yet(capsys, argv):
+    from kvjax.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'qwen3_5_text' is a hybrid model" in err and "does not serve hybrid models yet" in err
 
 
 def _multimodal_copy(tmp_path: Path, extra: dict[str, np.ndarray]) -> Path:
