@@ -38,7 +38,7 @@ CONFIG = json.loads((FIXTURE / "config.json").read_text())
 
 FAMILIES = ["qwen3_5", "qwen3_5-tied"]
 CAPACITY = 96  # one state shape for every test, so the jitted steps compile once per token count
-PAD = 80  # the dense oracle runs on [5, PAD] (causal: padding after a prompt leaves its logits alone)
+PAD = 96  # the dense oracle runs on [5, PAD] (causal: padding after a prompt leaves its logits alone)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,17 @@ def test_dense_logits_match_transformers(family):
         for pos, values in zip(want["positions"], want["values"], strict=True):
             worst = max(worst, float(np.abs(got[pos] - np.asarray(values)).max()))
     assert worst <= 1e-3, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_greedy_matches_transformers(family):
+    """Full recompute every step (the definition of greedy), all prompts in one batch."""
+    _, expected, dense, _ = _family(family)
+    seqs = [list(p) for p in expected["prompts"]]
+    for _ in range(len(expected["greedy"][0])):
+        for seq, logits in zip(seqs, dense(seqs), strict=True):
+            seq.append(int(np.argmax(logits[-1])))
+    assert [s[len(p):] for s, p in zip(seqs, expected["prompts"], strict=True)] == expected["greedy"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -373,10 +373,11 @@ class GatedDeltaNet(nnx.Module):
         gated = self.norm(core, z).reshape(b, t, self.hv * self.dv)  # [B, T, Hv Dv]
         return einsum("bte,ed->btd", gated, self.out[...]), DeltaNetState(conv, recurrent)
 
-    def empty_state(self, batch: int, conv_kernel: int, dtype: jnp.dtype) -> DeltaNetState:
-        c = self.in_qkv.shape[1]
+    def empty_state(self, batch: int, dtype: jnp.dtype) -> DeltaNetState:
+        """The state before any token: zero conv inputs (the causal padding), zero delta-rule state."""
+        w, c = self.conv.shape
         return DeltaNetState(
-            conv=jnp.zeros((batch, conv_kernel - 1, c), dtype),  # [B, W - 1, C]
+            conv=jnp.zeros((batch, w - 1, c), dtype),  # [B, W - 1, C]
             recurrent=jnp.zeros((batch, self.hv, self.dk, self.dv), jnp.float32),  # [B, Hv, Dk, Dv]
         )
 
@@ -497,7 +498,7 @@ class Qwen35ForCausalLM(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, S, D]
         for layer in self.layers:
             linear = layer.linear_attn
-            state = None if linear is None else linear.empty_state(b, self.spec.conv_kernel, self.dtype)
+            state = None if linear is None else linear.empty_state(b, self.dtype)
             x, _ = layer(x, positions, state, chunk_size)
         return self._logits(x)
 
@@ -509,7 +510,7 @@ class Qwen35ForCausalLM(nnx.Module):
         layers: list[DeltaNetState | AttentionKV] = []
         for layer in self.layers:
             if layer.linear_attn is not None:
-                layers.append(layer.linear_attn.empty_state(batch, spec.conv_kernel, self.dtype))
+                layers.append(layer.linear_attn.empty_state(batch, self.dtype))
             else:
                 shape = (batch, capacity, spec.num_kv_heads, spec.head_dim)
                 layers.append(AttentionKV(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)))  # [B, S, K, H]
