@@ -2,7 +2,11 @@
 
 Supported `model_type`s: `llama` (Llama 2/3.x), `mistral`, `qwen2` (Qwen2/2.5), `qwen3`,
 `gemma3_text` (Gemma 3 text, e.g. gemma-3-1b) and `gemma3` (the multimodal Gemma 3
-checkpoints; only their `text_config` is read, the vision tower is left unused).
+checkpoints; only their `text_config` is read, the vision tower is left unused). Hybrid model
+types (`HYBRID_MODEL_TYPES`: recurrent + attention layers, e.g. Qwen3.5) have no `ModelSpec`:
+their own modules read their configs (`kvjax.models.hybrid`, with this module's reader) and
+`spec_from_hf_config` refuses them with `HybridModelNotServedError` (the engine does not serve
+them yet).
 
 Both spellings of a config are read: as published on the hub (`rope_theta`, `rope_scaling`,
 `rope_local_base_freq`, `sliding_window_pattern`, `torch_dtype`) and as recent transformers
@@ -43,6 +47,20 @@ _KVJAX_DIR = str(Path(__file__).parent)  # as frames name their files (no resolv
 
 class UnsupportedConfigError(KVCacheError, ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
+
+
+class HybridModelNotServedError(UnsupportedConfigError):
+    """A hybrid model (recurrent + attention layers, `HYBRID_MODEL_TYPES`): kvjax computes it
+    standalone (`kvjax.models.from_pretrained`) but has no `ModelSpec` for it and the engine does
+    not serve it yet."""
+
+
+#: model_types of hybrid models (recurrent + attention layers) -> what they are; their configs
+#: are read by their own modules under `kvjax.models.hybrid`, not into a `ModelSpec`
+HYBRID_MODEL_TYPES: dict[str, str] = {
+    "qwen3_5_text": "Qwen3.5, gated DeltaNet + gated attention",
+    "qwen3_5": "Qwen3.5 multimodal checkpoint, gated DeltaNet + gated attention",
+}
 
 
 class UnknownConfigFieldWarning(UserWarning):
@@ -236,12 +254,13 @@ _GEMMA3_MULTIMODAL = {
 class _Fields:
     """A config being read: remembers which fields were used and sorts the rest at `finish`."""
 
-    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None):
+    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None,
+                 defaults: dict[str, Any] | None = None):
         self.data = data
         self.source = source
         self.model_type = model_type
         self.label = label or model_type  # the model_type errors name (gemma3's outer config reads as gemma3_text)
-        self.defaults = _DEFAULTS[model_type]
+        self.defaults = _DEFAULTS[model_type] if defaults is None else defaults  # a family read elsewhere brings its own
         self.used: set[str] = set()
 
     def error(self, field: str, message: str) -> UnsupportedConfigError:
@@ -607,6 +626,12 @@ def spec_from_hf_config(
         unknown += f.finish(prefix="text_config.")
         _unknown_fields(unknown, source, model_type, strict)
         return spec
+    if model_type in HYBRID_MODEL_TYPES:
+        raise HybridModelNotServedError(
+            f"{source}: model_type {model_type!r} is a hybrid model ({HYBRID_MODEL_TYPES[model_type]}: recurrent and "
+            "attention layers); kvjax.models.from_pretrained loads it as a standalone model (dense_forward, forward_chunk) "
+            "but the engine does not serve hybrid models yet"
+        )
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
             f"{source}: config field 'model_type': {model_type!r} is not supported "
@@ -639,3 +664,12 @@ def spec_from_checkpoint(path: str | Path, *, strict: bool = False) -> ModelSpec
     file = path / "config.json" if path.is_dir() else path
     directory = file.parent
     return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file), strict=strict)
+
+
+# ---------------------------------------------------------------------- for families read elsewhere
+# The hybrid models' configs (`kvjax.models.hybrid`) are read with the same reader, so that
+# they refuse, warn and default exactly as the families above.
+ConfigFields = _Fields
+report_unknown_fields = _unknown_fields
+config_dtype = _dtype
+config_activation = _activation

@@ -30,8 +30,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
-from kvjax.hf_config import spec_from_checkpoint
+from kvjax.hf_config import read_config, spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
+from kvjax.models.hybrid.qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
+from kvjax.models.hybrid.qwen3_5 import Qwen35ForCausalLM, load_qwen3_5
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import Transformer, layer_period
 
@@ -152,8 +154,10 @@ def _dtype_name(dtype: Any) -> str:
 def from_pretrained(
     path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False,
     spec: ModelSpec | None = None,
-) -> Transformer:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
+) -> Transformer | Qwen35ForCausalLM:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`
+    (or, for a hybrid model type, as its own model: Qwen3.5 as a `Qwen35ForCausalLM`, which has
+    `dense_forward` and `forward_chunk` but no paged forward: the engine does not serve it yet).
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
     activations and the KV cache (`model.spec.dtype`). With `mesh` (Auto axis types; allocate
@@ -166,6 +170,10 @@ def from_pretrained(
     so the config is neither read nor warned about twice.
     """
     path = Path(path)
+    if spec is None and _model_type(path) in QWEN3_5_MODEL_TYPES:  # hybrid families: their own model and loader
+        if mesh is not None:
+            raise ValueError("hybrid models (Qwen3.5) load on one device: tensor parallelism is not supported for them yet")
+        return load_qwen3_5(path, dtype=dtype, strict_config=strict_config)
     if spec is None:
         spec = spec_from_checkpoint(path, strict=strict_config)
     if dtype is not None:
@@ -205,6 +213,12 @@ def from_pretrained(
             _set(var, jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
         del host  # the next parameter's host copy replaces this one
     return model
+
+
+def _model_type(path: Path) -> Any:
+    """The `model_type` of a checkpoint's config.json (None when it has none)."""
+    config = read_config(path)
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str, _Target], head: str) -> str:
