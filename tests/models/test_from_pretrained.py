@@ -110,8 +110,22 @@ def test_tensor_parallel_mesh_shards_heads_and_mlp_columns():
     dense = jit_dense_forward(model)(jnp.asarray([prompt], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=1e-4)
 
-    with pytest.raises(ValueError, match=r"num_kv_heads \(2\) divisible by 4"):
-        from_pretrained(FIXTURES / "qwen2", mesh=jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=auto))
+    assert model.embed[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)  # tied: the head too
+    assert model.embed[...].addressable_shards[0].data.shape == (160, 64)  # vocab-parallel: 320 / 2 rows each
+
+    # more devices than KV heads: each of the 2 heads replicated on 2 of the 4 devices (vLLM's rule)
+    mesh4 = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=auto)
+    model = from_pretrained(FIXTURES / "qwen2", mesh=mesh4)
+    assert model.spec.num_kv_heads == 4 and model.blocks[0].attn.num_kv_heads == 4
+    assert dataclasses.replace(model.spec, num_kv_heads=2) == load_model_spec(FIXTURES / "qwen2")
+    stored = read_all(FIXTURES / "qwen2")["model.layers.1.self_attn.k_proj.weight"]  # [K * H, D]
+    wk = model.blocks[1].attn.wk[...]  # [D, 4, H]: heads 0, 0, 1, 1
+    np.testing.assert_array_equal(np.asarray(wk), np.repeat(stored.reshape(2, 16, 64).transpose(2, 0, 1), 2, axis=1))
+    assert wk.addressable_shards[0].data.shape == (64, 1, 16) and model.blocks[1].attn.bk[...].shape == (4, 16)
+    assert model.embed[...].addressable_shards[0].data.shape == (80, 64)
+    assert prompt_logit_error(model, "qwen2") <= ATOL
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) divisible by 8"):
+        from_pretrained(FIXTURES / "qwen2", mesh=jax.make_mesh((8,), ("tp",), axis_types=auto))
     explicit = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(ValueError, match="Auto axes"):
         from_pretrained(FIXTURES / "qwen2", mesh=explicit)
