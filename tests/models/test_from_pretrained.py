@@ -131,6 +131,29 @@ def test_tensor_parallel_mesh_shards_heads_and_mlp_columns():
         from_pretrained(FIXTURES / "qwen2", mesh=explicit)
 
 
+def test_tensor_parallel_pads_a_vocabulary_that_does_not_split(tmp_path):
+    """318 ids over 4 devices: the embedding and the untied head are padded to 320 (80 rows /
+    columns each), the logits keep 318 columns and equal one device's."""
+    d = copy_fixture("llama3", tmp_path)
+    tensors = read_all(d)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:318]
+    rewrite_single_file(d, tensors)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "vocab_size": 318}))
+    one = from_pretrained(d)
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    model = from_pretrained(d, mesh=mesh)
+    assert model.spec.vocab_size == 318 and model.embed[...].shape == (320, 64) and model.lm_head[...].shape == (64, 320)
+    assert model.embed[...].addressable_shards[0].data.shape == (80, 64)
+    assert model.lm_head[...].addressable_shards[3].data.shape == (64, 80)
+    assert not np.asarray(model.embed[...])[318:].any()
+    tokens = jnp.asarray([[1, 317, 5, 200, 316, 9]], jnp.int32)
+    logits = jit_dense_forward(model)(tokens)
+    assert logits.shape == (1, 6, 318)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(jit_dense_forward(one)(tokens)), atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
 def test_multimodal_gemma3_serves_its_text_model(tmp_path, layout):
     """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: a text_config and prefixed weights."""
