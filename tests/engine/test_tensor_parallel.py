@@ -20,12 +20,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from engine_helpers import MAX_SEQ_LEN, cache, engine_config
+from engine_helpers import MAX_SEQ_LEN, TPB, cache
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kvjax import capacity as C
-from kvjax.engine import Engine
+from kvjax.engine import Engine, EngineConfig, SchedulerConfig, SchedulerPolicy
+from kvjax.engine.batching import Buckets
 from kvjax.engine.engine import max_logit_difference
 from kvjax.engine.sampling import SamplingParams
 from kvjax.engine.workloads import WorkItem
@@ -42,7 +43,7 @@ from kvjax.models.parallel import (
 
 VOCAB = 509  # prime: padded at every degree (510, 512, 512)
 WIDTH, HEAD_DIM, MLP = 32, 8, 64
-LOCAL_WINDOW = 16  # shorter than prompt + output below: local layers really slide
+LOCAL_WINDOW = 4  # shorter than prompt + output below (and than a block): local layers really slide
 
 
 def mesh_of(tp: int):
@@ -73,11 +74,19 @@ def vllm_refusal(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
+# one request at a time, prompts prefilled one token per step: every forward of a run has the one
+# shape [1, 1, 32] (one compiled step per model and degree, the suite's cost); the paged
+# attention, the replicated heads and the vocab-parallel head run at every position. Multi-token
+# prefill chunks at TP run in test_distributed.py and test_from_pretrained.py.
+ONE_SHAPE = EngineConfig(SchedulerConfig(policy=SchedulerPolicy.GUARANTEED_NO_EVICT, max_batch_size=1, max_num_tokens=1),
+                         Buckets(min_batch=1, min_chunk=1, min_blocks=MAX_SEQ_LEN // TPB, prefill_rows=1))
+
+
 def items(vocab: int) -> list[WorkItem]:
     rng = np.random.default_rng(3)
-    prompt = [int(t) for t in rng.integers(0, vocab, 14)]
-    return [WorkItem("greedy", tuple(prompt), 6),
-            WorkItem("sampled", tuple(prompt[:9] + [int(t) for t in rng.integers(0, vocab, 3)]), 6,
+    prompt = [int(t) for t in rng.integers(0, vocab, 7)]
+    return [WorkItem("greedy", tuple(prompt), 5),
+            WorkItem("sampled", tuple(prompt[:3] + [int(t) for t in rng.integers(0, vocab, 2)]), 4,
                      sampling=SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11))]
 
 
@@ -87,24 +96,25 @@ def test_every_shipped_config_serves_one_devices_tokens_at_tp_2_4_8(name):
     spec = reduced(name)
     work = items(spec.vocab_size)
     model = Transformer.from_spec(spec, seed=0)
-    ref = Engine(model, engine_config()).run(work, cache(model))
+    ref = Engine(model, ONE_SHAPE).run(work, cache(model, secondary=0))
     served = []
     for tp in (2, 4, 8):
         model = Transformer.from_spec(spec, seed=0)
         refusal = vllm_refusal(spec, tp)
         if refusal is not None:
             with pytest.raises(TensorParallelError, match=f"{refusal} .* divisible by {tp}"):
-                Engine(model, engine_config(), mesh=mesh_of(tp))
+                Engine(model, ONE_SHAPE, mesh=mesh_of(tp))
             assert model.spec == spec and model.embed[...].shape == (VOCAB, WIDTH)  # nothing moved
             continue
-        engine = Engine(model, engine_config(), mesh=mesh_of(tp))
-        res = engine.run(work, cache(model))
+        engine = Engine(model, ONE_SHAPE, mesh=mesh_of(tp))
+        res = engine.run(work, cache(model, secondary=0))
         assert res.outputs == ref.outputs, (tp, res.outputs, ref.outputs)
+        assert engine.runner.shapes == {(1, 1, MAX_SEQ_LEN // TPB)}
         assert max_logit_difference(res, ref) < 1e-4
         k = max(spec.kv_heads_per_layer)
         assert model.spec.kv_heads_per_layer == tuple(max(h, tp) for h in spec.kv_heads_per_layer)
         assert model.embed[...].addressable_shards[0].data.shape == (padded_vocab_size(VOCAB, tp) // tp, WIDTH)
-        pools = engine.core(cache(model)).pools
+        pools = engine.core(cache(model, secondary=0)).pools
         assert pools.primary[0].addressable_shards[0].data.shape[3] == max(1, k // tp)  # heads per device
         served.append(tp)
     expected = [tp for tp in (2, 4, 8) if vllm_refusal(spec, tp) is None]
