@@ -18,6 +18,7 @@ is `test_distributed.py::test_tensor_parallel_in_one_process_matches_one_device`
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from engine_helpers import MAX_SEQ_LEN, TPB, cache
@@ -25,10 +26,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from kvjax import capacity as C
+from kvjax.device import allocate_pools
 from kvjax.engine import Engine, EngineConfig, SchedulerConfig, SchedulerPolicy
 from kvjax.engine.batching import Buckets
 from kvjax.engine.engine import max_logit_difference
-from kvjax.engine.sampling import SamplingParams
+from kvjax.engine.sampling import SamplingParams, sample
 from kvjax.engine.workloads import WorkItem
 from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec, available_models
@@ -119,33 +121,49 @@ def test_every_shipped_config_serves_one_devices_tokens_at_tp_2_4_8(name):
         served.append(tp)
     expected = [tp for tp in (2, 4, 8) if vllm_refusal(spec, tp) is None]
     assert served == expected
-    if name in ("gemma-2b", "falcon-7b", "llama-3.1-8b", "qwen2.5-7b"):  # the cases issue 28 names
+    if name in ("gemma-2b", "falcon-7b", "llama-3.1-8b", "qwen2.5-7b"):  # the motivating cases
         assert served == {"gemma-2b": [2, 4, 8], "falcon-7b": [], "llama-3.1-8b": [2, 4, 8], "qwen2.5-7b": [2, 4]}[name]
 
 
 # ---------------------------------------------------------------------- the compiled program
 @pytest.mark.parametrize("tied", [False, True])
-def test_compiled_forward_keeps_embedding_and_head_sharded(tied):
-    """The partitioned program holds only each device's V / tp rows of the embedding and columns
-    of the head: no all-gather (or anything else) ever builds a whole [V, D] / [D, V] table."""
-    tp, vocab = 4, 1000  # padded to 1000 (divisible): 250 rows each
+def test_compiled_step_keeps_embedding_and_head_sharded(tied):
+    """The serving step (paged forward, then sampling, as `ModelRunner` composes them) partitioned
+    over 4 devices holds only each device's V / tp rows of the embedding and columns of the
+    head: no all-gather (or anything else) ever builds a whole [V, D] / [D, V] table."""
+    tp, vocab = 4, 1000  # divisible: 250 rows each
+    mesh = mesh_of(tp)
     spec = dataclasses.replace(reduced("tiny"), vocab_size=vocab, tie_embeddings=tied)
-    model = shard_model(Transformer.from_spec(spec, seed=0), mesh_of(tp))
+    model = shard_model(Transformer.from_spec(spec, seed=0), mesh)
     assert model.embed[...].sharding.spec == P("tp", None)
     assert model.embed[...].addressable_shards[0].data.shape == (vocab // tp, WIDTH)
     if not tied:
         assert model.lm_head[...].sharding.spec == P(None, "tp")
         assert model.lm_head[...].addressable_shards[0].data.shape == (WIDTH, vocab // tp)
     graphdef, state = nnx.split(model)
-    tokens = np.array([[1, 999, 250, 251, 749]], np.int32)
-    fwd = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).dense_forward(tokens))
-    hlo = fwd.lower(state, tokens).compile().as_text()
+    pools = allocate_pools(model.spec.cache_config(tokens_per_block=8, max_seq_len=64, primary_blocks=8), sharding=mesh)
+
+    def step(state, tokens, pools):  # tokens [1, S] at positions 0..S-1 in slots 0..S-1
+        s = tokens.shape[1]
+        positions = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]
+        table = jnp.arange(8, dtype=jnp.int32)[None]  # [1, 8]
+        logits, pools = nnx.merge(graphdef, state).paged_forward(tokens, positions, pools, table,
+                                                                 jnp.array([s], jnp.int32), positions[0])
+        z = jnp.zeros((1,), jnp.int32)
+        tok, _, _ = sample(logits[:, -1], jnp.full((1,), 0.8), jnp.full((1,), 0.9), z, z, jnp.full((1,), 40, jnp.int32))
+        return logits, tok, pools
+
+    tokens = jnp.asarray([[1, 999, 250, 251, 749]], jnp.int32)
+    compiled = jax.jit(step, donate_argnums=(2,)).lower(state, tokens, pools).compile()
+    hlo = compiled.as_text()
     assert f"f32[{vocab // tp},{WIDTH}]" in hlo  # the local embedding shard is a parameter
     for whole in (f"[{vocab},{WIDTH}]", f"[{WIDTH},{vocab}]"):
         assert whole not in hlo, whole
     assert "all-reduce" in hlo  # the masked partial lookups are summed
+    logits, tok, _ = compiled(state, tokens, pools)
     ref = Transformer.from_spec(spec, seed=0).dense_forward(tokens)
-    np.testing.assert_allclose(np.asarray(fwd(state, tokens)), np.asarray(ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-4)
+    assert 0 <= int(tok[0]) < vocab
 
 
 def test_padded_vocabulary_is_never_a_token():
