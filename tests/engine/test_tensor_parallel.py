@@ -11,7 +11,8 @@
 - The compiled step keeps the embedding and LM-head tables sharded: the partitioned program
   never holds a whole table, only each device's V / tp slice (untied and tied heads).
 - The rules themselves: replication count and head order, vocabulary padding, refusals with no
-  state change, KV-cache capacity per device counting the replicas.
+  state change, KV-cache capacity per device counting the replicas; FP8 pools (scales per head)
+  with replicated heads.
 The engine-level test with offload / onboard through a tight pool at TP 4 (replicated heads)
 is `test_distributed.py::test_tensor_parallel_in_one_process_matches_one_device`.
 """
@@ -240,3 +241,20 @@ def test_kv_capacity_per_device_counts_the_replicas():
         total, _ = C.serving_kv_cache_bytes(utilization=0.9, activations=0, kv_cache_bytes=budget, num_devices=8)
         eight = C.cache_config_from_memory(tp8.cache_config(max_seq_len=8192), total, tokens_per_block=32)
         assert eight.primary_blocks_for(8192) == gain * one.primary_blocks_for(8192), name
+
+
+@pytest.mark.slow
+def test_fp8_cache_with_replicated_kv_heads():
+    """FP8 pools carry per-(block, layer, K/V, head) scales beside the bytes: with Gemma-2B's one
+    KV head replicated on 4 devices each device scales its own copy, and the tokens are one
+    device's."""
+    spec = reduced("gemma-2b")
+    work = items(spec.vocab_size)
+    model = Transformer.from_spec(spec, seed=0)
+    ref = Engine(model, ONE_SHAPE).run(work, cache(model, secondary=0, kv_cache_dtype="float8_e4m3fn"))
+    model = Transformer.from_spec(spec, seed=0)
+    engine = Engine(model, ONE_SHAPE, mesh=mesh_of(4))
+    res = engine.run(work, cache(model, secondary=0, kv_cache_dtype="float8_e4m3fn"))
+    assert res.outputs == ref.outputs and max_logit_difference(res, ref) < 1e-4
+    pools = engine.core(cache(model, secondary=0, kv_cache_dtype="float8_e4m3fn")).pools
+    assert pools.primary_scales[0].shape[3] == 4 and pools.primary_scales[0].addressable_shards[0].data.shape[3] == 1
