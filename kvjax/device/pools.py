@@ -151,7 +151,11 @@ def allocate_pools(config: CacheConfig | PoolGeometry, sharding=None) -> KVPools
         n = shd.axis_size(mesh, axes)
         for pool in geometry.pools:
             if pool.num_kv_heads % n:
-                raise ValueError(f"pool {pool.index}: {pool.num_kv_heads=} is not divisible by the kv mesh size {n} ({axes=})")
+                hint = ("; with fewer KV heads than devices, build the cache config from the sharded model's spec "
+                        "(shard_model replicates the heads: kvjax.models.parallel.tensor_parallel_spec)"
+                        if pool.num_kv_heads < n else "")
+                raise ValueError(f"pool {pool.index}: {pool.num_kv_heads=} is not divisible by the kv mesh size {n} "
+                                 f"({axes=}){hint}")
     dtype = geometry.storage_dtype
     prim: list[jax.Array] = []
     sec: list[jax.Array | None] = []

@@ -84,9 +84,9 @@ class LLMEngine:
             tokenizer = tokenizer or loaded_tokenizer
         cache_values, engine_values = split_options(options)
         config = EngineConfig.from_dict(engine_values, "options")
+        engine = Engine(model, config, runner=runner, mesh=mesh)  # first: sharding may replicate KV heads (model.spec)
         cc = cache_config(model.spec, cache_values, max_num_tokens=config.scheduler.max_num_tokens, source="options")
-        return cls(Engine(model, config, runner=runner, mesh=mesh), cc, tokenizer=tokenizer, seed=seed, clock=clock,
-                   kv_events=kv_events)
+        return cls(engine, cc, tokenizer=tokenizer, seed=seed, clock=clock, kv_events=kv_events)
 
     def close(self) -> None:
         """Stop publishing KV events (idempotent); the engine must not step afterwards."""

@@ -3,7 +3,8 @@
 `Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`
 (random weights); `from_pretrained(path)` loads a Hugging Face checkpoint (Llama 3.x, Mistral,
 Qwen2/2.5, Qwen3, Gemma 3 text) with its weights;
-`shard_model(model, mesh)` places any built model's weights for tensor parallelism;
+`shard_model(model, mesh)` places any built model's weights for tensor parallelism (heads, MLP
+columns and the vocabulary split; KV heads replicated past their count, `tensor_parallel_spec`);
 `dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
 `write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables
 (pools donated); `dense_greedy` is the token-level oracle for serving tests.
@@ -11,7 +12,7 @@ Qwen2/2.5, Qwen3, Gemma 3 text) with its weights;
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
 from kvjax.models.generate import dense_greedy
 from kvjax.models.layers import MLP, RMSNorm, apply_rope, rope_frequencies
-from kvjax.models.parallel import shard_model
+from kvjax.models.parallel import TensorParallelError, shard_model, tensor_parallel_spec
 from kvjax.models.pretrained import from_pretrained
 from kvjax.models.transformer import Block, Transformer, jit_dense_forward, jit_paged_forward
 
@@ -20,6 +21,7 @@ __all__ = [
     "Block",
     "MLP",
     "RMSNorm",
+    "TensorParallelError",
     "Transformer",
     "apply_rope",
     "dense_greedy",
@@ -29,5 +31,6 @@ __all__ = [
     "jit_paged_forward",
     "rope_frequencies",
     "shard_model",
+    "tensor_parallel_spec",
     "visibility_mask",
 ]

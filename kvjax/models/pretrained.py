@@ -6,9 +6,11 @@ to the serving dtype and laid out as kvjax stores it (`[D, N, H]` projections, `
 matrices) in one numpy assignment, straight into its row of the stacked host array of that
 parameter (`[layers, ...]`, see `kvjax.models.transformer`), which then goes to the device in
 one transfer; host memory holds at most one stacked parameter beside the model. With a `mesh`,
-each array is placed shard by shard: query / KV heads and MLP columns split over all mesh axes
-(tensor parallelism, the same kv-head split as `allocate_pools(config, sharding=mesh)`), the
-rest replicated.
+each array is placed shard by shard as `kvjax.models.parallel` lays it out for tensor parallelism:
+query / KV heads, MLP columns and the vocabulary split over all mesh axes (the same kv-head split
+as `allocate_pools(config, sharding=mesh)`; KV heads replicated when there are fewer than
+devices, the vocabulary padded to a multiple of them), the rest replicated; the model's spec is
+then `tensor_parallel_spec(spec, tp)`.
 
 Tensor names follow transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...); the
 multimodal Gemma 3 checkpoints keep their text model under `language_model.model.` (as
@@ -26,8 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import read_config, spec_from_checkpoint
@@ -35,6 +36,13 @@ from kvjax.model_spec import ModelSpec
 from kvjax.models.hybrid.qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
 from kvjax.models.hybrid.qwen3_5 import Qwen35ForCausalLM, load_qwen3_5
 from kvjax.models.layers import shapes_only
+from kvjax.models.parallel import (
+    adopt_tensor_parallel_spec,
+    mesh_size,
+    parameter_shardings,
+    tensor_parallel_layout,
+    tensor_parallel_spec,
+)
 from kvjax.models.transformer import Transformer, layer_period
 
 
@@ -161,8 +169,10 @@ def from_pretrained(
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
     activations and the KV cache (`model.spec.dtype`). With `mesh` (Auto axis types; allocate
-    the pools on the same mesh), heads and MLP columns are sharded over all of its axes; query
-    heads, KV heads and the MLP width must divide by its size.
+    the pools on the same mesh, from a cache config of the returned `model.spec`), heads, MLP
+    columns and the vocabulary are sharded over all of its axes (`kvjax.models.parallel`); query
+    heads and the MLP width must divide by its size, and KV heads must divide by it or it by
+    them (`TensorParallelError`).
     Raises `UnsupportedConfigError` for a config kvjax would compute wrong, `CheckpointError`
     for missing, truncated or mismatched weight files. Config fields kvjax does not know are
     named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
@@ -184,7 +194,8 @@ def from_pretrained(
     problems = _check_names(spec, tensors, targets, head)
     if problems:
         raise CheckpointError(f"{path}: {problems}")
-    shardings = parameter_shardings(spec, mesh)
+    shardings = parameter_shardings(spec, mesh)  # checks the mesh and the split first
+    tp = 1 if mesh is None else mesh_size(mesh)
 
     with shapes_only():
         model = nnx.eval_shape(lambda: Transformer(spec, rngs=nnx.Rngs(params=0)))
@@ -210,8 +221,11 @@ def from_pretrained(
         if sharding is None:
             _set(var, jax.device_put(host))
         else:
+            host = tensor_parallel_layout(param_path[-1], host, tp)
             _set(var, jax.make_array_from_callback(host.shape, sharding, host.__getitem__))
         del host  # the next parameter's host copy replaces this one
+    if mesh is not None:
+        adopt_tensor_parallel_spec(model, tensor_parallel_spec(spec, tp))
     return model
 
 
@@ -239,35 +253,3 @@ def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str,
             continue
         return f"unexpected tensor {name!r} (kvjax would not use it; refusing rather than ignore it)"
     return ""
-
-
-def parameter_shardings(spec: ModelSpec, mesh: Mesh | None) -> Callable[[Any, int], NamedSharding | None]:
-    """(parameter name, rank) -> its sharding: heads / MLP columns over all mesh axes, else replicated."""
-    if mesh is None:
-        return lambda name, ndim: None
-    axes = tuple(mesh.axis_names)
-    auto = getattr(jax.sharding.AxisType, "Auto", None)
-    if auto is not None and any(t != auto for t in getattr(mesh, "axis_types", ())):
-        raise ValueError(
-            f"from_pretrained needs a mesh with Auto axes (XLA places the collectives), got axis_types={mesh.axis_types}; "
-            f"build it with jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * {len(axes)}) and allocate the "
-            "KV pools on the same mesh"
-        )
-    size = int(np.prod([mesh.shape[a] for a in axes]))
-    for what, count in (("num_attention_heads", spec.num_attention_heads), ("intermediate_size", spec.intermediate_size),
-                        *(("num_kv_heads", k) for k in sorted(set(spec.kv_heads_per_layer)))):
-        if count % size:
-            raise ValueError(f"tensor parallelism over {size} devices needs {what} ({count}) divisible by {size}")
-    entry = axes if len(axes) > 1 else axes[0]
-
-    def sharding(name: Any, ndim: int) -> NamedSharding:
-        axis = TP_SPLIT_AXIS.get(name)
-        return NamedSharding(mesh, P(*[entry if axis is not None and i == ndim + axis else None for i in range(ndim)]))
-
-    return sharding
-
-
-#: Axis of each parameter (kvjax layout), counted from the last, that tensor parallelism splits: query /
-#: KV heads of the projections and their biases ([D, N, H], [D, K, H], [N, H, D], [N, H]), MLP columns
-#: ([D, F], [F, D]); the stacked layer parameters carry a leading layer axis in front, never split.
-TP_SPLIT_AXIS = {"wq": -2, "wk": -2, "wv": -2, "wo": -3, "bq": -2, "bk": -2, "bv": -2, "gate": -1, "up": -1, "down": -2}

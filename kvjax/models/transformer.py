@@ -191,11 +191,16 @@ class Transformer(nnx.Module):
         return x
 
     def _logits(self, x: jax.Array) -> jax.Array:
+        """x: [B, T, D] -> float32 [B, T, V]. Under tensor parallelism the head may hold more
+        columns than the vocabulary (padded to a multiple of the devices,
+        `kvjax.models.parallel`): those are cut off here, so nothing downstream sees them."""
         x = self.final_norm(x)  # [B, T, D]
         if self.lm_head is None:
-            logits = einsum("btd,vd->btv", x, self.embed[...])  # [B, T, V]
+            logits = einsum("btd,vd->btv", x, self.embed[...])  # [B, T, Vp]
         else:
-            logits = einsum("btd,dv->btv", x, self.lm_head[...])  # [B, T, V]
+            logits = einsum("btd,dv->btv", x, self.lm_head[...])  # [B, T, Vp]
+        if logits.shape[-1] != self.spec.vocab_size:  # padded vocabulary rows: never a token
+            logits = logits[..., : self.spec.vocab_size]  # [B, T, V]
         return logits.astype(jnp.float32)
 
     # ------------------------------------------------------------------ dense oracle

@@ -141,9 +141,11 @@ def test_rank_digest_checks_at_its_interval(monkeypatch):
 
 
 # ---------------------------------------------------------------------- one process, several devices
-def test_tensor_parallel_in_one_process_matches_one_device(micro):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_in_one_process_matches_one_device(micro, tp):
     """The same engine code with a mesh of local devices: weights and pools sharded over the KV
-    heads (offload / onboard through a tight pool included), no rank checks, the same tokens."""
+    heads (offload / onboard through a tight pool included), no rank checks, the same tokens.
+    At TP 4 micro's 2 KV heads are replicated (each device caches one, the pools hold 4)."""
     import jax
     from engine_helpers import TIGHT, cache, engine_config
     from jax.sharding import PartitionSpec as P
@@ -155,7 +157,7 @@ def test_tensor_parallel_in_one_process_matches_one_device(micro):
                          max_new_tokens=(4, 10), arrival_interval=1, think_steps=1, priority=80,
                          seed=7).build(micro.model.spec.vocab_size)
     ref = micro.engine().run(items, cache(micro.model, primary=TIGHT))
-    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp], axis_types=(jax.sharding.AxisType.Auto,))
     model = Transformer.from_spec("micro", seed=0)  # its own copy: sharding is in place
     engine = Engine(model, engine_config(), mesh=mesh)
     res = engine.run(items, cache(model, primary=TIGHT))
@@ -163,5 +165,7 @@ def test_tensor_parallel_in_one_process_matches_one_device(micro):
     s = res.metrics.summary()
     assert s["blocks_offloaded"] > 0 and s["prefill_reused_tokens"] == ref.metrics.summary()["prefill_reused_tokens"] > 0
     assert model.blocks[0].attn.wk[...].sharding.spec == P(None, "tp", None)
+    assert model.spec.num_kv_heads == max(2, tp) and model.embed[...].addressable_shards[0].data.shape == (512 // tp, 64)
     core = engine.core(cache(model))
     assert core.rank_digest is None and core.pools.primary[0].sharding.spec[3] == "tp"
+    assert core.pools.primary[0].shape[3] == max(2, tp) and core.pools.primary[0].addressable_shards[0].data.shape[3] == 1

@@ -110,11 +110,48 @@ def test_tensor_parallel_mesh_shards_heads_and_mlp_columns():
     dense = jit_dense_forward(model)(jnp.asarray([prompt], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=1e-4)
 
-    with pytest.raises(ValueError, match=r"num_kv_heads \(2\) divisible by 4"):
-        from_pretrained(FIXTURES / "qwen2", mesh=jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=auto))
+    assert model.embed[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)  # tied: the head too
+    assert model.embed[...].addressable_shards[0].data.shape == (160, 64)  # vocab-parallel: 320 / 2 rows each
+
+    # more devices than KV heads: each of the 2 heads replicated on 2 of the 4 devices (vLLM's rule)
+    mesh4 = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=auto)
+    model = from_pretrained(FIXTURES / "qwen2", mesh=mesh4)
+    assert model.spec.num_kv_heads == 4 and model.blocks[0].attn.num_kv_heads == 4
+    assert dataclasses.replace(model.spec, num_kv_heads=2) == load_model_spec(FIXTURES / "qwen2")
+    stored = read_all(FIXTURES / "qwen2")["model.layers.1.self_attn.k_proj.weight"]  # [K * H, D]
+    wk = model.blocks[1].attn.wk[...]  # [D, 4, H]: heads 0, 0, 1, 1
+    np.testing.assert_array_equal(np.asarray(wk), np.repeat(stored.reshape(2, 16, 64).transpose(2, 0, 1), 2, axis=1))
+    assert wk.addressable_shards[0].data.shape == (64, 1, 16) and model.blocks[1].attn.bk[...].shape == (4, 16)
+    assert model.embed[...].addressable_shards[0].data.shape == (80, 64)
+    assert prompt_logit_error(model, "qwen2") <= ATOL
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) divisible by 8"):
+        from_pretrained(FIXTURES / "qwen2", mesh=jax.make_mesh((8,), ("tp",), axis_types=auto))
     explicit = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Explicit,))
     with pytest.raises(ValueError, match="Auto axes"):
         from_pretrained(FIXTURES / "qwen2", mesh=explicit)
+
+
+def test_tensor_parallel_pads_a_vocabulary_that_does_not_split(tmp_path):
+    """318 ids over 4 devices: the embedding and the untied head are padded to 320 (80 rows /
+    columns each), the logits keep 318 columns and equal one device's."""
+    d = copy_fixture("llama3", tmp_path)
+    tensors = read_all(d)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:318]
+    rewrite_single_file(d, tensors)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "vocab_size": 318}))
+    one = from_pretrained(d)
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    model = from_pretrained(d, mesh=mesh)
+    assert model.spec.vocab_size == 318 and model.embed[...].shape == (320, 64) and model.lm_head[...].shape == (64, 320)
+    assert model.embed[...].addressable_shards[0].data.shape == (80, 64)
+    assert model.lm_head[...].addressable_shards[3].data.shape == (64, 80)
+    assert not np.asarray(model.embed[...])[318:].any()
+    tokens = jnp.asarray([[1, 317, 5, 200, 316, 9]], jnp.int32)
+    logits = jit_dense_forward(model)(tokens)
+    assert logits.shape == (1, 6, 318)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(jit_dense_forward(one)(tokens)), atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])

@@ -127,9 +127,19 @@ def test_serve_tensor_parallel(monkeypatch, capsys):
     assert eng.engine.model.embed[...].sharding.mesh.devices.size == 2
     assert main(["serve", "micro", "--tensor-parallel-size", "16"]) == 2
     assert "--tensor-parallel-size 16 needs 16 devices, but JAX sees 8" in capsys.readouterr().err
-    assert main(["serve", "micro", "--tensor-parallel-size", "4"]) == 2  # 2 kv heads do not split 4 ways
+    assert main(["serve", "micro", "--tensor-parallel-size", "8"]) == 2  # 4 query heads do not split 8 ways
     err = capsys.readouterr().err
-    assert err.startswith("kvjax: error: ") and err.count("\n") == 1
+    assert err.startswith("kvjax: error: ") and err.count("\n") == 1 and "num_attention_heads (4) divisible by 8" in err
+    # 4 devices, 2 KV heads: each replicated twice; a device's 1 MiB holds one head's K/V, so the
+    # cache (sized per device) gets as many tokens as one device holding micro's 2 heads in 2 MiB
+    assert main(["serve", "micro", "--tensor-parallel-size", "4", "--kv-cache-memory-bytes", "1MiB",
+                 "--log-level", "warning"]) == 0, capsys.readouterr().err
+    eng = seen["engine"]
+    cc = eng.core.cache_config
+    assert cc.num_kv_heads == 4 and eng.engine.model.spec.num_kv_heads == 4
+    per_device_token = 2 * 2 * 1 * 16 * 4  # float32 K and V over 2 layers x 1 kv head x 16 dims
+    assert cc.primary_blocks_for(1024) == -(-((1 << 20) // per_device_token) // 16)
+    assert eng.core.pools.primary[0].addressable_shards[0].data.shape[3] == 1
 
 
 def test_strict_config_refuses_unknown_fields(monkeypatch, capsys, tmp_path):
