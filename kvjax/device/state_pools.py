@@ -50,8 +50,6 @@ from kvjax.transfer_plan import TransferKind, TransferPlan
 #: Dtypes a state field may hold (SSM / delta-rule states are float32; conv states the model's).
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
-LayerIndex = int | Int[Array, ""]
-
 
 def _check_count(name: str, value: object, minimum: int) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
@@ -273,7 +271,7 @@ def _read(primary, slots, layer, *, geo: StateGeometry, checked: bool):
             for f, arr in zip(geo.fields, primary, strict=True)}
 
 
-def read_states(pools: StatePools, layer: LayerIndex, read_slots: Int[Array, " B"] | Int[np.ndarray, " B"]
+def read_states(pools: StatePools, layer: int | Int[Array, ""], read_slots: Int[Array, " B"] | Int[np.ndarray, " B"]
                 ) -> dict[str, Float[Array, "B ..."]]:
     """Layer `layer`'s state of rows reading slots `read_slots` `[B]`: `{field: [B, *shape]}`
     in each field's dtype. The null slot reads zeros (a row with no state yet). Pools are not
@@ -292,7 +290,7 @@ def read_states(pools: StatePools, layer: LayerIndex, read_slots: Int[Array, " B
     return _read(pools.primary, slots, lay, geo=geo, checked=checked)
 
 
-def read_states_reference(pools: StatePools, layer: int, read_slots) -> dict[str, np.ndarray]:
+def read_states_reference(pools: StatePools, layer: int, read_slots: Int[np.ndarray, " B"]) -> dict[str, np.ndarray]:
     """Oracle: numpy indexing of host copies (static layer, valid slots)."""
     slots = np.asarray(read_slots)
     return {f.name: np.array(jnp.copy(a))[slots, layer] for f, a in zip(pools.geometry.fields, pools.primary, strict=True)}
@@ -317,7 +315,7 @@ def _write(primary, slots, layer, values, *, geo: StateGeometry, checked: bool):
                  for f, arr in zip(geo.fields, primary, strict=True))
 
 
-def write_states(pools: StatePools, layer: LayerIndex, write_slots: Int[Array, " B"] | Int[np.ndarray, " B"],
+def write_states(pools: StatePools, layer: int | Int[Array, ""], write_slots: Int[Array, " B"] | Int[np.ndarray, " B"],
                  values: Mapping[str, Float[Array, "B ..."]]) -> StatePools:
     """Write layer `layer`'s new state of B rows, `values[field]` `[B, *field.shape]` (cast to
     the field's dtype), into slots `write_slots` `[B]` (-1: skip the row). Returns the new
@@ -356,7 +354,8 @@ def write_states(pools: StatePools, layer: LayerIndex, write_slots: Int[Array, "
     return pools.replace(primary=primary)
 
 
-def write_states_reference(pools: StatePools, layer: int, write_slots, values: Mapping[str, np.ndarray]) -> StatePools:
+def write_states_reference(pools: StatePools, layer: int, write_slots: Int[np.ndarray, " B"],
+                           values: Mapping[str, Float[np.ndarray, "B ..."]]) -> StatePools:
     """Oracle (no donation): row by row on host copies; -1 skips."""
     geo = pools.geometry
     out = []
