@@ -26,7 +26,7 @@ from kvjax.device.state_pools import (
     write_states_reference,
 )
 from kvjax.errors import InvalidArgumentError, KVCacheError
-from kvjax.models.hybrid.qwen3_5 import DeltaNetState
+from kvjax.models.hybrid.qwen3_5 import DeltaNetState, qwen35_spec_from_config
 
 OFF, ON, CP = int(TransferKind.OFFLOAD), int(TransferKind.ONBOARD), int(TransferKind.COPY)
 
@@ -99,6 +99,19 @@ def test_deltanet_fields_match_the_model_state():
     chex.assert_shape(state.conv, (2, 3, 6))
     chex.assert_shape(state.recurrent, (2, 2, 3, 4))
     chex.assert_type(state.recurrent, jnp.float32)
+
+
+def test_slot_bytes_match_the_qwen35_spec():
+    """Sizing agrees with the model's own count: Qwen3.5's default text config (24 DeltaNet
+    layers of 32 value heads x 128 x 128 float32 plus a bf16 conv of 3 x 8192)."""
+    spec = qwen35_spec_from_config({"model_type": "qwen3_5_text", "torch_dtype": "bfloat16"})
+    geo = StateGeometry.for_deltanet(num_layers=len(spec.linear_layers), conv_dim=spec.conv_channels,
+                                     conv_kernel=spec.conv_kernel, value_heads=spec.linear_num_value_heads,
+                                     key_dim=spec.linear_key_head_dim, value_dim=spec.linear_value_head_dim,
+                                     dtype=spec.dtype, primary_slots=1)
+    assert geo.slot_bytes == spec.state_bytes(0)["linear_attention"] == 51_511_296
+    assert geo.layer_bytes == 2_146_304  # what CacheConfig.recurrent_state_bytes takes
+    assert geo.max_slots(16 * 2**30) == 332
 
 
 @pytest.mark.parametrize("kw, match", [
