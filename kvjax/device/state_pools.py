@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from kvjax.config import PoolSpec
 from kvjax.device import _checks as chk
 from kvjax.device import checking
 from kvjax.device.buckets import bucket
@@ -128,6 +129,16 @@ class StateGeometry:
         conv = StateField("conv", (_check_count("conv_kernel", conv_kernel, 2) - 1, conv_dim), dtype)
         rec = StateField("recurrent", (value_heads, key_dim, value_dim), "float32")
         return cls((conv, rec), num_layers, **slots)
+
+    @classmethod
+    def for_pool(cls, pool: PoolSpec, fields: tuple[StateField, ...], *, tokens_per_block: int) -> StateGeometry:
+        """The geometry of the ledger's recurrent-state pool `pool` (a `CacheConfig.pools` entry
+        of the `RECURRENT_STATES` window): its slots, host slots, layers (layer `j` here is the
+        model's layer `pool.layers[j]`) and plan index, so slot ids from the ledger (the null
+        slot included) index these arrays unchanged."""
+        if not isinstance(pool, PoolSpec):
+            raise InvalidArgumentError(f"pool must be a PoolSpec (a CacheConfig.pools entry), got {type(pool).__name__}")
+        return cls(tuple(fields), pool.num_layers, pool.primary_blocks, pool.secondary_blocks, tokens_per_block, pool.index)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -101,6 +101,25 @@ def test_deltanet_fields_match_the_model_state():
     chex.assert_type(state.recurrent, jnp.float32)
 
 
+def test_geometry_for_a_ledger_pool():
+    """Slot ids, host slots, layers and the plan's pool index come from the ledger's pool."""
+    from kvjax import CacheConfig
+
+    cfg = CacheConfig(tokens_per_block=4, num_layers=5, num_kv_heads=2, head_dim=8, max_seq_len=32, primary_blocks=9,
+                      secondary_blocks=3, attention_windows=(32, 8))
+    pool = cfg.pools[1]
+    geo = StateGeometry.for_pool(pool, (StateField("ssm", (2, 3)),), tokens_per_block=4)
+    assert pool.layers == (0, 2, 4)  # window 32 sorts after window 8
+    assert (geo.num_layers, geo.primary_slots, geo.secondary_slots, geo.plan_pool) == (3, 9, 3, 1)
+    assert geo.null_slot == pool.null_slot and geo.tokens_per_block == 4
+    pools = allocate_state_pools(geo)
+    before = host(pools)
+    pools = apply_state_transfers(pools, TransferPlan.from_ops([(OFF, 1, 8, 2, 4), (CP, 1, 0, 8, 4)]))
+    assert_host_equal(pools, before)  # all zeros still, but the ledger's entries were accepted
+    with pytest.raises(InvalidArgumentError, match="PoolSpec"):
+        StateGeometry.for_pool(cfg, (StateField("ssm", (2,)),), tokens_per_block=4)
+
+
 def test_slot_bytes_match_the_qwen35_spec():
     """Sizing agrees with the model's own count: Qwen3.5's default text config (24 DeltaNet
     layers of 32 value heads x 128 x 128 float32 plus a bf16 conv of 3 x 8192)."""
