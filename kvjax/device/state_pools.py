@@ -265,9 +265,9 @@ def _slots(name: str, slots, batch: int | None = None) -> np.ndarray | None:
 
 # ------------------------------------------------------------------------------- reads
 def _validate_read(slots, layer, *, geo: StateGeometry) -> None:
-    checking.check(~jnp.any((slots < 0) | (slots > geo.null_slot)),
-                   f"read_states: a read slot is outside [0, {geo.null_slot}] (the null slot included): {{}}",
-                   jnp.where((slots < 0) | (slots > geo.null_slot), slots, 0).sum())
+    bad = (slots < 0) | (slots > geo.null_slot)
+    checking.check(~jnp.any(bad), f"read_states: read slot {{}} is outside [0, {geo.null_slot}] (the null slot "
+                   "included)", slots[jnp.argmax(bad)])
     checking.check((layer >= 0) & (layer < geo.num_layers), "read_states: layer {} is out of range", layer)
 
 
@@ -311,7 +311,7 @@ def read_states_reference(pools: StatePools, layer: int, read_slots: Int[np.ndar
 def _validate_write(slots, layer, *, geo: StateGeometry) -> None:
     bad = (slots < -1) | (slots >= geo.primary_slots)
     checking.check(~jnp.any(bad), f"write_states: write slot {{}} is not -1 (skip) or in [0, {geo.primary_slots}) "
-                   f"(the null slot {geo.null_slot} and beyond are never written)", jnp.where(bad, slots, 0).sum())
+                   f"(the null slot {geo.null_slot} and beyond are never written)", slots[jnp.argmax(bad)])
     checking.check((layer >= 0) & (layer < geo.num_layers), "write_states: layer {} is out of range", layer)
 
 

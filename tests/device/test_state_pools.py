@@ -415,9 +415,9 @@ def test_device_slots_out_of_range_are_dropped_or_reported_in_checked_mode():
     np.testing.assert_array_equal(np.asarray(got["recurrent"][:2]), 0)  # no wrap to slot 5 / clamp to 6
     np.testing.assert_array_equal(np.asarray(got["recurrent"][2]), before[0][1][5, 0])
     with checked():
-        with pytest.raises(ValueError, match="write_states"):
+        with pytest.raises(ValueError, match="write_states: write slot 6 "):
             write_states(pools, 0, jnp.array([1, 6], jnp.int32), vals)
-        with pytest.raises(ValueError, match="read_states"):
+        with pytest.raises(ValueError, match="read_states: read slot -1 "):
             read_states(pools, 0, jnp.array([-1], jnp.int32))
         with pytest.raises(ValueError, match="layer"):
             write_states(pools, jnp.int32(5), jnp.array([1, 2], jnp.int32), vals)
