@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvjax import TransferKind, TransferPlan
 from kvjax.device import checked
@@ -218,6 +220,8 @@ def test_scan_over_layers_copy_forward_compiles_once():
             np.testing.assert_array_equal(host(pools)[0][i][geo.null_slot], 0)
         np.testing.assert_array_equal(np.asarray(seen)[:, 1], 0)  # the fresh row read zeros
     np.testing.assert_array_equal(host(pools)[0][1][2], before[0][1][2])  # snapshot slot 2: read, never written
+    assert all(a.sharding.memory_kind == "pinned_host" for a in pools.secondary)  # through the user's jit
+    assert_host_equal(pools, ([None, None], before[1]))  # the host tier is untouched by steps
 
 
 def test_eager_ops_share_one_executable_across_layers_and_slots():
@@ -259,6 +263,36 @@ def test_transfers_match_reference_and_keep_memory_kinds():
     assert all(a.sharding.memory_kind == "device" for a in pools.primary)
     for a in want[0]:
         np.testing.assert_array_equal(a[geo.null_slot], 0)
+
+
+@st.composite
+def state_plans(draw, primary=6, secondary=4):
+    ops = []
+    for _ in range(draw(st.integers(0, 9))):
+        kind = draw(st.sampled_from([OFF, ON, CP]))
+        src = draw(st.integers(0, (secondary if kind == ON else primary) - 1))
+        dst = draw(st.integers(0, (secondary if kind == OFF else primary) - 1))
+        ops.append((kind, 0, src, dst, 1))
+    return TransferPlan.from_ops(ops)
+
+
+_FILLED: dict = {}
+
+
+@settings(max_examples=20, deadline=None)
+@given(plan=state_plans())
+def test_plan_equals_one_by_one(plan):
+    """Any plan (hazards included: a slot written, then read, then overwritten) equals its
+    entries applied one by one."""
+    if "want" not in _FILLED:
+        _FILLED["want"] = host(filled(geometry(), seed=9))
+    prim, sec = _FILLED["want"]
+    geo = geometry()
+    pools = StatePools(tuple(jnp.array(a) for a in prim),
+                       tuple(jax.device_put(a, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+                             for a in sec), geo)
+    want = host(apply_state_transfers_reference(pools, plan))
+    assert_host_equal(apply_state_transfers(pools, plan), want)
 
 
 def test_transfer_runs_compile_per_bucket():
