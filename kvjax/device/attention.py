@@ -78,17 +78,18 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
 
 
 #: Bytes of pages (one field, as the dots read them) or of scores one step of the XLA path's
-#: column loop holds: enough to amortise a loop step, few enough that a step's pages and scores stay in cache.
+#: column loop holds: enough to amortise a loop step, few enough that a step's pages and scores
+#: stay in cache (1 MiB: measured fastest on CPU among 128 KiB - 8 MiB). Read when an op is traced.
 CHUNK_BYTES = 1 << 20
 
 
-def xla_chunk_columns(batch: int, columns: int, column_bytes: int) -> int:
+def xla_chunk_columns(batch: int, columns: int, column_bytes: int, chunk_bytes: int) -> int:
     """Table columns per step of the XLA path's online softmax: the largest power of two for
     which `batch` rows of `column_bytes` each (a column's pages of one field, or its float32
-    scores if larger: a long prefill chunk) fit in `CHUNK_BYTES`, at least one column and at
+    scores if larger: a long prefill chunk) fit in `chunk_bytes`, at least one column and at
     most the table's width."""
     c = 1
-    while c * 2 <= columns and batch * c * 2 * column_bytes <= CHUNK_BYTES:
+    while c * 2 <= columns and batch * c * 2 * column_bytes <= chunk_bytes:
         c *= 2
     return columns if c * 2 > columns else c  # a table narrower than two steps: one step
 
@@ -105,7 +106,7 @@ def xla_chunk_range(seq_lens: Int[Array, " batch"], q_len: int, window: int, ste
     return lo, hi
 
 
-def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
+def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale, chunk_bytes: int):
     """Attention read from the pool chunk by chunk: a loop over steps of `C` table columns
     (`xla_chunk_columns`), each gathering `[batch, C, kv_heads, tokens, head_dim]` pages per
     field in the pool's own dtype, with an online softmax (running max, denominator and output
@@ -121,7 +122,7 @@ def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens,
     kh, tpb = pool.num_kv_heads, geo.tokens_per_block
     g, m = n // kh, block_table.shape[1]
     dot_dtype = jnp.promote_types(q.dtype, jnp.bfloat16 if sarr is not None else arr.dtype)
-    c = xla_chunk_columns(b, m, kh * tpb * max(h * dot_dtype.itemsize, g * ql * 4))  # pages or scores
+    c = xla_chunk_columns(b, m, kh * tpb * max(h * dot_dtype.itemsize, g * ql * 4), chunk_bytes)  # pages or scores
     span, steps = c * tpb, -(-m // c)  # positions per step, steps
     in_pool = j < pool.num_layers
     table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [B, M]
@@ -201,14 +202,15 @@ def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_le
     return fn(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "pool_index", "scale", "impl", "checked"))
+@functools.partial(jax.jit, static_argnames=("meta", "pool_index", "scale", "impl", "checked", "chunk_bytes"))
 def _paged_attention(q, arr, sarr, block_table, seq_lens, j, *, meta: PoolMeta, pool_index: int, scale: float, impl: str,
-                     checked: bool):
+                     checked: bool, chunk_bytes: int):
     pool = meta.geometry.pools[pool_index]
     if checked:
         validate_table(block_table, seq_lens, j, meta=meta, pool_index=pool_index, op="paged_attention")
-    f = _attention_pallas if impl == "pallas" else _attention_xla
-    return f(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale)
+    if impl == "pallas":
+        return _attention_pallas(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale)
+    return _attention_xla(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale, chunk_bytes)
 
 
 def paged_attention(
@@ -244,7 +246,7 @@ def paged_attention(
     table, lens = chk.as_int32(block_table), chk.as_int32(seq_lens)
     checked = run_table_checks(pools, spec, (arr, sarr, q), table, lens, j, "paged_attention")
     return _paged_attention(q, arr, sarr, table, lens, j, meta=pools.meta, pool_index=spec.index, scale=scale,
-                            impl=impl, checked=checked)
+                            impl=impl, checked=checked, chunk_bytes=CHUNK_BYTES if impl == "xla" else 0)
 
 
 def paged_attention_reference(
