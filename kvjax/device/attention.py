@@ -78,9 +78,18 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
 
 
 #: Bytes of pages (one field, as the dots read them) or of scores one step of the XLA path's
-#: column loop holds: enough to amortise a loop step, few enough that a step's pages and scores
-#: stay in cache (1 MiB: measured fastest on CPU among 128 KiB - 8 MiB). Read when an op is traced.
+#: column loop holds, on a CPU: enough to amortise a loop step, few enough that a step's pages
+#: and scores stay in cache (1 MiB: measured fastest among 128 KiB - 8 MiB). Read when an op is traced.
 CHUNK_BYTES = 1 << 20
+#: The same on an accelerator (FP8 pools take the XLA path on GPUs), where every step costs its
+#: kernel launches: large steps, few of them, that still bound the temporaries. NOT measured yet
+#: (no GPU run since the loop replaced one gather of every page): check it in gpu_check.
+CHUNK_BYTES_ACCELERATOR = 256 << 20
+
+
+def chunk_bytes_budget() -> int:
+    """The step budget of the XLA path for the default backend."""
+    return CHUNK_BYTES if jax.default_backend() == "cpu" else CHUNK_BYTES_ACCELERATOR
 
 
 def xla_chunk_columns(batch: int, columns: int, column_bytes: int, chunk_bytes: int) -> int:
@@ -246,7 +255,7 @@ def paged_attention(
     table, lens = chk.as_int32(block_table), chk.as_int32(seq_lens)
     checked = run_table_checks(pools, spec, (arr, sarr, q), table, lens, j, "paged_attention")
     return _paged_attention(q, arr, sarr, table, lens, j, meta=pools.meta, pool_index=spec.index, scale=scale,
-                            impl=impl, checked=checked, chunk_bytes=CHUNK_BYTES if impl == "xla" else 0)
+                            impl=impl, checked=checked, chunk_bytes=chunk_bytes_budget() if impl == "xla" else 0)
 
 
 def paged_attention_reference(

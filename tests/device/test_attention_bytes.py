@@ -18,6 +18,8 @@ The path loops over steps of table columns (online softmax), so
    is ~3x the step's live bytes (FP8: 1 + 2 + 2 bytes per value, its pages entering the dots as
    bfloat16). The XLA CPU path cannot reach ~1.5x with dots: that needs the page read fused into
    the dot (the Pallas kernel), or scores as fused multiply-reduces, which measured 2.4x slower."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -35,6 +37,7 @@ def live_bytes(dtype: str, m: int = M) -> int:
 
 
 def compiled(dtype: str, m: int = M, reference: bool = False):
+    """The program, with the CPU step budget on any backend."""
     cfg = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=K, head_dim=H, max_seq_len=m * TPB,
                       primary_blocks=B * m, secondary_blocks=0, dtype=dtype)
     pools = jax.eval_shape(lambda: allocate_pools(cfg))
@@ -44,7 +47,9 @@ def compiled(dtype: str, m: int = M, reference: bool = False):
         fn = jax.jit(lambda q, p, t, s: paged_attention_reference(q, p, 0, t, s))
     else:
         fn = jax.jit(lambda q, p, t, s: paged_attention(q, p, 0, t, s, impl="xla"))
-    return fn.lower(q, pools, table, lens).compile()
+    budget = attention.CHUNK_BYTES
+    with mock.patch.object(attention, "CHUNK_BYTES_ACCELERATOR", budget):
+        return fn.lower(q, pools, table, lens).compile()
 
 
 def units(dtype: str, reference: bool = False) -> float:

@@ -1,5 +1,5 @@
 """The XLA attention path's loop over steps of table columns (online softmax). Tables in the
-other tests fit in one step; here a small step budget (`attention.CHUNK_BYTES`) makes every
+other tests fit in one step; here a small step budget (`attention.CHUNK_BYTES`, patched) makes every
 case run many steps: one or two columns per step (two on a 5-column table: a padded last
 step), decode and prefill chunks, a sliding window (steps before it skipped), ragged and
 empty rows, FP8 pools, K-only caches, traced layers and a layer outside its pool; each
@@ -42,8 +42,13 @@ def step_budget(batch, columns_per_step, cfg, q_len, heads, kv_heads=2):
     return batch * columns_per_step * kv_heads * cfg.tokens_per_block * max(H * item, heads // kv_heads * q_len * 4)
 
 
+def steps_of(budget):
+    """The XLA path's step budget, on any backend."""
+    return mock.patch.multiple(attention, CHUNK_BYTES=budget, CHUNK_BYTES_ACCELERATOR=budget)
+
+
 def check(pools, cfg, layer, table, lens, q, budget, tol):
-    with mock.patch.object(attention, "CHUNK_BYTES", budget):
+    with steps_of(budget):
         out = paged_attention(q, pools, layer, table, lens, impl="xla")
     chex.assert_shape(out, q.shape)
     chex.assert_type(out, q.dtype)
@@ -88,7 +93,7 @@ def test_long_rows_skip_steps_before_the_window_and_after_the_longest_row():
     lo, hi = xla_chunk_range(jnp.asarray(lens), 3, 6, 12, cfg.tokens_per_block)
     assert (int(lo), int(hi)) == (9, 12)  # keys 37.. are visible: steps 9, 10, 11 of 12
     check(pools, cfg, 1, table, lens, q, budget, TOL["float32"])
-    with mock.patch.object(attention, "CHUNK_BYTES", budget):
+    with steps_of(budget):
         want = paged_attention(q, pools, 1, table, lens, impl="xla")
         table[:, :9] = rng.integers(0, pool.primary_blocks, (2, 9))  # other slots where no key is visible
         chex.assert_trees_all_equal(paged_attention(q, pools, 1, table, lens, impl="xla"), want)
@@ -133,7 +138,7 @@ def test_traced_layer_and_a_layer_outside_the_pool():
     table, lens = random_tables(rng, pool, 2, 4, cfg.tokens_per_block)
     lens[0] = 16
     q = jnp.asarray(rng.standard_normal((2, 1, 4, H)), jnp.float32)
-    with mock.patch.object(attention, "CHUNK_BYTES", step_budget(2, 1, cfg, 1, 4)):
+    with steps_of(step_budget(2, 1, cfg, 1, 4)):
         run = jax.jit(lambda q, p, layer: paged_attention(q, p, layer, table, lens, pool=0, impl="xla"))
         out = run(q, pools, jnp.int32(1))
         outside = run(q, pools, jnp.int32(3))
@@ -151,7 +156,7 @@ class Variants(chex.TestCase):
         pool, _ = pools.locate(1)
         table, lens = random_tables(rng, pool, 4, 5, cfg.tokens_per_block)
         q = jnp.asarray(rng.standard_normal((4, 2, 4, H)), jnp.bfloat16)
-        with mock.patch.object(attention, "CHUNK_BYTES", step_budget(4, 1, cfg, 2, 4)):
+        with steps_of(step_budget(4, 1, cfg, 2, 4)):
             out = self.variant(lambda q, p, t, s: paged_attention(q, p, 1, t, s, impl="xla"))(
                 q, pools, jnp.asarray(table), jnp.asarray(lens))
         chex.assert_shape(out, (4, 2, 4, H))
@@ -172,7 +177,7 @@ def test_one_trace_per_shape():
         return paged_attention(q, pools, 1, table, lens, impl="xla")
 
     run = jax.jit(step)
-    with mock.patch.object(attention, "CHUNK_BYTES", step_budget(4, 1, cfg, 1, 4)):
+    with steps_of(step_budget(4, 1, cfg, 1, 4)):
         for _ in range(3):
             table, lens = random_tables(rng, pool, 4, 5, cfg.tokens_per_block)
             out = run(q, pools, jnp.asarray(table), jnp.asarray(lens))
