@@ -183,3 +183,26 @@ def test_one_trace_per_shape():
             out = run(q, pools, jnp.asarray(table), jnp.asarray(lens))
             chex.assert_trees_all_close(out, reference(q, pools, 1, jnp.asarray(table), jnp.asarray(lens)),
                                         atol=2e-5, rtol=2e-5)
+
+
+def test_sharded_kv_heads_many_steps():
+    """Pools sharded over kv heads on 8 CPU devices: the loop's carries follow the heads; the
+    result equals the single-device one, and the output stays sharded over heads."""
+    if len(jax.devices()) < 8:
+        pytest.fail("tests/conftest.py must provide 8 CPU devices")
+    mesh = jax.make_mesh((8,), ("kv",))
+    cfg = make_config(num_layers=2, num_kv_heads=8, head_dim=H, attention_windows=None, primary_blocks=8,
+                      secondary_blocks=0)
+    single = fill(allocate_pools(cfg), seed=19)
+    sharded = allocate_pools(cfg, sharding=mesh)
+    sharded = sharded.replace(primary=tuple(jax.device_put(np.asarray(a), b.sharding) + 0
+                                            for a, b in zip(single.primary, sharded.primary, strict=True)))
+    rng = np.random.default_rng(20)
+    table, lens = random_tables(rng, cfg.pools[0], 4, 4, cfg.tokens_per_block)
+    q = jnp.asarray(rng.standard_normal((4, 2, 16, H)), jnp.float32)
+    with steps_of(step_budget(4, 1, cfg, 2, 16, kv_heads=8)):
+        one = paged_attention(q, single, 1, table, lens, impl="xla")
+        out = paged_attention(q, sharded, 1, table, lens, impl="xla")
+    chex.assert_trees_all_close(out, one, atol=1e-6)
+    chex.assert_trees_all_close(one, reference(q, single, 1, jnp.asarray(table), jnp.asarray(lens)), atol=2e-5, rtol=2e-5)
+    assert out.sharding.spec[2] == "kv", out.sharding
