@@ -130,6 +130,8 @@ def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens,
     b, ql, n, h = q.shape
     kh, tpb = pool.num_kv_heads, geo.tokens_per_block
     g, m = n // kh, block_table.shape[1]
+    if m == 0:  # a table without columns holds no key
+        return jnp.zeros_like(q)
     dot_dtype = jnp.promote_types(q.dtype, jnp.bfloat16 if sarr is not None else arr.dtype)
     c = xla_chunk_columns(b, m, kh * tpb * max(h * dot_dtype.itemsize, g * ql * 4), chunk_bytes)  # pages or scores
     span, steps = c * tpb, -(-m // c)  # positions per step, steps

@@ -117,6 +117,14 @@ def test_step_size():
     assert xla_chunk_columns(1, 5, 16, 32) == 2  # 3 steps, the last padded
 
 
+def test_a_table_without_columns_gives_zeros():
+    cfg = make_config(num_layers=2, num_kv_heads=2, head_dim=H)
+    pools = fill(allocate_pools(cfg), seed=21)
+    q = jnp.ones((2, 1, 4, H), jnp.float32)
+    out = paged_attention(q, pools, 0, np.zeros((2, 0), np.int32), np.zeros(2, np.int32), impl="xla")
+    chex.assert_trees_all_equal(out, jnp.zeros_like(q))
+
+
 def test_k_only_cache_many_steps():
     cfg = make_config(num_kv_heads=2, head_dim=H, attention_windows=None, cache_type="self_k_only")
     pools = filled(cfg, seed=9)
