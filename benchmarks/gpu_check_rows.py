@@ -168,6 +168,10 @@ def row_kernels(row: Row, dry: bool) -> None:
                     o = paged_attention(q, p, 1, table, lens, impl=impl)
                     err = float(jnp.max(jnp.abs(o.astype(jnp.float32) - aref(q, p, 1, table, lens).astype(jnp.float32))))
                     row.expect(f"{tag} {impl} attention q_len={ql} close", err < 3e-2, f"max|err|={err:.3e}")
+            if impl == "xla" and dtype != "bfloat16" and (dry or layout == "block_first"):  # FP8's GPU path
+                with row.check(f"{tag} xla attention step budget"):  # 64 MiB: one step at the GPU shapes
+                    xla_step_budget_sweep(row, tag, p, table, lens, (1 << 10, 1 << 20) if dry else
+                                          (4 << 20, 16 << 20, 64 << 20))
             with row.check(f"{tag} {impl} write"):
                 n = 64 if gpu else 8
                 w = jnp.asarray(rng.choice(pool.primary_blocks * 16, n, replace=False).astype(np.int32))
@@ -185,6 +189,30 @@ def row_kernels(row: Row, dry: bool) -> None:
                     p = apply_transfers(p, plan, impl=impl, strategy=strategy)
                     row.expect(f"{tag} {impl} transfers {strategy} exact",
                                all(np.array_equal(a, c) for a, c in zip(arrays(p), want, strict=True)), "vs reference")
+
+
+def xla_step_budget_sweep(row: Row, tag: str, pools, table, lens, budgets: tuple[int, ...]) -> None:
+    """Decode attention on the XLA path (what FP8 pools run on a GPU) timed per step budget
+    (`attention.CHUNK_BYTES[_ACCELERATOR]`, bytes of one field's pages per loop step): the
+    figures that should set `CHUNK_BYTES_ACCELERATOR`, a guess until a GPU run measures it."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvjax.device import attention, paged_attention
+
+    q = jax.random.normal(jax.random.key(5), (table.shape[0], 1, 32, 128), jnp.bfloat16)
+    saved = attention.CHUNK_BYTES, attention.CHUNK_BYTES_ACCELERATOR
+    times = {}
+    try:
+        for budget in budgets:
+            attention.CHUNK_BYTES = attention.CHUNK_BYTES_ACCELERATOR = budget
+            times[budget] = _timed(lambda: paged_attention(q, pools, 1, table, lens, impl="xla").block_until_ready(), 5)
+    finally:
+        attention.CHUNK_BYTES, attention.CHUNK_BYTES_ACCELERATOR = saved
+    row.figures[f"{tag} xla attention s by step budget"] = times
+    print(f"  {tag} xla decode attention by step budget: "
+          + ", ".join(f"{b >> 10} KiB {t * 1e3:.2f} ms" for b, t in times.items())
+          + f" (now {saved[0] >> 10} KiB on CPU, {saved[1] >> 10} KiB on accelerators)", flush=True)
 
 
 def row_scan(row: Row, dry: bool) -> None:

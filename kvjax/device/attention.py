@@ -77,59 +77,122 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
     return grouped_attention(q, k, v, mask, scale)
 
 
-def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
-    """Attention read page by page from the pool in its own dtype: a gather of whole pages
-    `[batch, blocks, kv_heads, tokens, head_dim]` per field (no per-position gather, no float32
-    copy of K or V), scores and the weighted sum as dots accumulating in float32 at
-    HIGHEST precision, the softmax in float32. With 16-bit pages the float32 probabilities enter
-    the weighted sum as two 16-bit terms (`p = hi + lo`, 2^-16 relative) stacked in one dot, so V
-    is read once in its own dtype. FP8 pages enter the dots as their exact bfloat16 values, their
-    per-block scales multiplying the scores (K) and the probabilities (V). Entries outside the
-    pool, and a layer outside it, read the null slot (zero K/V)."""
+#: Bytes of pages (one field, as the dots read them) or of scores one step of the XLA path's
+#: column loop holds, on a CPU: enough to amortise a loop step, few enough that a step's pages
+#: and scores stay in cache (1 MiB: measured fastest among 128 KiB - 8 MiB). Read when an op is traced.
+CHUNK_BYTES = 1 << 20
+#: The same on an accelerator (FP8 pools take the XLA path on GPUs), where every step costs its
+#: kernel launches: large steps, few of them, that still bound the temporaries. NOT measured yet
+#: (no GPU run since the loop replaced one gather of every page): check it in gpu_check.
+CHUNK_BYTES_ACCELERATOR = 256 << 20
+
+
+def chunk_bytes_budget() -> int:
+    """The step budget of the XLA path for the default backend."""
+    return CHUNK_BYTES if jax.default_backend() == "cpu" else CHUNK_BYTES_ACCELERATOR
+
+
+def xla_chunk_columns(batch: int, columns: int, column_bytes: int, chunk_bytes: int) -> int:
+    """Table columns per step of the XLA path's online softmax: the largest power of two for
+    which `batch` rows of `column_bytes` each (a column's pages of one field, or its float32
+    scores if larger: a long prefill chunk) fit in `chunk_bytes`, at least one column and at
+    most the table's width."""
+    c = 1
+    while c * 2 <= columns and batch * c * 2 * column_bytes <= chunk_bytes:
+        c *= 2
+    return columns if c * 2 > columns else c  # a table narrower than two steps: one step
+
+
+def xla_chunk_range(seq_lens: Int[Array, " batch"], q_len: int, window: int, steps: int,
+                    span: int) -> tuple[Int[Array, ""], Int[Array, ""]]:
+    """Steps `[lo, hi)` (of `steps`, `span` positions each) of the column loop that can hold a
+    visible key: none past the longest row, none before the oldest key a sliding window still
+    shows; a row with no query at a non-negative position holds no key and bounds nothing."""
+    lens = seq_lens.astype(jnp.int32)
+    first = jnp.where(lens > 0, jnp.maximum(lens - q_len - window + 1, 0), steps * span)  # [B] oldest visible key
+    lo = jnp.min(first) // span
+    hi = jnp.minimum((jnp.max(jnp.maximum(lens, 0)) + span - 1) // span, steps)  # the table ends at step `steps`
+    return lo, hi
+
+
+def _attention_xla(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale, chunk_bytes: int):
+    """Attention read from the pool chunk by chunk: a loop over steps of `C` table columns
+    (`xla_chunk_columns`), each gathering `[batch, C, kv_heads, tokens, head_dim]` pages per
+    field in the pool's own dtype, with an online softmax (running max, denominator and output
+    in float32), so no copy of the whole K/V and no float32 copy of it exists. The loop runs only
+    over steps holding a visible key (`xla_chunk_range`). Scores and the weighted sum are dots
+    accumulating in float32 at HIGHEST precision. With 16-bit pages the float32 weights enter the
+    weighted sum as two 16-bit terms (`w = hi + lo`, 2^-16 relative) stacked in one dot, so V is
+    read once in its own dtype. FP8 pages enter the dots as their exact bfloat16 values, their
+    per-block scales multiplying the scores (K) and the weights (V). Entries outside the pool,
+    and a layer outside it, read the null slot (zero K/V)."""
     geo = meta.geometry
     b, ql, n, h = q.shape
     kh, tpb = pool.num_kv_heads, geo.tokens_per_block
     g, m = n // kh, block_table.shape[1]
+    if m == 0:  # a table without columns holds no key
+        return jnp.zeros_like(q)
+    dot_dtype = jnp.promote_types(q.dtype, jnp.bfloat16 if sarr is not None else arr.dtype)
+    c = xla_chunk_columns(b, m, kh * tpb * max(h * dot_dtype.itemsize, g * ql * 4), chunk_bytes)  # pages or scores
+    span, steps = c * tpb, -(-m // c)  # positions per step, steps
     in_pool = j < pool.num_layers
     table = jnp.where(in_pool, safe_table(block_table, pool), pool.null_slot)  # [B, M]
-    index = at(meta.block_axis, table, jnp.where(in_pool, j, 0))
+    table = jnp.pad(table, ((0, 0), (0, steps * c - m)), constant_values=pool.null_slot)  # [B, steps * C]
+    layer = jnp.where(in_pool, j, 0)
     q = shd.constrain_heads(q, meta.mesh, meta.kv_axes, 2)  # query heads follow their kv heads
-    pages, scales = [], []
-    for f in range(geo.kv_factor):
-        x = arr[index + (f,)]  # [B, M, K, T, H] in the storage dtype
-        if sarr is not None:
-            x = quant.from_bytes(x, geo.jnp_dtype).astype(jnp.bfloat16)  # exact
-            scales.append(jnp.swapaxes(sarr[index + (f,)], 1, 2)[:, :, None, None, :, None])  # [B, K, 1, 1, M, 1]
-        pages.append(x)
-    k = pages[0]
-    v = pages[-1]  # K-only caches use K as V
-    dot_dtype = jnp.promote_types(q.dtype, k.dtype)
-    qg = q.astype(dot_dtype).reshape(b, ql, kh, g, h)  # [B, T, K, G, H]
-    logits = jnp.einsum("btkgh,bmkph->bkgtmp", qg, k.astype(dot_dtype), precision=HIGHEST,
-                        preferred_element_type=jnp.float32) * scale  # [B, K, G, T, M, P]
-    if scales:
-        logits = logits * scales[0]
-    logits = logits.reshape(b, kh, g, ql, m * tpb)  # [B, K, G, T, S]
-    kpos = jnp.broadcast_to(jnp.arange(m * tpb, dtype=jnp.int32), (b, m * tpb))  # [B, S]
-    visible = visibility_mask(query_positions(seq_lens, ql), kpos, pool.window)[:, None, None]  # [B, 1, 1, T, S]
-    logits = jnp.where(visible, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.where(visible, jnp.exp(logits - peak), 0.0)  # [B, K, G, T, S]
-    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-    probs = (weights / jnp.where(denom > 0, denom, 1.0)).reshape(b, kh, g, ql, m, tpb)  # [B, K, G, T, M, P]
-    if scales:
-        probs = probs * scales[-1]
-    if v.dtype == jnp.float32:
-        terms = probs  # [B, K, G, T, M, P]
-    else:  # float32 probabilities as hi + lo in V's dtype: one dot, V read once, unconverted
-        hi = probs.astype(v.dtype)
-        terms = jnp.concatenate([hi, (probs - hi.astype(jnp.float32)).astype(v.dtype)], axis=2)  # [B, K, 2G, T, M, P]
-    out = jnp.einsum("bkgtmp,bmkph->btkgh", terms, v, precision=HIGHEST,
-                     preferred_element_type=jnp.float32)  # [B, T, K, G or 2G, H]
-    if v.dtype != jnp.float32:
-        out = out[:, :, :, :g] + out[:, :, :, g:]
-    return out.reshape(b, ql, n, h).astype(q.dtype)  # [B, T, N, H]
+    qg = jnp.transpose(q.astype(dot_dtype).reshape(b, ql, kh, g, h), (0, 2, 3, 1, 4))  # [B, K, G, T, H]
+    qpos = query_positions(seq_lens, ql)  # [B, T]
+    offsets = jnp.arange(span, dtype=jnp.int32)  # [S]
+
+    def load(cols, f):
+        index = at(meta.block_axis, cols, layer)
+        x = arr[index + (f,)]  # [B, C, K, P, H] in the storage dtype
+        if sarr is None:
+            return x, None
+        x = quant.from_bytes(x, geo.jnp_dtype).astype(jnp.bfloat16)  # exact
+        return x, jnp.swapaxes(sarr[index + (f,)], 1, 2)[:, :, None, None, :, None]  # [B, K, 1, 1, C, 1]
+
+    def step(i, carry):
+        peak, denom, acc = carry  # [B, K, G, T], [B, K, G, T], [B, K, G, T, H]
+        cols = jax.lax.dynamic_slice_in_dim(table, i * c, c, axis=1)  # [B, C]
+        k, kscale = load(cols, 0)
+        logits = jnp.einsum("bkgth,bckph->bkgtcp", qg, k.astype(dot_dtype), precision=HIGHEST,
+                            preferred_element_type=jnp.float32) * scale  # [B, K, G, T, C, P]
+        if kscale is not None:
+            logits = logits * kscale
+        logits = logits.reshape(b, kh, g, ql, span)  # [B, K, G, T, S]
+        kpos = jnp.broadcast_to(i * span + offsets, (b, span))  # [B, S]
+        visible = visibility_mask(qpos, kpos, pool.window)  # [B, T, S]
+        if steps * c > m:  # the padding columns hold no key, whatever seq_lens says
+            visible = visible & (kpos < m * tpb)[:, None, :]
+        visible = visible[:, None, None]  # [B, 1, 1, T, S]
+        logits = jnp.where(visible, logits, -jnp.inf)
+        top = jnp.maximum(peak, jnp.max(logits, axis=-1))  # [B, K, G, T]
+        top_ = jnp.where(jnp.isfinite(top), top, 0.0)
+        weights = jnp.where(visible, jnp.exp(logits - top_[..., None]), 0.0)  # [B, K, G, T, S]
+        rescale = jnp.exp(peak - top_)  # [B, K, G, T]; 0 while nothing was visible
+        denom = denom * rescale + jnp.sum(weights, axis=-1)
+        v, vscale = (k, kscale) if geo.kv_factor == 1 else load(cols, geo.kv_factor - 1)  # K-only: K is V
+        weights = weights.reshape(b, kh, g, ql, c, tpb)  # [B, K, G, T, C, P]
+        if vscale is not None:
+            weights = weights * vscale
+        if v.dtype == jnp.float32:
+            terms = weights
+        else:  # float32 weights as hi + lo in V's dtype: one dot, V read once, unconverted
+            top16 = weights.astype(v.dtype)
+            terms = jnp.concatenate([top16, (weights - top16.astype(jnp.float32)).astype(v.dtype)], axis=2)  # [B, K, 2G, T, C, P]
+        out = jnp.einsum("bkgtcp,bckph->bkgth", terms, v, precision=HIGHEST,
+                         preferred_element_type=jnp.float32)  # [B, K, G or 2G, T, H]
+        if v.dtype != jnp.float32:
+            out = out[:, :, :g] + out[:, :, g:]
+        return top, denom, acc * rescale[..., None] + out
+
+    lo, hi = xla_chunk_range(seq_lens, ql, pool.window, steps, span)
+    init = (jnp.full((b, kh, g, ql), -jnp.inf, jnp.float32), jnp.zeros((b, kh, g, ql), jnp.float32),
+            jnp.zeros((b, kh, g, ql, h), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(lo, hi, step, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, G, T, H]; zeros where no key is visible
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, ql, n, h).astype(q.dtype)  # [B, T, N, H]
 
 
 def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_lens, scale):
@@ -150,14 +213,15 @@ def _attention_pallas(q, arr, sarr, meta: PoolMeta, pool, j, block_table, seq_le
     return fn(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "pool_index", "scale", "impl", "checked"))
+@functools.partial(jax.jit, static_argnames=("meta", "pool_index", "scale", "impl", "checked", "chunk_bytes"))
 def _paged_attention(q, arr, sarr, block_table, seq_lens, j, *, meta: PoolMeta, pool_index: int, scale: float, impl: str,
-                     checked: bool):
+                     checked: bool, chunk_bytes: int):
     pool = meta.geometry.pools[pool_index]
     if checked:
         validate_table(block_table, seq_lens, j, meta=meta, pool_index=pool_index, op="paged_attention")
-    f = _attention_pallas if impl == "pallas" else _attention_xla
-    return f(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale)
+    if impl == "pallas":
+        return _attention_pallas(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale)
+    return _attention_xla(q, arr, sarr, meta, pool, j, block_table, seq_lens, scale, chunk_bytes)
 
 
 def paged_attention(
@@ -193,7 +257,7 @@ def paged_attention(
     table, lens = chk.as_int32(block_table), chk.as_int32(seq_lens)
     checked = run_table_checks(pools, spec, (arr, sarr, q), table, lens, j, "paged_attention")
     return _paged_attention(q, arr, sarr, table, lens, j, meta=pools.meta, pool_index=spec.index, scale=scale,
-                            impl=impl, checked=checked)
+                            impl=impl, checked=checked, chunk_bytes=chunk_bytes_budget() if impl == "xla" else 0)
 
 
 def paged_attention_reference(
