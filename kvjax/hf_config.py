@@ -45,6 +45,27 @@ class UnsupportedConfigError(KVCacheError, ValueError):
     """A `config.json` field (or value) that kvjax cannot compute like transformers does."""
 
 
+class HybridModelNotServedError(UnsupportedConfigError):
+    """A hybrid (recurrent + attention) checkpoint where a `ModelSpec` is needed: `kvjax.models.from_pretrained`
+    loads it (`kvjax.models.hybrid`), but the serving engine, `kvjax serve` and `kvjax capacity` do not serve it yet."""
+
+
+#: model_type -> family name of the hybrid models `kvjax.models.hybrid` loads (not served yet)
+HYBRID_MODEL_TYPES: dict[str, str] = {
+    "lfm2": "LFM2",
+    "granitemoehybrid": "Granite-4.0-H",
+}
+
+
+def not_served_error(model_type: str, where: str) -> HybridModelNotServedError:
+    """The error of a hybrid model reaching a path that serves only Transformers."""
+    return HybridModelNotServedError(
+        f"{where}: model_type {model_type!r} ({HYBRID_MODEL_TYPES[model_type]}) is a hybrid recurrent + attention "
+        "model: kvjax.models.from_pretrained loads it (kvjax.models.hybrid: dense_forward, forward_chunk), but the "
+        "serving engine, kvjax serve and kvjax capacity do not serve hybrid models yet"
+    )
+
+
 class UnknownConfigFieldWarning(UserWarning):
     """`config.json` fields kvjax does not know: ignored, but named so that a user can check them
     (`strict=True` / `strict_config=True` refuses them instead)."""
@@ -607,6 +628,8 @@ def spec_from_hf_config(
         unknown += f.finish(prefix="text_config.")
         _unknown_fields(unknown, source, model_type, strict)
         return spec
+    if model_type in HYBRID_MODEL_TYPES:
+        raise not_served_error(model_type, source)
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
             f"{source}: config field 'model_type': {model_type!r} is not supported "

@@ -30,12 +30,16 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.engine.batching import ForwardBatch, StepExtras, build_batch
 from kvjax.engine.sampling import apply_penalties, sample, token_logprobs
+from kvjax.hf_config import HYBRID_MODEL_TYPES, not_served_error
 
 log = logging.getLogger("kvjax.engine.runner")
 
 
 class ModelRunner:
     def __init__(self, model: Any, *, impl: str = "auto", mesh: Mesh | None = None) -> None:
+        model_type = getattr(getattr(model, "spec", None), "model_type", None)
+        if model_type in HYBRID_MODEL_TYPES:  # before anything touches the model: it has no paged_forward
+            raise not_served_error(model_type, f"ModelRunner({type(model).__name__})")
         if mesh is not None:
             from kvjax.models.parallel import shard_model
 

@@ -30,8 +30,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
-from kvjax.hf_config import spec_from_checkpoint
+from kvjax.hf_config import read_config, spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
+from kvjax.models.hybrid import HybridModel, load_lfm2
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import Transformer, layer_period
 
@@ -149,10 +150,16 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+#: hybrid model_types (`kvjax.hf_config.HYBRID_MODEL_TYPES`) -> their loader (`kvjax.models.hybrid`)
+HYBRID_LOADERS: dict[str, Callable[..., HybridModel]] = {
+    "lfm2": load_lfm2,
+}
+
+
 def from_pretrained(
     path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False,
     spec: ModelSpec | None = None,
-) -> Transformer:
+) -> Transformer | HybridModel:
     """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
@@ -164,9 +171,17 @@ def from_pretrained(
     named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
     `spec`: this checkpoint's spec when the caller already read its config (`servable_model`),
     so the config is neither read nor warned about twice.
+    A hybrid checkpoint (`HYBRID_LOADERS`: LFM2) loads as its `kvjax.models.hybrid` model, which
+    the engine does not serve yet.
     """
     path = Path(path)
     if spec is None:
+        model_type = read_config(path).get("model_type")
+        if model_type in HYBRID_LOADERS:
+            if mesh is not None:
+                raise ValueError(f"{path}: tensor parallelism is not implemented for hybrid models ({model_type!r})")
+            return HYBRID_LOADERS[model_type](path, dtype=dtype, strict_config=strict_config)
+
         spec = spec_from_checkpoint(path, strict=strict_config)
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=_dtype_name(dtype))

@@ -1,0 +1,26 @@
+"""Hybrid models (recurrent layers + attention), standalone with transformers parity.
+
+LFM2 (`Lfm2`, `load_lfm2`): gated short convolutions + attention. Each family has a spec parsed
+strictly from config.json, `dense_forward` (no state: the oracle) and `forward_chunk` (chunks of
+any size carrying a `HybridState` of per-layer states). Not served by the engine yet.
+"""
+from kvjax.models.hybrid.blocks import jit_forward_chunk
+from kvjax.models.hybrid.conv import causal_conv1d
+from kvjax.models.hybrid.lfm2 import Lfm2, Lfm2Spec, load_lfm2
+from kvjax.models.hybrid.state import ConvState, HybridState, KVState, MambaState
+
+#: the hybrid model classes `from_pretrained` may return
+HybridModel = Lfm2
+
+__all__ = [
+    "ConvState",
+    "HybridModel",
+    "HybridState",
+    "KVState",
+    "Lfm2",
+    "Lfm2Spec",
+    "MambaState",
+    "causal_conv1d",
+    "jit_forward_chunk",
+    "load_lfm2",
+]
