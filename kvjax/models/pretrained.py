@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import read_config, spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
-from kvjax.models.hybrid import HybridModel, load_lfm2
+from kvjax.models.hybrid import HybridModel, load_granite, load_lfm2
 from kvjax.models.layers import shapes_only
 from kvjax.models.transformer import Transformer, layer_period
 
@@ -153,6 +153,7 @@ def _dtype_name(dtype: Any) -> str:
 #: hybrid model_types (`kvjax.hf_config.HYBRID_MODEL_TYPES`) -> their loader (`kvjax.models.hybrid`)
 HYBRID_LOADERS: dict[str, Callable[..., HybridModel]] = {
     "lfm2": load_lfm2,
+    "granitemoehybrid": load_granite,
 }
 
 
@@ -171,7 +172,7 @@ def from_pretrained(
     named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
     `spec`: this checkpoint's spec when the caller already read its config (`servable_model`),
     so the config is neither read nor warned about twice.
-    A hybrid checkpoint (`HYBRID_LOADERS`: LFM2) loads as its `kvjax.models.hybrid` model, which
+    A hybrid checkpoint (`HYBRID_LOADERS`: LFM2, Granite-4.0-H dense) loads as its `kvjax.models.hybrid` model, which
     the engine does not serve yet.
     """
     path = Path(path)
