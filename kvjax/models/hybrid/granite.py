@@ -269,7 +269,9 @@ class GraniteLayer(nnx.Module):
         h = self.input_norm(x)  # [B, T, D]
         new_state: Any
         if self.mamba is not None:
-            out, mamba_state = self.mamba(h, state if state is not None else fresh)
+            start_state = state if state is not None else fresh
+            assert start_state is not None  # dense_forward passes `fresh`, forward_chunk the layer's state
+            out, mamba_state = self.mamba(h, start_state)
             new_state = None if state is None else mamba_state
         else:
             assert self.attn is not None
