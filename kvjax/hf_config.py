@@ -2,7 +2,10 @@
 
 Supported `model_type`s: `llama` (Llama 2/3.x), `mistral`, `qwen2` (Qwen2/2.5), `qwen3`,
 `gemma3_text` (Gemma 3 text, e.g. gemma-3-1b) and `gemma3` (the multimodal Gemma 3
-checkpoints; only their `text_config` is read, the vision tower is left unused).
+checkpoints; only their `text_config` is read, the vision tower is left unused). Hybrid
+model types (`HYBRID_MODEL_TYPES`: `lfm2`, `granitemoehybrid`) have no `ModelSpec`:
+`kvjax.models.from_pretrained` loads them (`kvjax.models.hybrid`), and reading their spec here
+raises `HybridModelNotServedError` (the engine does not serve them yet).
 
 Both spellings of a config are read: as published on the hub (`rope_theta`, `rope_scaling`,
 `rope_local_base_freq`, `sliding_window_pattern`, `torch_dtype`) and as recent transformers
