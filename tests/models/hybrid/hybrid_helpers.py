@@ -53,15 +53,15 @@ def greedy_chunked(model, step, prompt: list[int], new_tokens: int, chunk: int, 
 
 
 def perturb(model, names: tuple[str, ...], seed: int = 7) -> None:
-    """Move the named parameters (biases, norm scales) away from 0 / 1 so a dropped term shows."""
-    import jax
+    """Move the named parameters (biases, norm scales) away from 0 / 1 so a dropped term shows
+    (numpy draws: no JAX compilation per parameter shape)."""
     from flax import nnx
 
-    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if path[-1] in names:
-            value = var.get_value()
-            noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), value.shape, value.dtype)
-            var.set_value(value + 0.5 * noise)
+            value = np.asarray(var.get_value())
+            var.set_value(jnp.asarray(value + 0.5 * rng.standard_normal(value.shape), value.dtype))
 
 
 def read_tensors(directory: Path) -> dict[str, np.ndarray]:
