@@ -42,6 +42,17 @@ def test_greedy_matches_transformers_through_the_state(loaded):
         assert greedy_chunked(model, step, prompt, len(want), chunk=8) == want, f"{family} prompt {i}"
 
 
+def test_bfloat16_by_default():
+    """The checkpoint's dtype (bfloat16): weights, activations, conv and attention states in
+    bfloat16, the SSM state in float32; logits near transformers' float32 ones (max |logit| 0.28)."""
+    model = from_pretrained(FIXTURES / "granite")
+    assert model.spec.dtype == "bfloat16" and model.embed[...].dtype == jnp.bfloat16
+    assert 1e-5 < logit_error(model, "granite") < 0.03
+    _, state = jit_forward_chunk(model)(jnp.asarray([[5, 6, 7]], jnp.int32), model.init_state(1, 4))
+    mamba, attn = state.layers[0], state.layers[1]
+    assert (mamba.conv.dtype, mamba.ssm.dtype, attn.k.dtype) == (jnp.bfloat16, jnp.float32, jnp.bfloat16)
+
+
 def random_spec(**changes) -> GraniteSpec:
     base = dict(name="t", vocab_size=53, hidden_size=16, ffn_size=24, layer_types=("mamba", "attention"),
                 num_attention_heads=4, num_kv_heads=2, head_dim=4, attention_bias=True, rope_theta=1e4, norm_eps=1e-5,
