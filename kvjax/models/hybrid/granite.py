@@ -51,6 +51,7 @@ _IGNORED = {
     "num_experts_per_tok": "routing of the (absent) experts",
     "intermediate_size": "the experts' width; the dense model has none (shared_intermediate_size is its MLP)",
     "attention_dropout": "dropout: training only",
+    **{k: "training-time initialisation of dt_bias (Mamba)" for k in ("time_step_min", "time_step_max", "time_step_floor")},
 }
 
 
