@@ -2,8 +2,7 @@
 
 `Transformer.from_spec("tiny")` builds the built-in demo model from `configs/models/tiny.toml`
 (random weights); `from_pretrained(path)` loads a Hugging Face checkpoint (Llama 3.x, Mistral,
-Qwen2/2.5, Qwen3, Gemma 3 text) with its weights, and the hybrid LFM2 / Granite-4.0-H dense
-checkpoints as `kvjax.models.hybrid` models (not served by the engine yet);
+Qwen2/2.5, Qwen3, Gemma 3 text) with its weights;
 `shard_model(model, mesh)` places any built model's weights for tensor parallelism;
 `dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
 `write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables

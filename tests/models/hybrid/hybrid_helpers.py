@@ -1,5 +1,5 @@
 """Helpers of the hybrid model tests: the committed fixtures (tests/fixtures/hf_hybrid, written by
-tests/fixtures/make_hybrid_fixtures.py with transformers 5.24) and the comparisons."""
+tests/fixtures/make_hybrid_fixtures_lfm2_granite.py with transformers 5.24) and the comparisons."""
 import json
 import struct
 from pathlib import Path
