@@ -2,10 +2,11 @@
 
 Supported `model_type`s: `llama` (Llama 2/3.x), `mistral`, `qwen2` (Qwen2/2.5), `qwen3`,
 `gemma3_text` (Gemma 3 text, e.g. gemma-3-1b) and `gemma3` (the multimodal Gemma 3
-checkpoints; only their `text_config` is read, the vision tower is left unused). Hybrid
-model types (`HYBRID_MODEL_TYPES`: `lfm2`, `granitemoehybrid`) have no `ModelSpec`:
-`kvjax.models.from_pretrained` loads them (`kvjax.models.hybrid`), and reading their spec here
-raises `HybridModelNotServedError` (the engine does not serve them yet).
+checkpoints; only their `text_config` is read, the vision tower is left unused). Hybrid model
+types (`HYBRID_MODEL_TYPES`: recurrent + attention layers, e.g. Qwen3.5) have no `ModelSpec`:
+their own modules read their configs (`kvjax.models.hybrid`, with this module's reader) and
+`spec_from_hf_config` refuses them with `HybridModelNotServedError` (the engine does not serve
+them yet).
 
 Both spellings of a config are read: as published on the hub (`rope_theta`, `rope_scaling`,
 `rope_local_base_freq`, `sliding_window_pattern`, `torch_dtype`) and as recent transformers
@@ -49,29 +50,28 @@ class UnsupportedConfigError(KVCacheError, ValueError):
 
 
 class HybridModelNotServedError(UnsupportedConfigError):
-    """A hybrid (recurrent + attention) checkpoint where a `ModelSpec` is needed: `kvjax.models.from_pretrained`
-    loads it (`kvjax.models.hybrid`), but the serving engine, `kvjax serve` and `kvjax capacity` do not serve it yet."""
+    """A hybrid model (recurrent + attention layers, `HYBRID_MODEL_TYPES`): kvjax computes it
+    standalone (`kvjax.models.from_pretrained`) but has no `ModelSpec` for it and the engine does
+    not serve it yet."""
 
 
-#: model_type -> family name of the hybrid models `kvjax.models.hybrid` loads (not served yet)
+#: model_types of hybrid models (recurrent + attention layers) -> what they are; their configs
+#: are read by their own modules under `kvjax.models.hybrid`, not into a `ModelSpec`
 HYBRID_MODEL_TYPES: dict[str, str] = {
-    "lfm2": "LFM2",
-    "granitemoehybrid": "Granite-4.0-H",
+    "qwen3_5_text": "Qwen3.5, gated DeltaNet + gated attention",
+    "qwen3_5": "Qwen3.5 multimodal checkpoint, gated DeltaNet + gated attention",
 }
-
-
-def not_served_error(model_type: str, where: str) -> HybridModelNotServedError:
-    """The error of a hybrid model reaching a path that serves only Transformers."""
-    return HybridModelNotServedError(
-        f"{where}: model_type {model_type!r} ({HYBRID_MODEL_TYPES[model_type]}) is a hybrid recurrent + attention "
-        "model: kvjax.models.from_pretrained loads it (kvjax.models.hybrid: dense_forward, forward_chunk), but the "
-        "serving engine, kvjax serve and kvjax capacity do not serve hybrid models yet"
-    )
 
 
 class UnknownConfigFieldWarning(UserWarning):
     """`config.json` fields kvjax does not know: ignored, but named so that a user can check them
     (`strict=True` / `strict_config=True` refuses them instead)."""
+
+
+HYBRID_MODEL_TYPES.update({  # the families of kvjax.models.hybrid.lfm2 / .granite
+    "lfm2": "LFM2, gated short convolutions + attention",
+    "granitemoehybrid": "Granite-4.0-H dense, Mamba2 + attention",
+})
 
 
 #: Fields that never change a forward pass's numbers, and why.
@@ -260,12 +260,13 @@ _GEMMA3_MULTIMODAL = {
 class _Fields:
     """A config being read: remembers which fields were used and sorts the rest at `finish`."""
 
-    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None):
+    def __init__(self, data: dict, source: str, model_type: str, label: str | None = None,
+                 defaults: dict[str, Any] | None = None):
         self.data = data
         self.source = source
         self.model_type = model_type
         self.label = label or model_type  # the model_type errors name (gemma3's outer config reads as gemma3_text)
-        self.defaults = _DEFAULTS[model_type]
+        self.defaults = _DEFAULTS[model_type] if defaults is None else defaults  # a family read elsewhere brings its own
         self.used: set[str] = set()
 
     def error(self, field: str, message: str) -> UnsupportedConfigError:
@@ -632,7 +633,11 @@ def spec_from_hf_config(
         _unknown_fields(unknown, source, model_type, strict)
         return spec
     if model_type in HYBRID_MODEL_TYPES:
-        raise not_served_error(model_type, source)
+        raise HybridModelNotServedError(
+            f"{source}: model_type {model_type!r} is a hybrid model ({HYBRID_MODEL_TYPES[model_type]}: recurrent and "
+            "attention layers); kvjax.models.from_pretrained loads it as a standalone model (dense_forward, forward_chunk) "
+            "but the engine does not serve hybrid models yet"
+        )
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(
             f"{source}: config field 'model_type': {model_type!r} is not supported "
@@ -665,3 +670,12 @@ def spec_from_checkpoint(path: str | Path, *, strict: bool = False) -> ModelSpec
     file = path / "config.json" if path.is_dir() else path
     directory = file.parent
     return spec_from_hf_config(read_config(file), name=directory.resolve().name, source=str(file), strict=strict)
+
+
+# ---------------------------------------------------------------------- for families read elsewhere
+# The hybrid models' configs (`kvjax.models.hybrid`) are read with the same reader, so that
+# they refuse, warn and default exactly as the families above.
+ConfigFields = _Fields
+report_unknown_fields = _unknown_fields
+config_dtype = _dtype
+config_activation = _activation

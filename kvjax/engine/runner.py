@@ -30,16 +30,20 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax.engine.batching import ForwardBatch, StepExtras, build_batch
 from kvjax.engine.sampling import apply_penalties, sample, token_logprobs
-from kvjax.hf_config import HYBRID_MODEL_TYPES, not_served_error
+from kvjax.hf_config import HybridModelNotServedError
+from kvjax.model_spec import ModelSpec
 
 log = logging.getLogger("kvjax.engine.runner")
 
 
 class ModelRunner:
     def __init__(self, model: Any, *, impl: str = "auto", mesh: Mesh | None = None) -> None:
-        model_type = getattr(getattr(model, "spec", None), "model_type", None)
-        if model_type in HYBRID_MODEL_TYPES:  # before anything touches the model: it has no paged_forward
-            raise not_served_error(model_type, f"ModelRunner({type(model).__name__})")
+        spec = getattr(model, "spec", None)
+        if spec is not None and not isinstance(spec, ModelSpec):  # a hybrid model: no paged forward, no KV-only cache
+            raise HybridModelNotServedError(
+                f"{type(model).__name__} ({getattr(spec, 'name', '?')}) is a hybrid model: kvjax computes it standalone "
+                "(dense_forward, forward_chunk) but the engine does not serve hybrid models yet"
+            )
         if mesh is not None:
             from kvjax.models.parallel import shard_model
 
