@@ -68,6 +68,12 @@ class UnknownConfigFieldWarning(UserWarning):
     (`strict=True` / `strict_config=True` refuses them instead)."""
 
 
+HYBRID_MODEL_TYPES.update({  # the families of kvjax.models.hybrid.lfm2 / .granite
+    "lfm2": "LFM2, gated short convolutions + attention",
+    "granitemoehybrid": "Granite-4.0-H dense, Mamba2 + attention",
+})
+
+
 #: Fields that never change a forward pass's numbers, and why.
 NOT_NUMERIC: dict[str, str] = {
     "architectures": "class names; model_type decides the architecture",

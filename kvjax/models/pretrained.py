@@ -33,8 +33,9 @@ from jax.sharding import Mesh
 from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import read_config, spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
+from kvjax.models.hybrid import HybridModel, load_granite, load_lfm2
 from kvjax.models.hybrid.qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
-from kvjax.models.hybrid.qwen3_5 import Qwen35ForCausalLM, load_qwen3_5
+from kvjax.models.hybrid.qwen3_5 import load_qwen3_5
 from kvjax.models.layers import shapes_only
 from kvjax.models.parallel import (
     adopt_tensor_parallel_spec,
@@ -159,13 +160,19 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+#: hybrid model_types (`kvjax.hf_config.HYBRID_MODEL_TYPES`) -> their loader (`kvjax.models.hybrid`)
+HYBRID_LOADERS: dict[str, Callable[..., HybridModel]] = {
+    "lfm2": load_lfm2,
+    "granitemoehybrid": load_granite,
+    **{model_type: load_qwen3_5 for model_type in QWEN3_5_MODEL_TYPES},
+}
+
+
 def from_pretrained(
     path: str | Path, *, dtype: Any = None, mesh: Mesh | None = None, strict_config: bool = False,
     spec: ModelSpec | None = None,
-) -> Transformer | Qwen35ForCausalLM:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`
-    (or, for a hybrid model type, as its own model: Qwen3.5 as a `Qwen35ForCausalLM`, which has
-    `dense_forward` and `forward_chunk` but no paged forward: the engine does not serve it yet).
+) -> Transformer | HybridModel:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) as a `Transformer`.
 
     `dtype` (default: the checkpoint's `torch_dtype` / `dtype`) is the dtype of the weights, the
     activations and the KV cache (`model.spec.dtype`). With `mesh` (Auto axis types; allocate
@@ -178,13 +185,18 @@ def from_pretrained(
     named in an `UnknownConfigFieldWarning` and ignored; `strict_config=True` refuses them.
     `spec`: this checkpoint's spec when the caller already read its config (`servable_model`),
     so the config is neither read nor warned about twice.
+    A hybrid checkpoint (`HYBRID_LOADERS`: LFM2, Granite-4.0-H dense, Qwen3.5 dense text) loads as
+    its `kvjax.models.hybrid` model (`dense_forward`, `forward_chunk`; no paged forward): the
+    engine does not serve it yet.
     """
     path = Path(path)
-    if spec is None and _model_type(path) in QWEN3_5_MODEL_TYPES:  # hybrid families: their own model and loader
-        if mesh is not None:
-            raise ValueError("hybrid models (Qwen3.5) load on one device: tensor parallelism is not supported for them yet")
-        return load_qwen3_5(path, dtype=dtype, strict_config=strict_config)
-    if spec is None:
+    if spec is None:  # hybrid families: their own model and loader
+        model_type = _model_type(path)
+        if model_type in HYBRID_LOADERS:
+            if mesh is not None:
+                raise ValueError(f"{path}: tensor parallelism is not implemented for hybrid models ({model_type!r})")
+            return HYBRID_LOADERS[model_type](path, dtype=dtype, strict_config=strict_config)
+
         spec = spec_from_checkpoint(path, strict=strict_config)
     if dtype is not None:
         spec = dataclasses.replace(spec, dtype=_dtype_name(dtype))

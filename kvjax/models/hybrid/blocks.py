@@ -1,0 +1,118 @@
+"""Layers shared by the hybrid families: attention over a contiguous cache, and the chunk checks.
+
+Letters: B batch, T new tokens, S cached positions, D model width, N query heads, K kv heads,
+H head dim.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kvjax.errors import InvalidArgumentError
+from kvjax.models.attention import grouped_attention
+from kvjax.models.hybrid.state import HybridState, KVState
+from kvjax.models.layers import RMSNorm, apply_rope, einsum, normal_init, rope_frequencies
+
+
+class HybridAttention(nnx.Module):
+    """Causal GQA over everything so far: optional q/k RMSNorm (LFM2), RoPE or none (Granite's
+    `nope`), softmax scale of the family, optional biases. No sliding window."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 scale: float, rope_theta: float | None, qk_norm_eps: float | None = None, bias: bool = False):
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} must be a multiple of num_key_value_heads {kv_heads}")
+        self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, scale
+        self.rope_theta = rope_theta
+        self.wq = nnx.Param(normal_init(rngs.params(), (dim, heads, head_dim), dim, dtype))  # [D, N, H]
+        self.wk = nnx.Param(normal_init(rngs.params(), (dim, kv_heads, head_dim), dim, dtype))  # [D, K, H]
+        self.wv = nnx.Param(normal_init(rngs.params(), (dim, kv_heads, head_dim), dim, dtype))  # [D, K, H]
+        self.wo = nnx.Param(normal_init(rngs.params(), (heads, head_dim, dim), heads * head_dim, dtype))  # [N, H, D]
+        if bias:
+            self.bq: nnx.Param | None = nnx.Param(jnp.zeros((heads, head_dim), dtype))  # [N, H]
+            self.bk: nnx.Param | None = nnx.Param(jnp.zeros((kv_heads, head_dim), dtype))  # [K, H]
+            self.bv: nnx.Param | None = nnx.Param(jnp.zeros((kv_heads, head_dim), dtype))  # [K, H]
+            self.bo: nnx.Param | None = nnx.Param(jnp.zeros((dim,), dtype))  # [D]
+        else:
+            self.bq = self.bk = self.bv = self.bo = None
+        if qk_norm_eps is not None:
+            self.q_norm: RMSNorm | None = RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
+            self.k_norm: RMSNorm | None = RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"],
+                 cache: KVState | None, start: Int[Array, ""] | None) -> tuple[Float[Array, "B T D"], KVState | None]:
+        """Without `cache`: causal attention within `x` (the dense oracle). With it: write this
+        chunk's keys / values at `[start, start + T)` and attend to positions `<= ` each query's."""
+        q = einsum("btd,dnh->btnh", x, self.wq[...])  # [B, T, N, H]
+        k = einsum("btd,dkh->btkh", x, self.wk[...])  # [B, T, K, H]
+        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
+        if self.bq is not None and self.bk is not None and self.bv is not None:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            inv_freq = rope_frequencies(self.head_dim, self.rope_theta)  # [H/2]
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        b, t = x.shape[:2]
+        if cache is None:
+            keys, values, k_pos = k, v, positions  # [B, T, K, H] x2, [B, T]
+            new_cache = None
+        else:
+            assert start is not None
+            zero = jnp.zeros((), jnp.int32)
+            keys = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (zero, start, zero, zero))  # [B, S, K, H]
+            values = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), (b, keys.shape[1]))  # [B, S]
+            new_cache = KVState(k=keys, v=values)
+        mask = k_pos[:, None, :] <= positions[:, :, None]  # [B, T, S]: causal, unwritten slots lie beyond
+        attended = grouped_attention(q, keys, values, mask, self.scale)  # [B, T, N, H]
+        out = einsum("btnh,nhd->btd", attended, self.wo[...])  # [B, T, D]
+        return (out if self.bo is None else out + self.bo[...]), new_cache
+
+
+def check_chunk(tokens: jax.Array, state: HybridState, vocab_size: int) -> None:
+    """Refuse a chunk that does not fit the state: wrong shape, past the attention caches' end
+    (`dynamic_update_slice` would clamp the write position silently), or token ids out of range.
+    Values are checked when concrete; the jitted wrapper checks before it calls the compiled step."""
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise InvalidArgumentError(f"tokens must be [batch, T>=1], got shape {tuple(tokens.shape)}")
+    rows = jax.tree.leaves(state.layers)[0].shape[0]
+    if tokens.shape[0] != rows:
+        raise InvalidArgumentError(f"{tokens.shape[0]} token rows for a state of {rows} rows")
+    if isinstance(state.length, jax.core.Tracer) or isinstance(tokens, jax.core.Tracer):
+        return
+    length = int(state.length)
+    cap = state.capacity
+    if cap and length + tokens.shape[1] > cap:
+        raise InvalidArgumentError(f"a chunk of {tokens.shape[1]} tokens after {length} does not fit the state's "
+                                   f"attention cache of {cap} positions")
+    lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidArgumentError(f"token ids must lie in [0, {vocab_size}), got [{lo}, {hi}]")
+
+
+def jit_forward_chunk(model: Any) -> Callable[[jax.Array, HybridState], tuple[jax.Array, HybridState]]:
+    """`model.forward_chunk` compiled once per chunk shape, the state donated (the caller's copy is
+    gone after the call); the chunk is checked against the state before it runs (under jit a
+    write past the attention caches would be clamped)."""
+    graphdef, params = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def run(params, tokens, state):
+        return nnx.merge(graphdef, params).forward_chunk(tokens, state)
+
+    def step(tokens: jax.Array, state: HybridState) -> tuple[jax.Array, HybridState]:
+        tokens = jnp.asarray(tokens, jnp.int32)
+        check_chunk(tokens, state, model.spec.vocab_size)
+        return run(params, tokens, state)
+
+    step.run = run  # type: ignore[attr-defined]  # the compiled function, for trace counting
+    return step

@@ -1,0 +1,99 @@
+"""Fill a hybrid model's parameters from a checkpoint directory (safetensors via
+`kvjax.checkpoint_files`): every tensor name and shape is checked before anything is allocated;
+a missing, unexpected or misshapen tensor is a `CheckpointError` naming it."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, CheckpointError, CheckpointTensors
+from kvjax.models.layers import shapes_only
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor (its shape there) into one parameter (attribute path), via `convert`."""
+
+    name: str
+    path: tuple[Any, ...]
+    hf_shape: tuple[int, ...]
+    convert: Callable[[np.ndarray], np.ndarray]
+
+
+def same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def transpose(a: np.ndarray) -> np.ndarray:  # torch Linear [out, in] -> [in, out]
+    return a.T
+
+
+def heads_in(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """q/k/v_proj.weight [heads * H, D] -> [D, heads, H]."""
+    return lambda a: a.reshape(heads, head_dim, -1).transpose(2, 0, 1)
+
+
+def heads_out(heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """o_proj.weight [D, N * H] -> [N, H, D]."""
+    return lambda a: a.reshape(-1, heads, head_dim).transpose(1, 2, 0)
+
+
+def rows(start: int, stop: int, then: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """Rows [start, stop) of a fused tensor (a split projection), then `then`."""
+    return lambda a: then(a[start:stop])
+
+
+def _node(model: Any, path: tuple[Any, ...]) -> nnx.Variable:
+    node = model
+    for step in path:
+        node = node[step] if isinstance(step, int) else getattr(node, step)
+    if not isinstance(node, nnx.Variable):
+        raise TypeError(f"{path} is not a parameter")  # a bug in the family's table, never user input
+    return node
+
+
+def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: list[Source], dtype: str,
+              optional: tuple[str, ...] = ()) -> Any:
+    """The model `build` makes (abstractly), its parameters read from `directory`.
+
+    `optional`: tensor names a checkpoint may carry that the model does not use (a tied head)."""
+    tensors = CheckpointTensors(directory)
+    wanted = {s.name for s in sources}
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    for s in sources:
+        info = tensors.info(s.name)
+        if info.shape != s.hf_shape:
+            raise CheckpointError(f"{directory}: tensor {s.name!r} has shape {list(info.shape)}, config.json "
+                                  f"implies {list(s.hf_shape)}")
+        if info.dtype not in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"{directory}: tensor {s.name!r} is {info.dtype}; kvjax loads float32, float16 "
+                                  "and bfloat16 weights")
+    for name in tensors:
+        if name not in wanted and name not in optional and not name.endswith(RECOMPUTED_SUFFIXES):
+            raise CheckpointError(f"{directory}: unexpected tensor {name!r} (kvjax would not use it; refusing "
+                                  "rather than ignore it)")
+    with shapes_only():
+        model = nnx.eval_shape(build)
+    target = np.dtype(jnp.dtype(dtype))
+    filled = set()
+    for s in sources:
+        var = _node(model, s.path)
+        value = np.asarray(s.convert(tensors.array(s.name)), dtype=target)
+        if value.shape != tuple(var.shape):  # a layout bug: names and shapes were checked above
+            raise AssertionError(f"{s.name}: converted to {value.shape}, parameter {s.path} is {tuple(var.shape)}")
+        var.set_value(jax.device_put(value))
+        filled.add(s.path)
+    params = nnx.state(model, nnx.Param)
+    unfilled = [p for p, _ in nnx.to_flat_state(params) if tuple(p) not in filled]
+    if unfilled:  # a bug in the family's table
+        raise AssertionError(f"parameters without a checkpoint tensor: {unfilled}")
+    return model
