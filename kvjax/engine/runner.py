@@ -167,6 +167,40 @@ class ModelRunner:
             return x
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
+    def _inputs(self, batch: StepBatch, temperature, top_p, seed, index, top_k, extras: StepExtras | None):
+        """The jitted step's array inputs and static arguments for `batch` (see `dispatch`)."""
+        shape = batch.shape
+        place = batch.real_rows  # [rows]
+        r = shape.rows
+
+        def spread(a, dtype, fill):  # real rows -> their places among the batch's R rows
+            out = np.full((r,) + np.shape(a)[1:], fill, dtype)  # [R, ...]
+            out[place] = a
+            return out
+
+        rows = batch.rows  # [R, 4 + W * M]
+        rows[place, ROW_TOP_K] = 0 if top_k is None else top_k
+        rows[place, ROW_SEED] = seed
+        rows[place, ROW_INDEX] = index
+        floats = np.zeros((r, 2), np.float32)  # [R, 2]: temperature, top_p
+        floats[:, 1] = 1.0
+        floats[place, 0] = temperature
+        floats[place, 1] = top_p
+        g = self._global
+        penalties = prompt_targets = None
+        if extras is not None and extras.penalties is not None:
+            counts, prompt_mask, banned, presence, frequency, repetition = extras.penalties
+            penalties = (g(spread(counts, np.int32, 0)), g(spread(prompt_mask, bool, False)),
+                         g(spread(banned, bool, False)), g(spread(presence, np.float32, 0.0)),
+                         g(spread(frequency, np.float32, 0.0)), g(spread(repetition, np.float32, 1.0)))
+        if extras is not None and extras.prompt_targets is not None:
+            targets = np.zeros((shape.prefill_rows, shape.chunk), np.int32)  # [Bp, T]
+            targets[: batch.num_prefill] = extras.prompt_targets
+            prompt_targets = g(targets)
+        args = (g(rows), g(floats), g(batch.tokens), penalties, prompt_targets)
+        static = dict(shape=shape, windows=batch.windows, logprobs=extras is not None and extras.logprobs)
+        return args, static
+
     def dispatch(
         self,
         pools,
@@ -186,46 +220,26 @@ class ModelRunner:
         except `prompt_targets`: int32 [prefill rows, T]. Fills `batch.rows`' sampling columns.
         """
         shape = batch.shape
-        place = batch.real_rows  # [rows]
-        r = shape.rows
-
-        def spread(a, dtype, fill):  # real rows -> their places among the batch's R rows
-            out = np.full((r,) + np.shape(a)[1:], fill, dtype)  # [R, ...]
-            out[place] = a
-            return out
-
-        rows = batch.rows  # [R, 4 + W * M]
-        rows[place, ROW_TOP_K] = 0 if top_k is None else top_k
-        rows[place, ROW_SEED] = seed
-        rows[place, ROW_INDEX] = index
-        floats = np.zeros((r, 2), np.float32)  # [R, 2]: temperature, top_p
-        floats[:, 1] = 1.0
-        floats[place, 0] = temperature
-        floats[place, 1] = top_p
         if shape not in self.shapes:  # the wait a first request of a new shape sees, said when it starts
             log.info("compiling the forward for a new step shape %s", shape)
         self.shapes.add(shape)
         traces, start = self.num_traces, time.perf_counter()
-        g = self._global
-        penalties = prompt_targets = None
-        if extras is not None and extras.penalties is not None:
-            counts, prompt_mask, banned, presence, frequency, repetition = extras.penalties
-            penalties = (g(spread(counts, np.int32, 0)), g(spread(prompt_mask, bool, False)),
-                         g(spread(banned, bool, False)), g(spread(presence, np.float32, 0.0)),
-                         g(spread(frequency, np.float32, 0.0)), g(spread(repetition, np.float32, 1.0)))
-        if extras is not None and extras.prompt_targets is not None:
-            targets = np.zeros((shape.prefill_rows, shape.chunk), np.int32)  # [Bp, T]
-            targets[: batch.num_prefill] = extras.prompt_targets
-            prompt_targets = g(targets)
+        args, static = self._inputs(batch, temperature, top_p, seed, index, top_k, extras)
         self.num_forwards += 1
-        out, pools = self._step(self._weights, pools, g(rows), g(floats), g(batch.tokens), penalties, prompt_targets,
-                                shape=shape, windows=batch.windows, logprobs=extras is not None and extras.logprobs)
+        out, pools = self._step(self._weights, pools, *args, **static)
         on_fetch = None
         if self.num_traces != traces:
             def on_fetch():
                 log.info("compiled the forward for %s in %.2f s (%d programs so far)", shape,
                          time.perf_counter() - start, self.num_traces)
         return PendingStep(out, batch, on_fetch), pools
+
+    def lower(self, pools, batch: StepBatch, extras: StepExtras | None = None):
+        """The step's program for `batch`'s shape, lowered (`jax.stages.Lowered`: its text,
+        cost analysis), without running it; sampling inputs are zeros."""
+        z = np.zeros(batch.num_rows, np.int32)
+        args, static = self._inputs(batch, z.astype(np.float32), np.ones(batch.num_rows, np.float32), z, z, z, extras)
+        return self._step.lower(self._weights, pools, *args, **static)
 
     def run(self, pools, batch: StepBatch, temperature: np.ndarray, top_p: np.ndarray, seed: np.ndarray,
             index: np.ndarray, top_k: np.ndarray | None = None,
