@@ -72,6 +72,10 @@ class PendingStep:
         self._batch = batch
         self._on_fetch = on_fetch
 
+    def arrays(self):
+        """The step's device outputs (tokens, chosen, margins, extras), not waited for."""
+        return self._out
+
     def fetch(self) -> StepOutput:
         tok, chosen, margin, more = jax.device_get(self._out)
         b = self._batch
@@ -167,7 +171,19 @@ class ModelRunner:
             return x
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
-    def _inputs(self, batch: StepBatch, temperature, top_p, seed, index, top_k, extras: StepExtras | None):
+    @property
+    def weights(self) -> list:
+        """The model's weights as the flat list of arrays the step program takes first."""
+        return self._weights
+
+    @property
+    def step_program(self):
+        """The jitted step: `step_program(weights, pools, *arrays, **static)` with `step_inputs`'
+        arrays and static arguments; returns ((tokens, chosen, margins, extras), pools), the
+        pools donated. For tools (benchmarks, warmups); the engine calls `dispatch`."""
+        return self._step
+
+    def step_inputs(self, batch: StepBatch, temperature, top_p, seed, index, top_k, extras: StepExtras | None):
         """The jitted step's array inputs and static arguments for `batch` (see `dispatch`)."""
         shape = batch.shape
         place = batch.real_rows  # [rows]
@@ -224,7 +240,7 @@ class ModelRunner:
             log.info("compiling the forward for a new step shape %s", shape)
         self.shapes.add(shape)
         traces, start = self.num_traces, time.perf_counter()
-        args, static = self._inputs(batch, temperature, top_p, seed, index, top_k, extras)
+        args, static = self.step_inputs(batch, temperature, top_p, seed, index, top_k, extras)
         self.num_forwards += 1
         out, pools = self._step(self._weights, pools, *args, **static)
         on_fetch = None
@@ -238,7 +254,7 @@ class ModelRunner:
         """The step's program for `batch`'s shape, lowered (`jax.stages.Lowered`: its text,
         cost analysis), without running it; sampling inputs are zeros."""
         z = np.zeros(batch.num_rows, np.int32)
-        args, static = self._inputs(batch, z.astype(np.float32), np.ones(batch.num_rows, np.float32), z, z, z, extras)
+        args, static = self.step_inputs(batch, z.astype(np.float32), np.ones(batch.num_rows, np.float32), z, z, z, extras)
         return self._step.lower(self._weights, pools, *args, **static)
 
     def run(self, pools, batch: StepBatch, temperature: np.ndarray, top_p: np.ndarray, seed: np.ndarray,
