@@ -11,12 +11,18 @@ One step:
      `add_tokens` of the generating requests' pending tokens, `add_sequences` for admissions
      (prefix match, claims, allocation; the returned prepopulated length is what prefill
      skips), then prefill chunks are cut from the token budget;
-  3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE any forward;
-  4. a decode forward `[B, 1]` and a prefill forward `[B, T]`, both bucketed, jitted, pools
-     donated, sampling inside the jit;
-  5. `set_context_position` after each chunk, `store_context_blocks` when a prompt is done,
-     `store_new_blocks` after decode tokens; finished requests (a stop token or
+  3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE the forward;
+  4. ONE forward for the whole step (`_forward_step`): the decode rows `[Bd, 1]` and the
+     prefill chunks `[Bp, T]` (at most `buckets.prefill_rows`, oldest admission first) in one
+     bucketed jitted call that reads the weights once (token-wise work on one flat batch,
+     attention per row group), the LM head on each row's sampled position only, pools
+     donated, sampling inside the jit (`ModelRunner.dispatch` / `fetch`);
+  5. `store_new_blocks` after decode tokens, `set_context_position` after each chunk,
+     `store_context_blocks` when a prompt is done; finished requests (a stop token or
      `max_new_tokens`) leave with `remove_sequence`.
+
+`forward_shapes` (the core's `forward_shapes`, logged at start) lists every step shape its
+settings can compile; `runner.num_forwards` counts one per step that has work.
 
 The core checks as it goes that every admission's prefill computed + reused tokens equals its
 prompt and that the reused count is what the ledger reported; `verify_idle()` checks that an
