@@ -101,3 +101,39 @@ def test_lm_head_runs_on_the_sampled_positions_only(served_run, micro):
     scoring = StepExtras(prompt_targets=np.zeros((0, shape.chunk), np.int32))
     text = runner.lower(pools, padding_step(shape, cc), scoring).as_text()
     assert f"tensor<{shape.tokens}x{v}xf32>" in text
+
+
+def test_prompt_logprobs_of_a_chunk_that_shares_its_forward_with_decode_rows(micro):
+    """A request that scores its prompt, admitted while another decodes: its chunks run in the
+    same forward as the decode row (the prompt-logprobs program of a mixed shape), and its
+    prompt logprobs and greedy tokens still equal the dense forward's."""
+    from test_llm_engine import drain
+    from test_openai_params import dense_logits, log_softmax, make_engine
+
+    from kvjax import SamplingParams
+
+    eng = make_engine(micro)
+    rng = np.random.default_rng(5)
+    vocab = micro.model.spec.vocab_size
+    background, prompt = rng.integers(1, vocab, 20).tolist(), rng.integers(1, vocab, 80).tolist()
+    eng.add_request("bg", background, SamplingParams(max_tokens=12))
+    drain(eng, steps=2)  # "bg" decodes from now on
+    eng.add_request("lp", prompt, SamplingParams(max_tokens=3, prompt_logprobs=1))
+    mixed, outs = 0, {}
+    while eng.has_unfinished_requests():
+        forwards = micro.runner.num_forwards
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+        last = eng.core.last_step
+        assert micro.runner.num_forwards - forwards == 1
+        mixed += bool(last.decode_rows and last.prefill_tokens)
+    assert mixed == 2  # both chunks of the 80-token prompt (63 + 17 tokens) ran with "bg"'s decode row
+    res = outs["lp"][-1]
+    assert res.finished and res.num_cached_tokens == 0
+    lsm = log_softmax(dense_logits(micro, prompt))
+    pl = res.prompt_logprobs
+    assert pl is not None and len(pl) == len(prompt) and pl[0] is None
+    for p in range(1, len(prompt)):
+        np.testing.assert_allclose(pl[p][prompt[p]].logprob, lsm[p - 1][prompt[p]], atol=1e-4)
+    want = dense_greedy(micro.model, [prompt], 3, forward=micro.dense_forward)[0]
+    assert list(res.outputs[0].token_ids) == want
