@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvjax.config import CacheConfig  # noqa: E402
-from kvjax.engine.batching import build_batch  # noqa: E402
+from kvjax.engine.batching import build_step  # noqa: E402
 from kvjax.engine.config import EngineConfig  # noqa: E402
 from kvjax.engine.core import EngineCore  # noqa: E402
 from kvjax.engine.engine import Engine  # noqa: E402
@@ -48,13 +48,13 @@ class SleepingRunner(TimeModelRunner):
         self.device_total = 0.0
         self.decode_device = 0.0
 
-    def batch(self, ledger, rows, buckets, chunk_bucket=None):
+    def batch(self, ledger, decode, prefill, buckets):
         """The real host-side batch (block tables, positions, slot mappings as numpy arrays)."""
-        return build_batch(ledger, rows, buckets, chunk_bucket=chunk_bucket)
+        return build_step(ledger, decode, prefill, buckets)
 
-    def run(self, pools, batch, temperature, top_p, seed, index, top_k=None):
+    def run(self, pools, batch, temperature, top_p, seed, index, top_k=None, extras=None):
         end = time.perf_counter() + self.device_s
-        out = super().run(pools, batch, temperature, top_p, seed, index, top_k)
+        out = super().run(pools, batch, temperature, top_p, seed, index, top_k, extras)
         while time.perf_counter() < end:  # sleep for most of it, spin the last 0.2 ms for accuracy
             left = end - time.perf_counter()
             if left > 2e-4:

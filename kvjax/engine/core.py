@@ -11,12 +11,18 @@ One step:
      `add_tokens` of the generating requests' pending tokens, `add_sequences` for admissions
      (prefix match, claims, allocation; the returned prepopulated length is what prefill
      skips), then prefill chunks are cut from the token budget;
-  3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE any forward;
-  4. a decode forward `[B, 1]` and a prefill forward `[B, T]`, both bucketed, jitted, pools
-     donated, sampling inside the jit;
-  5. `set_context_position` after each chunk, `store_context_blocks` when a prompt is done,
-     `store_new_blocks` after decode tokens; finished requests (a stop token or
+  3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE the forward;
+  4. ONE forward for the whole step (`_forward_step`): the decode rows `[Bd, 1]` and the
+     prefill chunks `[Bp, T]` (at most `buckets.prefill_rows`, oldest admission first) in one
+     bucketed jitted call that reads the weights once (token-wise work on one flat batch,
+     attention per row group), the LM head on each row's sampled position only, pools
+     donated, sampling inside the jit (`ModelRunner.dispatch` / `fetch`);
+  5. `store_new_blocks` after decode tokens, `set_context_position` after each chunk,
+     `store_context_blocks` when a prompt is done; finished requests (a stop token or
      `max_new_tokens`) leave with `remove_sequence`.
+
+`forward_shapes` (the core's `forward_shapes`, logged at start) lists every step shape its
+settings can compile; `runner.num_forwards` counts one per step that has work.
 
 The core checks as it goes that every admission's prefill computed + reused tokens equals its
 prompt and that the reused count is what the ledger reported; `verify_idle()` checks that an
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from collections.abc import Hashable, Sequence
 from typing import cast
 
@@ -40,7 +47,7 @@ import numpy as np
 from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.engine.batching import Row, StepExtras
+from kvjax.engine.batching import Row, StepExtras, forward_shapes
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
@@ -49,6 +56,8 @@ from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.workloads import WorkItem
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
+
+log = logging.getLogger("kvjax.engine.core")
 
 
 class EngineInvariantError(KVCacheError, AssertionError):
@@ -127,6 +136,10 @@ class EngineCore:
         self.cache_config = cache_config
         self.ledger = KVCacheManager(cache_config)
         self.pools = engine.runner.allocate_pools(cache_config)
+        # every step shape this core's one forward per step can compile (batching.forward_shapes)
+        self.forward_shapes = forward_shapes(self.cfg, cache_config)
+        log.info("the step's forward can take %d shapes (decode rows x prefill rows x chunk x table width; "
+                 "each compiled on first use)", len(self.forward_shapes))
         self.events: EventPublishing | None = None
         if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
             self.events = EventPublishing(kv_events, cache_config)
@@ -298,8 +311,7 @@ class EngineCore:
         # 5. data movements decided by this step's ledger calls, before any forward; what did
         #    not arrive leaves the ledger's cache and the requests that relied on it recompute
         prefill, onboarded = self._apply_transfers(prefill)
-        self._decode_forward(decode, outputs)  # 6. forwards + sampling
-        self._prefill_forwards(prefill, outputs)
+        self._forward_step(decode, prefill, outputs)  # 6. the step's one forward + sampling
         self.ledger.refresh_blocks()
         prefill_tokens = sum(n for _, n in prefill)
         self.last_step = StepCounts(running, len(decode), prefill_tokens, len(admitted), len(sched.pause), onboarded)
@@ -343,11 +355,12 @@ class EngineCore:
             )
 
     def _prefill_chunks(self, candidates: list[LiveRequest], num_decode: int) -> list[tuple[LiveRequest, int]]:
-        """Prefill chunks from what the step's token budget leaves after decoding, oldest admission first."""
+        """Prefill chunks from what the step's token budget leaves after decoding, oldest admission
+        first, at most `buckets.prefill_rows` of them (the rest wait for a later step)."""
         budget = self.cfg.scheduler.max_num_tokens - num_decode
         prefill: list[tuple[LiveRequest, int]] = []
         for r in sorted(candidates, key=lambda r: r.order):
-            if budget <= 0:
+            if budget <= 0 or len(prefill) == self.cfg.buckets.prefill_rows:  # the one forward's prefill rows
                 break
             n = min(r.context_remaining, budget)
             if n > 0:
@@ -355,32 +368,32 @@ class EngineCore:
                 budget -= n
         return prefill
 
-    def _decode_forward(self, decode: list[LiveRequest], outputs: list[CoreOutput]) -> None:
-        """One forward of every decoding request's last token; their full blocks stored."""
-        if not decode:
+    def _forward_step(self, decode: list[LiveRequest], prefill: list[tuple[LiveRequest, int]],
+                      outputs: list[CoreOutput]) -> None:
+        """The step's ONE forward: every decoding request's last token and every prefill chunk
+        (`build_step`: a decode group and a prefill group, the weights read once); then the
+        decoding requests' full blocks are stored and their tokens emitted, and each chunk's
+        bookkeeping runs in admission order."""
+        if not decode and not prefill:
             return
-        rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
-        toks, chosen, margins, lps = self._forward(rows, decode, chunk_bucket=1)
-        self.ledger.store_new_blocks([r.request_id for r in decode])
-        for r, t, c, m, lp in zip(decode, toks, chosen, margins, lps, strict=True):
-            outputs.append(self._emit(r, int(t), float(c), float(m), lp))
-
-    def _prefill_forwards(self, prefill: list[tuple[LiveRequest, int]], outputs: list[CoreOutput]) -> None:
-        """The prefill chunks' forwards (`prefill_rows` rows each; rows that score their prompt
-        run in forwards of their own, so only they pay for it), then each chunk's bookkeeping in
-        admission order."""
-        sampled: list[tuple] = []
-        group = self.cfg.buckets.prefill_rows
-        scoring = [(r, n) for r, n in prefill if r.scores_prompt()]
-        plain = [(r, n) for r, n in prefill if not r.scores_prompt()]
-        for part_list, scores in ((plain, False), (scoring, True)):
-            for g in range(0, len(part_list), group):
-                part = part_list[g : g + group]
-                rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
-                sampled.extend(zip(part, *self._forward(rows, [r for r, _ in part], scores_prompt=scores), strict=True))
-        sampled.sort(key=lambda x: x[0][0].order)
-        for (r, n), t, c, m, lp in sampled:
-            self._prefilled(r, n, int(t), float(c), float(m), lp, outputs)
+        # a one-token chunk is a decode row (one token at the sequence's end): it joins the
+        # decode group, so a step of decodes and such chunks is one program, not two
+        single = [(r, n) for r, n in prefill if n == 1 and not r.scores_prompt()]
+        chunks = [(r, n) for r, n in prefill if n != 1 or r.scores_prompt()]
+        drows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
+        drows += [Row(r.request_id, r.context[r.context_pos : r.context_pos + 1], r.context_pos) for r, _ in single]
+        prows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in chunks]
+        prefill = single + chunks  # the rows' order after the decode rows
+        toks, chosen, margins, lps = self._forward(drows, prows, decode + [r for r, _ in prefill], len(drows))
+        nd = len(decode)
+        if decode:
+            self.ledger.store_new_blocks([r.request_id for r in decode])
+        for i, r in enumerate(decode):
+            outputs.append(self._emit(r, int(toks[i]), float(chosen[i]), float(margins[i]), lps[i]))
+        for j in sorted(range(len(prefill)), key=lambda j: prefill[j][0].order):
+            r, n = prefill[j]
+            i = nd + j
+            self._prefilled(r, n, int(toks[i]), float(chosen[i]), float(margins[i]), lps[i], outputs)
 
     def _prefilled(self, r: LiveRequest, n: int, token: int, chosen: float, margin: float, lp: TokenLogprobs | None,
                    outputs: list[CoreOutput]) -> None:
@@ -539,26 +552,23 @@ class EngineCore:
         fresh = [x for x in self.waiting if not x.admissions]
         self.waiting = collections.deque(sorted(paused, key=lambda x: x.order) + fresh)
 
-    def _forward(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None,
-                 scores_prompt: bool = False):
-        """One forward of `rows` (of `reqs`): sampled tokens, chosen logits, margins and, per
-        row, the sampled token's logprobs (None unless the request asks). With `scores_prompt`
-        the prompt logprobs of the chunk's positions are stored on the requests."""
-        batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
+    def _forward(self, decode: list[Row], prefill: list[Row], reqs: list[LiveRequest], nd: int):
+        """One forward of the step's rows (`reqs`: the `nd` decode-group rows' requests, then
+        the prefill rows'): sampled tokens, chosen logits, margins and, per row, the sampled
+        token's logprobs (None unless the request asks). The prompt logprobs of the chunks that
+        score their prompt are stored on their requests."""
+        batch = self.engine.runner.batch(self.ledger, decode, prefill, self.cfg.buckets)
         sp = [r.item.sampling for r in reqs]
         temperature = np.array([p.temperature for p in sp], np.float32)
         top_p = np.array([p.top_p for p in sp], np.float32)
         top_k = np.array([p.top_k for p in sp], np.int32)
         seed = np.array([r.seed for r in reqs], np.int32)
         index = np.array([len(r.output) for r in reqs], np.int32)
-        extras = self._extras(batch, rows, reqs, scores_prompt)
+        scoring = [r.scores_prompt() for r in reqs[nd:]]  # prefill rows that score their prompt
+        extras = self._extras(batch, prefill, reqs, nd, any(scoring))
         with self.clock.measuring():
-            if extras is None:
-                toks, chosen, margins, self.pools = self.engine.runner.run(
-                    self.pools, batch, temperature, top_p, seed, index, top_k)
-                return toks, chosen, margins, [None] * len(reqs)
-            toks, chosen, margins, self.pools, results = self.engine.runner.run(
-                self.pools, batch, temperature, top_p, seed, index, top_k, extras)
+            out, self.pools = self.engine.runner.run(self.pools, batch, temperature, top_p, seed, index, top_k, extras)
+        toks, results = out.tokens, out.results
         lps: list[TokenLogprobs | None] = [None] * len(reqs)
         if "logprobs" in results:
             lp, rank, ids, top = results["logprobs"]
@@ -567,20 +577,22 @@ class EngineCore:
                     lps[i] = TokenLogprobs(int(toks[i]), float(lp[i]), int(rank[i]), tuple(ids[i, : p.logprobs].tolist()),
                                            tuple(top[i, : p.logprobs].tolist()))
         if "prompt_logprobs" in results:
-            lp, rank, ids, top = results["prompt_logprobs"]  # [rows, T, ...]
+            lp, rank, ids, top = results["prompt_logprobs"]  # [prefill rows, T, ...]
             t = lp.shape[1]
-            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
-                assert r.prompt_logprobs is not None  # only scoring requests are in such a forward
+            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
+                if not scoring[j]:
+                    continue
+                assert r.prompt_logprobs is not None  # scores_prompt says it asks for them
                 k = r.item.sampling.prompt_logprobs
                 for m in range(len(row.tokens)):
                     pos = row.start + m + 1  # the prompt token this column's logits predict
                     if pos < len(r.prompt):
                         col = t - len(row.tokens) + m
-                        r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[i, col]), int(rank[i, col]),
-                                                               tuple(ids[i, col, :k].tolist()), tuple(top[i, col, :k].tolist()))
-        return toks, chosen, margins, lps
+                        r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[j, col]), int(rank[j, col]),
+                                                               tuple(ids[j, col, :k].tolist()), tuple(top[j, col, :k].tolist()))
+        return toks, out.chosen, out.margins, lps
 
-    def _extras(self, batch, rows: list[Row], reqs: list[LiveRequest], scores_prompt: bool) -> StepExtras | None:
+    def _extras(self, batch, prefill: list[Row], reqs: list[LiveRequest], nd: int, scores_prompt: bool) -> StepExtras | None:
         """What this forward must compute besides the tokens (None: nothing, the plain executable)."""
         banned = [r.banned_ids() for r in reqs]
         penalties = None
@@ -601,12 +613,12 @@ class EngineCore:
                          np.array([p.repetition_penalty for p in sp], np.float32))
         logprobs = any(r.item.sampling.logprobs is not None for r in reqs)
         targets = None
-        if scores_prompt:
-            t = batch.tokens.shape[1]
-            targets = np.zeros((len(rows), t), np.int32)  # [rows, T]: the token after each position
-            for i, (r, row) in enumerate(zip(reqs, rows, strict=True)):
+        if scores_prompt:  # every prefill row's (only the scoring rows' are read)
+            t = batch.shape.chunk
+            targets = np.zeros((len(prefill), t), np.int32)  # [prefill rows, T]: the token after each position
+            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
                 nxt = r.context[row.start + 1 : row.seq_len + 1]
-                targets[i, t - len(row.tokens) : t - len(row.tokens) + len(nxt)] = nxt
+                targets[j, t - len(row.tokens) : t - len(row.tokens) + len(nxt)] = nxt
         if penalties is None and not logprobs and targets is None:
             return None
         return StepExtras(penalties, logprobs, targets)

@@ -6,7 +6,8 @@ Qwen2/2.5, Qwen3, Gemma 3 text) with its weights;
 `shard_model(model, mesh)` places any built model's weights for tensor parallelism (heads, MLP
 columns and the vocabulary split; KV heads replicated past their count, `tensor_parallel_spec`);
 `dense_forward` recomputes everything, `paged_forward` goes through `kvjax.device`'s
-`write_kv` / `paged_attention`. `jit_dense_forward` / `jit_paged_forward` give jitted callables
+`write_kv` / `paged_attention` (`paged_hidden`: several row groups, e.g. the engine's decode
+and prefill rows, in one pass over the weights). `jit_dense_forward` / `jit_paged_forward` give jitted callables
 (pools donated); `dense_greedy` is the token-level oracle for serving tests.
 """
 from kvjax.models.attention import Attention, grouped_attention, visibility_mask
@@ -14,13 +15,14 @@ from kvjax.models.generate import dense_greedy
 from kvjax.models.layers import MLP, RMSNorm, apply_rope, rope_frequencies
 from kvjax.models.parallel import TensorParallelError, shard_model, tensor_parallel_spec
 from kvjax.models.pretrained import from_pretrained
-from kvjax.models.transformer import Block, Transformer, jit_dense_forward, jit_paged_forward
+from kvjax.models.transformer import Block, RowGroup, Transformer, jit_dense_forward, jit_paged_forward
 
 __all__ = [
     "Attention",
     "Block",
     "MLP",
     "RMSNorm",
+    "RowGroup",
     "TensorParallelError",
     "Transformer",
     "apply_rope",

@@ -22,13 +22,15 @@ Letters: see `kvjax.models.layers`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float, Int
 
 from kvjax.model_catalog import load_model_spec
 from kvjax.model_spec import ModelSpec
@@ -258,36 +260,92 @@ class Transformer(nnx.Module):
         [B * T] (`slot * tokens_per_block + offset`, -1 for padding) or one array; `impl`
         picks the device ops' implementation ("auto" | "xla" | "pallas"); `unroll` loops over
         the layers in Python instead of scanning (the oracle).
-        Returns (float32 logits [B, T, V], updated pools).
+        Returns (float32 logits [B, T, V], updated pools): `paged_hidden` with one row group,
+        then the LM head on every position.
+        """
+        b, t = tokens.shape
+        group = RowGroup(b, t, block_tables, seq_lens)
+        hidden, pools = self.paged_hidden(tokens.reshape(b * t), positions.reshape(b * t), pools, (group,),
+                                          slot_mapping, impl=impl, unroll=unroll)  # [B * T, D]
+        return self.logits(hidden).reshape(b, t, -1), pools  # [B, T, V]
+
+    def paged_hidden(
+        self,
+        tokens: Int[Array, " N"],
+        positions: Int[Array, " N"],
+        pools: Any,
+        groups: Sequence[RowGroup],
+        slot_mapping: Mapping[int, jax.Array] | jax.Array,
+        *,
+        impl: str = "auto",
+        unroll: bool = False,
+    ) -> tuple[Float[Array, "N D"], Any]:
+        """Several row groups through the paged cache in one pass over the weights (the
+        engine's one forward per step: a decode group `[Bd, 1]` and a prefill group `[Bp, T]`).
+
+        The tokens of every group are one flat batch, group after group, each group's rows
+        row-major (`N = sum(rows * q_len)`): embedding, projections, norms, MLP and the K/V
+        write run on all `N` tokens at once, and only attention runs per group (its rows hold
+        the LAST `q_len` positions of their sequences, `paged_attention`'s convention).
+        tokens, positions: int32 [N]; slot_mapping: window -> int32 [N] (or one array).
+        Returns (final hidden states [N, D] before the final norm, updated pools): `logits`
+        turns the positions one needs into logits.
         """
         from kvjax.device import paged_attention, write_kv
 
         config = pools.geometry
         self.check_cache(config)
-        b, t = tokens.shape
+        (n,) = tokens.shape
+        if sum(g.rows * g.q_len for g in groups) != n or positions.shape != (n,):
+            raise ValueError(f"groups {[(g.rows, g.q_len) for g in groups]} do not cover the {n} tokens "
+                             f"(positions {tuple(positions.shape)})")
         period = self.period
         pool_of = [config.layer_to_pool[layer][0] for layer in range(config.num_layers)]
         for layer in range(period, config.num_layers):  # the scan gives layer r's window and pool to r + kP
             if (config.layer_windows[layer], pool_of[layer]) != (config.layer_windows[layer % period], pool_of[layer % period]):
                 raise ValueError(f"cache layer {layer} sits in pool {pool_of[layer]} (window {config.layer_windows[layer]}), "
                                  f"unlike layer {layer % period}: the model's layers repeat every {period}")
-        x = self._embed(tokens)  # [B, T, D]
+        x = self._embed(tokens[None])  # [1, N, D]
+        pos = positions[None]  # [1, N]
 
         def step(block, layer, r, x, pools):
             window = config.layer_windows[r]
-            table = block_tables[window] if isinstance(block_tables, Mapping) else block_tables  # [B, max_blocks]
-            slots = slot_mapping[window] if isinstance(slot_mapping, Mapping) else slot_mapping  # [B * T]
+            slots = slot_mapping[window] if isinstance(slot_mapping, Mapping) else slot_mapping  # [N]
             attn = block.attn
-            q, k, v = attn.qkv(block.attn_norm(x), positions)  # [B, T, N, H], [B, T, K, H] x2
-            kv_shape = (b * t, attn.num_kv_heads, attn.head_dim)
-            pools = write_kv(pools, layer, k.reshape(kv_shape), v.reshape(kv_shape), slots, impl=impl, pool=pool_of[r])
-            attended = paged_attention(q, pools, layer, table, seq_lens, scale=attn.scale, impl=impl, pool=pool_of[r])
-            # attended: [B, T, N, H]
-            x = block.add_attention(x, attended)  # [B, T, D]
-            return block.feed_forward(x), pools  # [B, T, D]
+            q, k, v = attn.qkv(block.attn_norm(x), pos)  # [1, N, Nh, H], [1, N, K, H] x2
+            pools = write_kv(pools, layer, k[0], v[0], slots, impl=impl, pool=pool_of[r])
+            parts, start = [], 0
+            for g in groups:  # attention per group: its own [rows, q_len] shape, tables and lengths
+                size = g.rows * g.q_len
+                qg = q[0, start : start + size].reshape(g.rows, g.q_len, *q.shape[2:])  # [rows, q_len, Nh, H]
+                table = g.block_tables[window] if isinstance(g.block_tables, Mapping) else g.block_tables  # [rows, M]
+                out = paged_attention(qg, pools, layer, table, g.seq_lens, scale=attn.scale, impl=impl, pool=pool_of[r])
+                parts.append(out.reshape(size, *q.shape[2:]))  # [size, Nh, H]
+                start += size
+            attended = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)  # [N, Nh, H]
+            x = block.add_attention(x, attended[None])  # [1, N, D]
+            return block.feed_forward(x), pools  # [1, N, D]
 
         x, pools = self._run_layers(x, pools, step, unroll)
-        return self._logits(x), pools  # [B, T, V]
+        return x[0], pools  # [N, D]
+
+    def logits(self, hidden: Float[Array, "R D"]) -> Float[Array, "R V"]:
+        """The final norm and LM head of the chosen positions' hidden states (from
+        `paged_hidden`): float32 [R, V]. The engine passes only the positions it samples."""
+        return self._logits(hidden[None])[0]  # [R, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """Rows of one attention shape inside `Transformer.paged_hidden`'s flat token batch:
+    `rows` rows of `q_len` tokens each (the last `q_len` positions of each sequence), with
+    their block tables (window -> int32 [rows, max_blocks], or one array) and `seq_lens`
+    (int32 [rows])."""
+
+    rows: int
+    q_len: int
+    block_tables: Mapping[int, jax.Array] | jax.Array
+    seq_lens: jax.Array
 
 
 # ---------------------------------------------------------------------- layer stacks

@@ -35,6 +35,7 @@ from typing import cast
 import numpy as np
 
 from kvjax.config import CacheConfig
+from kvjax.engine.batching import StepOutput
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.core import CoreOutput, EngineCore
 from kvjax.engine.engine import Engine
@@ -123,8 +124,8 @@ class TimeModelRunner:
         self.num_traces = 0
         self.forwards = 0
 
-    def batch(self, ledger, rows, buckets, chunk_bucket=None) -> _Rows:
-        return _Rows(len(rows))
+    def batch(self, ledger, decode, prefill, buckets) -> _Rows:
+        return _Rows(len(decode) + len(prefill))
 
     def allocate_pools(self, config: CacheConfig) -> None:
         return None
@@ -132,12 +133,17 @@ class TimeModelRunner:
     def apply_transfers(self, pools, plan):
         return pools
 
-    def run(self, pools, batch, temperature, top_p, seed, index, top_k=None):
+    @property
+    def num_forwards(self) -> int:
+        return self.forwards
+
+    def run(self, pools, batch, temperature, top_p, seed, index, top_k=None, extras=None):
+        """One step's forward (`ModelRunner.run`'s interface): (`StepOutput`, pools)."""
         self.forwards += 1
         n = batch.num_rows
         toks = simulated_tokens(seed, index, self.vocab_size, self.avoid)
         zeros = np.zeros(n, np.float32)
-        return toks, zeros, zeros, pools
+        return StepOutput(toks, zeros, zeros), pools
 
 
 class VirtualClock:

@@ -35,17 +35,21 @@ def _span(values: list[int]) -> str:
 
 
 def compile_buckets(engine_config, cache_config) -> tuple[str, int]:
-    """(description, number) of the forward shapes the engine may compile, each on first use:
-    decode [B, 1] and prefill [rows, T], both times every block-table width (`kvjax.engine.batching`)."""
+    """(description, number) of the step shapes the engine's one forward per step may compile,
+    each on first use: decode rows [Bd, 1] with prefill rows [Bp, T] (either group may be
+    absent), times every block-table width (`kvjax.engine.batching.forward_shapes`)."""
+    from kvjax.engine.batching import forward_shapes
+
     b = engine_config.buckets
     s = engine_config.scheduler
     decode = _powers(b.min_batch, s.max_batch_size)
     rows = _powers(1, min(b.prefill_rows, s.max_batch_size))
     chunks = _powers(b.min_chunk, s.max_num_tokens)
     widths = _powers(b.min_blocks, ceil_div(cache_config.max_seq_len, cache_config.tokens_per_block))
-    count = (len(decode) + len(rows) * len(chunks)) * len(widths)
-    text = (f"decode batch {_span(decode)} x 1 token, prefill rows {_span(rows)} x chunk {_span(chunks)} tokens, "
-            f"block tables {_span(widths)} wide: at most {count} programs, each compiled on first use")
+    count = len(forward_shapes(engine_config, cache_config))
+    text = (f"decode rows 0 or {_span(decode)} x 1 token with prefill rows 0 or {_span(rows)} x chunk "
+            f"{_span(chunks)} tokens, block tables {_span(widths)} wide: at most {count} programs, each "
+            f"compiled on first use")
     return text, count
 
 

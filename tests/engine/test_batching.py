@@ -1,10 +1,23 @@
 """Forward batches: bucketed shapes, slot mappings that follow the ledger's block tables,
-left-padded rows, padding rows that attend to nothing."""
+left-padded rows, padding rows that attend to nothing; a step's one forward (`build_step`) and
+the shapes it can take (`forward_shapes`)."""
 import numpy as np
 import pytest
 
 from kvjax import CacheConfig, KVCacheManager, Request
-from kvjax.engine import Buckets, Row, build_batch
+from kvjax.device.buckets import bucket
+from kvjax.engine import (
+    Buckets,
+    EngineConfig,
+    Row,
+    SchedulerConfig,
+    StepShape,
+    build_batch,
+    build_step,
+    forward_shapes,
+    padding_step,
+)
+from kvjax.engine.batching import ROW_SEQ_LEN, ROW_TABLES, TOK_ID, TOK_POSITION, TOK_SLOTS
 
 TPB = 4
 
@@ -50,3 +63,80 @@ def test_rows_need_real_blocks(led):
         build_batch(led, [Row("a", [1, 2], 8)], Buckets(), chunk_bucket=1)
     with pytest.raises(ValueError):
         Buckets(min_chunk=0)
+
+
+# ---------------------------------------------------------------------- one forward per step
+def test_step_batch_packs_decode_then_prefill_rows(led):
+    """Decode rows first (bucketed from min_batch), then the prefill rows, one flat token batch."""
+    led.add_sequence(Request("c", list(range(20, 29)), max_new_tokens=4))  # 3 blocks
+    decode = [Row("b", [52], 2)]  # b decodes its position 2
+    prefill = [Row("a", list(range(5, 11)), 4), Row("c", [20, 21, 22], 0)]
+    batch = build_step(led, decode, prefill, Buckets(min_batch=2, min_chunk=4, min_blocks=2, prefill_rows=2))
+    assert batch.shape == StepShape(2, 2, 8, 4) and batch.shape.rows == 4 and batch.shape.tokens == 2 + 16
+    assert (batch.num_decode, batch.num_prefill, batch.num_rows) == (1, 2, 3)
+    np.testing.assert_array_equal(batch.real_rows, [0, 2, 3])
+    (w,) = led.windows
+    table = led.block_table(["b", "a", "c"], w)
+    np.testing.assert_array_equal(batch.rows[:, ROW_SEQ_LEN], [3, 0, 10, 3])  # row 1: decode padding
+    tables = batch.rows[:, ROW_TABLES:]
+    assert tables.shape == (4, 4) and (tables[1] == 32).all()  # padding row: null slot
+    np.testing.assert_array_equal(tables[0, :1], table[0, :1])
+    np.testing.assert_array_equal(tables[2, :3], table[1, :3])
+    tok = batch.tokens
+    assert tok.shape == (18, 2 + 1)
+    assert tok[0, TOK_ID] == 52 and tok[0, TOK_POSITION] == 2 and tok[0, TOK_SLOTS] == table[0, 0] * TPB + 2
+    assert tok[1, TOK_POSITION] == -1 and tok[1, TOK_SLOTS] == -1  # the padding decode row writes nothing
+    a = tok[2:10]  # prefill row "a": positions 2..9, the first two columns padding
+    np.testing.assert_array_equal(a[:, TOK_ID], [0, 0, 5, 6, 7, 8, 9, 10])
+    np.testing.assert_array_equal(a[:, TOK_POSITION], np.arange(2, 10))
+    assert (a[:2, TOK_SLOTS] == -1).all()
+    for p in range(4, 10):
+        assert a[p - 2, TOK_SLOTS] == table[1, p // TPB] * TPB + p % TPB
+    c = tok[10:18]
+    np.testing.assert_array_equal(c[5:, TOK_ID], [20, 21, 22])
+    np.testing.assert_array_equal(c[5:, TOK_SLOTS], table[2, 0] * TPB + np.arange(3))
+
+
+def test_step_batch_rejects_what_one_forward_cannot_hold(led):
+    b = Buckets(prefill_rows=1)
+    with pytest.raises(ValueError, match="at least one row"):
+        build_step(led, [], [], b)
+    with pytest.raises(ValueError, match="one token each"):
+        build_step(led, [Row("a", [9, 10], 8)], [], b)
+    with pytest.raises(ValueError, match="exceed prefill_rows=1"):
+        build_step(led, [], [Row("a", [1], 0), Row("b", [50], 0)], b)
+    with pytest.raises(RuntimeError, match="no block"):
+        build_step(led, [Row("b", [1], 5)], [], b)  # position 5: block 1 not allocated
+
+
+def test_forward_shapes_are_exactly_the_reachable_ones():
+    """Every shape build_step can produce for some content of a step (brute force over the
+    decode rows, prefill rows and longest chunk a step may hold), and no other."""
+    cfg = EngineConfig(SchedulerConfig(max_batch_size=6, max_num_tokens=40),
+                       Buckets(min_batch=2, min_chunk=8, min_blocks=2, prefill_rows=3))
+    cc = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64, primary_blocks=8)
+    shapes = forward_shapes(cfg, cc)
+    assert len(set(shapes)) == len(shapes) and shapes == sorted(shapes)
+    widths = {s.blocks for s in shapes}
+    assert widths == {2, 4, 8, 16}  # 64 / 4 = 16 blocks at most
+    reachable = set()
+    for nd in range(7):
+        for npf in range(4):
+            for longest in range(1 if npf else 0, 41 if npf else 1):
+                if 0 < nd + npf <= 6 and nd + longest + max(npf - 1, 0) <= 40:
+                    reachable.add((bucket(nd, 2) if nd else 0, bucket(npf) if npf else 0,
+                                   bucket(longest, 8) if npf else 0))
+    assert {s[:3] for s in shapes} == reachable
+    assert len(shapes) == len(reachable) * len(widths)
+
+
+def test_padding_step_has_the_shape_and_writes_nothing():
+    cc = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64, primary_blocks=8)
+    batch = padding_step(StepShape(2, 1, 8, 4), cc)
+    assert batch.shape == (2, 1, 8, 4) and batch.num_rows == 0 and batch.windows == (64,)
+    assert batch.rows.shape == (3, 4 + 4) and batch.tokens.shape == (10, 3)
+    assert (batch.rows[:, ROW_SEQ_LEN] == 0).all() and (batch.rows[:, ROW_TABLES:] == 8).all()
+    assert (batch.tokens[:, TOK_SLOTS] == -1).all()
+    for bad in ((0, 0, 0, 4), (1, 1, 0, 4), (1, 0, 8, 4), (1, 0, 0, 0)):
+        with pytest.raises(ValueError, match="not a step shape"):
+            padding_step(StepShape(*bad), cc)

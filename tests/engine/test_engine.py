@@ -8,6 +8,7 @@ import pytest
 from engine_helpers import TIGHT, assert_same_tokens, cache, check_accounting
 
 from kvjax.engine import ChatWorkload, FewShotWorkload, SchedulerPolicy, SharedSystemPromptWorkload, WorkItem
+from kvjax.engine.batching import forward_shapes
 
 GNE, MAX_UTIL = SchedulerPolicy.GUARANTEED_NO_EVICT, SchedulerPolicy.MAX_UTILIZATION
 
@@ -62,9 +63,10 @@ def test_no_recompiles_in_steady_state(micro, chat_runs):
     assert again.metrics.compilations == 0
     assert again.metrics.compile_s == 0.0  # no jit at all compiled: forwards, transfers, sampling
     assert micro.runner.shapes == shapes
-    # bucketed shapes only: decode [4, 1], prefill one row of 16 / 32 / 64 tokens, one table width
-    for b, t, mb in shapes:
-        assert mb == 32 and (t == 1 and b == 4 or t in (16, 32, 64) and b == 1)
+    # bucketed shapes only: decode rows 0 / 4, prefill 0 or one row of 16 / 32 / 64 tokens, one table width
+    for bd, bp, t, mb in shapes:
+        assert mb == 32 and bd in (0, 4) and (bp, t) in ((0, 0), (1, 16), (1, 32), (1, 64)) and bd + bp > 0
+    assert shapes <= set(forward_shapes(engine.config, cache(micro.model)))
 
 
 def test_eviction_offload_onboard_with_tiny_pools(micro):
