@@ -96,6 +96,7 @@ def _verify_sequence_blocks(
     """A sequence's blocks in one window: list lengths and rows, then each beam's blocks
     against its slot-table row, then its store hint."""
     _verify_block_list_shape(bm, wm, rid, seq, sw)
+    wm.verify_chain(seq, sw)  # the kind's own rules (a recurrent-state chain: placeholders anywhere)
     for b, beam in enumerate(sw.blocks):
         _verify_beam(wm, rid, sw, b, beam)
     if sw.rows is not None and len(sw.rows) == 1:
@@ -124,7 +125,8 @@ def _verify_beam(wm: WindowBlockManager, rid: Hashable, sw: SequenceWindow, b: i
         _fail(f"window {wm.window}: request {rid!r} beam {b} has {len(beam)} blocks but {len(slots)} slots")
     for pos, blk in enumerate(beam):
         if blk == PLACEHOLDER_BLOCK_ID:
-            _verify_placeholder(wm, rid, sw, pos, slots[pos])
+            if sw.state is None:
+                _verify_placeholder(wm, rid, sw, pos, slots[pos])
         else:
             _verify_held_block(wm, rid, sw, pos, blk, slots[pos])
 
@@ -527,7 +529,12 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
             seq.num_tokens,
             seq.context_position,
             tuple(
-                (tuple(tuple(b) for b in sw.blocks), tuple(map(tuple, wm.slot_table.slots(sw))), sw.num_front_removed)
+                (
+                    tuple(tuple(b) for b in sw.blocks),
+                    tuple(map(tuple, wm.slot_table.slots(sw))),
+                    sw.num_front_removed,
+                    None if sw.state is None else sw.state.as_tuple(),
+                )
                 for wm, sw in zip(bm.windows, seq.windows, strict=True)
             ),
         )
