@@ -166,7 +166,7 @@ def _verify_store_hint(
         return
     cur = sw.cursor
     w = wm.window
-    if cur is None or wm.detaches or due != (cur.full_blocks + 1) * bm.tokens_per_block:
+    if cur is None or wm.detaches or not wm.grows_blocks or due != (cur.full_blocks + 1) * bm.tokens_per_block:
         _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
     found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
     own = sw.blocks[0][cur.full_blocks - 1]

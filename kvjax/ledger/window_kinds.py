@@ -282,20 +282,30 @@ class RecurrentStatesWindow(WindowBlockManager):
     def remaining_blocks(
         self, request: Request, seq: TrackedSequence | None, reuse: bool, reusable: Callable[[], int]
     ) -> int:
-        """The peak a request holds: in place, one block; copy-forward, a snapshot at every
-        snapshot point up to its last token and at its prompt's last block boundary, plus its
-        live and write blocks; less what it holds now."""
+        """At most what a request still allocates: in place, its one block; copy-forward, a
+        block for each snapshot point from its state's position to its last token (each
+        keeps the block it passes), plus its live and write blocks where it holds none."""
         if not self.copy_forward:
             return 1 if seq is None else 0
         prompt_len = len(request.prompt)
         final = prompt_len + request.max_new_tokens
-        boundary = prompt_len // self.tokens_per_block * self.tokens_per_block
-        snaps = (final - 1) // self.interval + (boundary % self.interval != 0)
         if seq is None:
-            return snaps + 2
-        held = len(seq.windows[self.index].unique_blocks())
-        start = seq.prepopulated
-        return max(0, snaps - start // self.interval + 2 - held)
+            return self._points(prompt_len, 1, final) + 2
+        cur = seq.windows[self.index].state
+        assert cur is not None
+        return self._points(prompt_len, max(cur.pos, 1), final) + (cur.write < 0) + (cur.live < 0)
+
+    def _points(self, prompt_len: int, lo: int, hi: int) -> int:
+        """Snapshot points in `[lo, hi]` (`lo >= 1`) of a request whose prompt is `prompt_len` long."""
+        boundary = prompt_len // self.tokens_per_block * self.tokens_per_block
+        extra = int(lo <= boundary <= hi and boundary % self.interval != 0)
+        return max(0, hi // self.interval - (lo - 1) // self.interval) + extra
+
+    def released_visible(self, sw: SequenceWindow, query: int) -> bool:
+        """A step from `query` needs `S(query)`: gone once the live state is past it (a
+        transfer failure's cut-back then readmits the request)."""
+        cur = sw.state
+        return cur is not None and query < cur.pos
 
     # ------------------------------------------------------------------ states
     def is_snapshot_point(self, seq: TrackedSequence, pos: int) -> bool:

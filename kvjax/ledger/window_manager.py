@@ -426,7 +426,9 @@ class WindowBlockManager(abc.ABC):
         with fewer tokens than its cached key stays, `RadixTree._holds_longer`): `store` then
         clears every hint of the window."""
         sw.cursor = cursor
-        due = (cursor.full_blocks + 1) * self.tokens_per_block if cursor is not None and own and not self.detaches else 0
+        due = 0
+        if cursor is not None and own and not self.detaches and self.grows_blocks:  # (a state chain: snapshots only)
+            due = (cursor.full_blocks + 1) * self.tokens_per_block
         self.slot_table.set_store_due(sw, due)
 
     def cursor_position(self, seq: TrackedSequence, sw: SequenceWindow) -> tuple[tuple[int, int], int] | None:
