@@ -529,17 +529,15 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
             seq.num_tokens,
             seq.context_position,
             tuple(
-                (
-                    tuple(tuple(b) for b in sw.blocks),
-                    tuple(map(tuple, wm.slot_table.slots(sw))),
-                    sw.num_front_removed,
-                    None if sw.state is None else sw.state.as_tuple(),
-                )
+                (tuple(tuple(b) for b in sw.blocks), tuple(map(tuple, wm.slot_table.slots(sw))), sw.num_front_removed)
                 for wm, sw in zip(bm.windows, seq.windows, strict=True)
             ),
         )
         for rid, seq in seqs.items()
     )
-    cursors = tuple(tuple(sw.cursor for sw in seq.windows) for seq in seqs.values())
+    # store cursors, and recurrent-state cursors (None outside a recurrent-state window)
+    cursors = tuple(
+        tuple((sw.cursor, None if sw.state is None else sw.state.as_tuple()) for sw in seq.windows) for seq in seqs.values()
+    )
     events = bm.events.state() if bm.events is not None else ()
     return (tuple(out), tuple(sorted(nodes)), sequences, len(bm.recorder), events, cursors)

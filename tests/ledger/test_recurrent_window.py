@@ -323,6 +323,43 @@ def test_bad_steps_change_nothing():
     m.verify_integrity()
 
 
+BAD_VALUES = {
+    "str": "1",
+    "none": None,
+    "bool": True,
+    "float": 1.0,
+    "nan": float("nan"),
+    "array0": np.array(1),
+    "huge": 10**30,
+    "negative": -1,
+}
+
+
+@pytest.mark.parametrize("cls", sorted(BAD_VALUES))
+@pytest.mark.parametrize("where", ["request_ids", "request_id", "ends", "end"])
+def test_bad_arguments_of_a_step_raise_typed_errors_and_change_nothing(where, cls):
+    m = hybrid()
+    m.add_sequence(Request("a", list(range(9)), max_new_tokens=4))
+    v = BAD_VALUES[cls]
+    call = {
+        "request_ids": lambda: m.begin_recurrent_step(v),
+        "request_id": lambda: m.begin_recurrent_step(["a", v]),
+        "ends": lambda: m.begin_recurrent_step(["a"], v),
+        "end": lambda: m.begin_recurrent_step(["a"], [v]),
+    }[where]
+    before = m.snapshot()
+    if (where, cls) == ("ends", "none"):  # the default: each request's next chunk end
+        assert call().ends.tolist() == [8]
+        return
+    with pytest.raises(InvalidArgumentError if where in ("ends", "end", "request_ids") else UnknownRequestError):
+        call()
+    assert m.snapshot() == before
+    for query in (m.recurrent_next_chunk_end, m.recurrent_state_position):
+        with pytest.raises(UnknownRequestError):
+            query(v)
+    assert m.begin_recurrent_step(["a"], [np.int64(8)]).ends.tolist() == [8]  # a numpy integer is an int
+
+
 # --------------------------------------------------------------------------- rewinds
 def test_a_rewound_step_is_dropped_and_the_state_stays_where_it_was():
     m = hybrid()
