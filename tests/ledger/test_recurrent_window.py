@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from kvjax import CacheConfig, KVCacheManager, Request, TransferKind
+from kvjax._math import ceil_div
+from kvjax.capacity import cache_config_from_memory, hybrid_pool_split
 from kvjax.config import RECURRENT_STATES
 from kvjax.errors import (
     DuplicateRequestError,
@@ -108,6 +110,27 @@ def test_a_cache_without_recurrent_window_rejects_recurrent_steps():
     m.add_sequence(Request("a", [1, 2, 3]))
     with pytest.raises(InvalidArgumentError):
         m.begin_recurrent_step(["a"])
+
+
+def test_capacity_splits_a_hybrid_budget_by_tensorrt_llms_rule():
+    # a token costs 32 attention bytes + 300 / 8 state bytes; 4 requests hold 2 state blocks each
+    tokens, states = hybrid_pool_split(100_000, 32, 300, 8, 4)
+    assert tokens == (100_000 - 8 * 300) * 8 // (32 * 8 + 300)
+    assert states == tokens // 8 + 8
+    assert tokens * 32 + states * 300 <= 100_000 < (tokens + 8) * 32 + (states + 1) * 300
+    # reuse off: the state pool is one static slot per request
+    assert hybrid_pool_split(100_000, 32, 300, 8, 4, enable_block_reuse=False) == ((100_000 - 1200) // 32, 4)
+    with pytest.raises(ValueError):
+        hybrid_pool_split(1000, 32, 300, 8, 4)
+    cfg = cache_config_from_memory(hybrid_config(), 100_000, 0, tokens_per_block=TPB, max_seq_len=ATTN, max_batch_size=4)
+    assert cfg.primary_blocks == {R: states, ATTN: ceil_div(tokens, TPB)}
+    with pytest.raises(ValueError):
+        cache_config_from_memory(hybrid_config(), 100_000, tokens_per_block=TPB, max_seq_len=ATTN)
+    # the pools it sized serve 4 requests of the batch at once
+    m = KVCacheManager(cfg)
+    m.add_sequences([Request(i, list(range(i, i + 30)), max_new_tokens=10) for i in range(4)])
+    assert m.begin_recurrent_step(list(range(4))).ends.tolist() == [8] * 4
+    m.verify_integrity()
 
 
 # --------------------------------------------------------------------------- chains and steps
@@ -451,6 +474,30 @@ def test_state_blocks_offload_and_onboard_in_their_own_pool():
     onboards = [TransferKind(k) for k, p in zip(plan.kind.tolist(), plan.pool.tolist(), strict=True) if p == rec_pool]
     assert onboards.count(TransferKind.ONBOARD) == 2  # S(8) and S(16) come back
     assert all(m.block(b, R).level == 0 for b in snaps)
+    m.verify_integrity()
+
+
+def test_a_failed_onboard_of_a_snapshot_readmits_the_request_that_reused_it():
+    m = hybrid(primary_blocks={R: 4, ATTN: 32}, secondary_blocks={R: 4, ATTN: 0})
+    m.add_sequence(Request("a", list(range(17)), max_new_tokens=4))
+    finish(m, "a")
+    snaps = m.inspector.cached_block_ids(R)
+    others = ("w", "x", "y", "z")
+    for rid in others:
+        m.add_sequence(Request(rid, [900 + ord(rid)] * 3, max_new_tokens=2))
+    for rid in others:
+        m.remove_sequence(rid, store_for_reuse=False)
+    m.take_transfers()
+    assert m.add_sequence(Request("b", list(range(17)) + [5], max_new_tokens=2)) == 16
+    plan = m.take_transfers()
+    failure = m.transfers_failed(plan)
+    # the state the request would read is gone: it cannot recompute in place
+    assert "b" in failure.readmit and failure.recompute_from["b"] < 16
+    assert not m.inspector.cached_block_ids(R) & snaps
+    m.verify_integrity()
+    m.remove_sequence("b")  # stores nothing it did not compute
+    assert not m.inspector.cached_block_ids(R)
+    assert m.add_sequence(Request("c", list(range(17)) + [5], max_new_tokens=2)) == 0
     m.verify_integrity()
 
 
