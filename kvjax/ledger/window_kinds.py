@@ -273,8 +273,7 @@ class RecurrentStatesWindow(WindowBlockManager):
             return 0
         cur = seq.windows[self.index].state
         assert cur is not None  # set at admission
-        held = cur.write >= 0 and not (cur.end and self.committing(seq, cur) and self._keeps_live(seq, cur))
-        return max(0, steps - held)
+        return max(0, steps - self._holds_write(seq, cur))
 
     def step_blocks_many(self, seqs: Sequence[TrackedSequence], steps: int) -> np.ndarray:
         return np.array([self.step_blocks(s, steps, 1) for s in seqs], dtype=np.int64)
@@ -346,6 +345,15 @@ class RecurrentStatesWindow(WindowBlockManager):
         tpb = self.tokens_per_block
         return cur.live >= 0 and (cur.pos - 1) // tpb != (cur.end - 1) // tpb and self.is_snapshot_point(seq, cur.pos)
 
+    def _holds_write(self, seq: TrackedSequence, cur: RecurrentCursor) -> bool:
+        """Will the sequence hold a write block once its begun step is settled (`settle`)?"""
+        if not cur.end or not self.committing(seq, cur) or not self.copy_forward:
+            return cur.write >= 0
+        old = cur.live
+        if old < 0 or self._keeps_live(seq, cur):
+            return False
+        return self.refs.ref[old] == 1 and self.block_node[old] < 0  # recycled
+
     def settle(self, seq: TrackedSequence, sw: SequenceWindow) -> None:
         """Commit the begun step if it took effect (its write block becomes the live state),
         else forget it (its write block stays for the next step)."""
@@ -389,9 +397,7 @@ class RecurrentStatesWindow(WindowBlockManager):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: a recurrent step from {pos} must end in ({pos}, {seq.num_tokens}], got {end}"
             )
-        if not self.copy_forward:
-            return 0
-        return int(not (cur.write >= 0 and not (committing and self._keeps_live(seq, cur))))
+        return int(not self._holds_write(seq, cur))
 
     def begin_step(self, seq: TrackedSequence, end: int) -> tuple[int, int, bool]:
         """Begin a step ending at `end` (checked by `check_step`, capacity too): settle the

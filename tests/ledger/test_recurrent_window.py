@@ -383,6 +383,24 @@ def test_bad_arguments_of_a_step_raise_typed_errors_and_change_nothing(where, cl
     assert m.begin_recurrent_step(["a"], [np.int64(8)]).ends.tolist() == [8]  # a numpy integer is an int
 
 
+def test_a_batch_that_runs_out_of_state_blocks_changes_nothing():
+    m = hybrid(primary_blocks={R: 3, ATTN: 32})
+    m.add_sequences([Request("a", list(range(6)), max_new_tokens=4), Request("b", list(range(9)), max_new_tokens=4)])
+    m.set_context_position("a", 0)
+    m.set_context_position("b", 0)
+    m.begin_recurrent_step(["a", "b"], [4, 4])  # each from the zero state into its admission block
+    m.set_context_position("a", 4)
+    m.set_context_position("b", 4)
+    # settling makes S(4) live in each write block: both rows need a fresh one, one is free
+    assert m.needed_blocks_one_step_many(["a", "b"], False, R).tolist() == [1, 1]
+    before = m.snapshot()
+    with pytest.raises(OutOfBlocksError):
+        m.begin_recurrent_step(["a", "b"])
+    assert m.snapshot() == before
+    m.begin_recurrent_step(["a"])
+    m.verify_integrity()
+
+
 # --------------------------------------------------------------------------- rewinds
 def test_a_rewound_step_is_dropped_and_the_state_stays_where_it_was():
     m = hybrid()
