@@ -254,6 +254,26 @@ def test_a_prefix_match_ends_at_the_last_real_snapshot():
     m.verify_integrity()
 
 
+def test_early_reuse_summaries_and_reset_cover_the_recurrent_window():
+    m = hybrid()
+    m.add_sequence(Request("a", list(range(23)), max_new_tokens=4))
+    steps = prefill(m, "a")
+    assert len(steps) == 4
+    m.store_context_blocks("a")  # S(8), S(16), S(20); the step to S(23) is not done until a token follows
+    assert len(m.inspector.cached_block_ids(R)) == 3
+    summary = m.analyze_prefix_reuse(Request("q", list(range(22)) + [1]))
+    assert summary.total_matched_tokens == 20 and summary.first_new_block == 5
+    free = m.num_free_blocks(R)
+    assert m.add_sequence(Request("b", list(range(22)) + [1])) == 20
+    assert free - m.num_free_blocks(R) == summary.admission_blocks[0]
+    m.remove_sequence("b", store_for_reuse=False)
+    m.remove_sequence("a")
+    assert len(m.inspector.cached_block_ids(R)) == 3
+    assert m.reset_prefix_cache() > 0
+    assert not m.inspector.cached_block_ids(R) and m.num_allocated_blocks(R) == 0
+    m.verify_integrity()
+
+
 def test_reuse_needs_a_snapshot_even_when_attention_matches_more():
     m = hybrid(snapshot_interval=16)
     m.add_sequence(Request("a", list(range(42)), max_new_tokens=2))
