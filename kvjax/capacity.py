@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 from kvjax._math import ceil_div
-from kvjax.config import CacheConfig
+from kvjax.config import RECURRENT_STATES, CacheConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvjax.model_spec import ModelSpec
@@ -37,6 +37,7 @@ __all__ = [
     "kv_scale_bytes_per_token",
     "window_size_shares",
     "calculate_max_num_blocks",
+    "hybrid_pool_split",
     "max_block_requirements_per_beam",
     "max_block_requirements",
     "max_attention_window",
@@ -204,6 +205,40 @@ def calculate_max_num_blocks(
     return out
 
 
+def hybrid_pool_split(
+    budget_bytes: int | float,
+    attention_bytes_per_token: int | float,
+    state_block_bytes: int | float,
+    snapshot_interval: int,
+    max_batch_size: int,
+    enable_block_reuse: bool = True,
+) -> tuple[int, int]:
+    """(tokens the attention windows get, recurrent-state blocks) of a hybrid model's budget.
+
+    TensorRT-LLM's rule: a token costs its attention bytes plus a state block per
+    `snapshot_interval` tokens (the snapshots), and the running requests' live states cost a
+    fixed `max_batch_size` blocks more; the ledger's copy-forward steps hold a live and a
+    write block per request, so that term is `2 * max_batch_size` here. With reuse off
+    there are no snapshots and each request updates one block in place: the recurrent pool
+    is `max_batch_size` static slots and the rest is attention.
+    """
+    budget = _bytes("budget_bytes", budget_bytes)
+    attn = _bytes("attention_bytes_per_token", attention_bytes_per_token)
+    state = _bytes("state_block_bytes", state_block_bytes)
+    interval = _int("snapshot_interval", snapshot_interval, 1)
+    batch = _int("max_batch_size", max_batch_size, 1)
+    if not attn > 0 or not state > 0:
+        raise ValueError("attention_bytes_per_token and state_block_bytes must be > 0")
+    working = 2 if enable_block_reuse else 1
+    fixed = Fraction(state) * working * batch
+    if budget < fixed:
+        raise ValueError(f"budget_bytes={budget} is less than the {working} state blocks of each of {batch} requests ({fixed})")
+    if not enable_block_reuse:
+        return math.floor((Fraction(budget) - fixed) / Fraction(attn)), batch
+    tokens = math.floor((Fraction(budget) - fixed) / (Fraction(attn) + Fraction(state) / interval))
+    return tokens, tokens // interval + working * batch
+
+
 # --------------------------------------------------------------------------- block requirements
 def max_block_requirements_per_beam(seq_len: int, sink_token_length: int, window: int, tokens_per_block: int) -> int:
     """Blocks one beam of a `seq_len`-token sequence holds at most in `window`'s manager.
@@ -300,6 +335,7 @@ def cache_config_from_memory(
     max_seq_len: int | None = None,
     dtype: str | None = None,
     max_tokens: int | None = None,
+    max_batch_size: int | None = None,
     **overrides: Any,
 ) -> CacheConfig:
     """A `CacheConfig` whose per-window primary/secondary pools fill the given byte budgets.
@@ -308,7 +344,10 @@ def cache_config_from_memory(
     turns each window's bytes into blocks. `model_spec` is a `ModelSpec` (or a `CacheConfig`
     whose geometry is reused); `overrides` are further `CacheConfig` fields (e.g.
     `max_beam_width`, `enable_block_reuse`, `cache_type`). A single-window model gets int
-    block counts, a multi-window one a dict window -> blocks.
+    block counts, a multi-window one a dict window -> blocks. A hybrid model (a
+    `RECURRENT_STATES` window) needs `max_batch_size`: `hybrid_pool_split` sizes its state
+    pool and the attention windows share the rest (the secondary budget without the fixed
+    term).
     """
     _bytes("primary_bytes", primary_bytes)
     _bytes("secondary_bytes", secondary_bytes)
@@ -318,14 +357,17 @@ def cache_config_from_memory(
     geometry = _as_config(
         model_spec, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len, dtype=dtype, **overrides
     )
-    blocks = calculate_max_num_blocks(
-        geometry.window_to_layers,
-        geometry.cache_size_per_token,
-        geometry.tokens_per_block,
-        primary_bytes,
-        secondary_bytes,
-        max_tokens,
-    )
+    if geometry.has_recurrent:
+        blocks = _hybrid_blocks(geometry, primary_bytes, secondary_bytes, max_tokens, max_batch_size)
+    else:
+        blocks = calculate_max_num_blocks(
+            geometry.window_to_layers,
+            geometry.cache_size_per_token,
+            geometry.tokens_per_block,
+            primary_bytes,
+            secondary_bytes,
+            max_tokens,
+        )
     empty = [w for w, (p, _) in blocks.items() if p < 1]
     if empty:
         need = {w: geometry.cache_size_per_token[w] * geometry.tokens_per_block for w in empty}
@@ -339,6 +381,30 @@ def cache_config_from_memory(
     else:
         ((primary, secondary),) = blocks.values()
     return dataclasses.replace(geometry, primary_blocks=primary, secondary_blocks=secondary)
+
+
+def _hybrid_blocks(
+    geometry: CacheConfig,
+    primary_bytes: int | float,
+    secondary_bytes: int | float,
+    max_tokens: int | None,
+    max_batch_size: int | None,
+) -> dict[int, tuple[int, int]]:
+    """`cache_config_from_memory`'s pools of a hybrid model (`hybrid_pool_split`)."""
+    if max_batch_size is None:
+        raise ValueError("a hybrid model (a RECURRENT_STATES window) needs max_batch_size to size its state pool")
+    per_token = {w: b for w, b in geometry.cache_size_per_token.items() if w != RECURRENT_STATES}
+    layers = {w: v for w, v in geometry.window_to_layers.items() if w != RECURRENT_STATES}
+    attn = sum(per_token.values())
+    state, interval = geometry.recurrent_block_bytes, geometry.snapshot_interval
+    assert interval is not None  # set by CacheConfig for a recurrent window
+    reuse = geometry.enable_block_reuse
+    tokens, states = hybrid_pool_split(primary_bytes, attn, state, interval, max_batch_size, reuse)
+    sec_tokens = math.floor(Fraction(secondary_bytes) / (Fraction(attn) + (Fraction(state) / interval if reuse else 0)))
+    tpb = geometry.tokens_per_block
+    blocks = calculate_max_num_blocks(layers, per_token, tpb, tokens * attn, sec_tokens * attn, max_tokens)
+    blocks[RECURRENT_STATES] = (states, sec_tokens // interval if reuse else 0)
+    return blocks
 
 
 # --------------------------------------------------------------------------- weights and activations

@@ -33,6 +33,10 @@ DTYPE_BYTES: dict[str, float] = {
 SCALED_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 SCALE_BYTES = 4
 
+#: the window of a layer whose cache is a recurrent state (Mamba conv + SSM state, a linear
+#: attention's delta-rule state), not keys and values: TensorRT-LLM's `kRecurrentStates`
+RECURRENT_STATES = -1
+
 DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
 MAX_PRIORITY = 100
@@ -79,6 +83,15 @@ def _per_layer(name: str, value: int | tuple[int, ...], num_layers: int) -> tupl
     return tuple(check_int(f"{name} entry", v, 1) for v in values)
 
 
+def _window_key(name: str, key: object) -> int:
+    """A window of a per-window mapping: a window size, or `RECURRENT_STATES`."""
+    if isinstance(key, str) and key.lstrip("-").isdigit():
+        key = int(key)
+    if is_int(key) and key == RECURRENT_STATES:
+        return RECURRENT_STATES
+    return check_int(f"{name} window", key, 1)
+
+
 def _canonical(value: Any) -> Any:
     if isinstance(value, Mapping):
         return tuple(sorted(value.items()))
@@ -96,6 +109,13 @@ class CacheConfig:
     (layer i gets `attention_windows[i % len]`), clamped to `max_seq_len`. `event_hash` picks
     the block-hash formula of KV events: "sha256" (default; 32-byte hashes) or "trtllm64"
     (TensorRT-LLM's 64-bit `BlockKeyHasher`, int hashes; see docs/semantics.md).
+
+    Hybrid models: a layer whose window is `RECURRENT_STATES` (-1) keeps a recurrent state of
+    `recurrent_state_bytes` bytes (its conv and SSM / delta-rule state); every such layer
+    shares the one recurrent window, whose blocks each hold all of them for one position.
+    With reuse on, a sequence keeps a state snapshot every `snapshot_interval` tokens (a
+    multiple of `tokens_per_block`; default `tokens_per_block`) and at its prompt's last block
+    boundary (docs/semantics.md, "Recurrent states").
     """
 
     tokens_per_block: int
@@ -119,6 +139,8 @@ class CacheConfig:
     max_num_tokens: int | None = None
     layout: Layout = "block_first"
     event_hash: EventHash = "sha256"
+    recurrent_state_bytes: int = 0
+    snapshot_interval: int | None = None
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -142,7 +164,10 @@ class CacheConfig:
         windows = (self.max_seq_len,) if raw is None else check_sequence("attention_windows", raw)
         if not windows:
             raise err("attention_windows must not be empty")
-        windows = tuple(check_int("attention_windows entry", w, 1) for w in windows)
+        windows = tuple(
+            RECURRENT_STATES if is_int(w) and w == RECURRENT_STATES else check_int("attention_windows entry", w, 1)
+            for w in windows
+        )
         windows = tuple(min(w, self.max_seq_len) for w in windows)
         set_("attention_windows", windows)
         if not isinstance(self.cache_type, str) or self.cache_type not in ("self", "cross", "self_k_only"):
@@ -158,10 +183,8 @@ class CacheConfig:
             minimum, maximum = (1, INT32_MAX - 1) if name == "primary_blocks" else (0, INT32_MAX)
             if isinstance(value, Mapping):
                 value = {
-                    # TOML tables can only have string keys: "512" names window 512
-                    check_int(f"{name} window", int(k) if isinstance(k, str) and k.isdigit() else k, 1): check_int(
-                        f"{name}[{k!r}]", v, minimum, maximum
-                    )
+                    # TOML tables can only have string keys: "512" names window 512 ("-1": the recurrent one)
+                    _window_key(name, k): check_int(f"{name}[{k!r}]", v, minimum, maximum)
                     for k, v in value.items()
                 }
                 missing = [w for w in distinct if w not in value]
@@ -180,6 +203,29 @@ class CacheConfig:
         set_("max_num_tokens", check_opt_int("max_num_tokens", self.max_num_tokens, 1))
         if self.event_hash not in ("sha256", "trtllm64"):
             raise err(f"event_hash must be 'sha256' or 'trtllm64', got {self.event_hash!r}")
+        self._check_recurrent(windows)
+
+    def _check_recurrent(self, windows: tuple[int, ...]) -> None:
+        """A recurrent window needs its state size and a snapshot interval that is a multiple
+        of the block; it serves self-attention caches of one beam without sink tokens."""
+        set_ = functools.partial(object.__setattr__, self)
+        err = InvalidArgumentError
+        set_("recurrent_state_bytes", check_int("recurrent_state_bytes", self.recurrent_state_bytes))
+        interval = check_opt_int("snapshot_interval", self.snapshot_interval, 1)
+        if RECURRENT_STATES not in windows:
+            if self.recurrent_state_bytes or interval is not None:
+                raise err("recurrent_state_bytes and snapshot_interval need a RECURRENT_STATES (-1) window")
+            return
+        if self.recurrent_state_bytes < 1:
+            raise err("a RECURRENT_STATES (-1) window needs recurrent_state_bytes >= 1")
+        interval = self.tokens_per_block if interval is None else interval
+        if interval % self.tokens_per_block:
+            raise err(f"snapshot_interval must be a multiple of tokens_per_block={self.tokens_per_block}, got {interval}")
+        set_("snapshot_interval", interval)
+        if len(set(windows)) < 2:
+            raise err("a RECURRENT_STATES (-1) window needs an attention window beside it (a hybrid model)")
+        if self.cache_type != "self" or self.max_beam_width != 1 or self.sink_token_length:
+            raise err("a RECURRENT_STATES (-1) window needs cache_type='self', max_beam_width=1 and no sink tokens")
 
     def __hash__(self) -> int:
         return hash(tuple(_canonical(getattr(self, f.name)) for f in dataclasses.fields(self)))
@@ -206,6 +252,8 @@ class CacheConfig:
         out = {w: 0.0 for w in self.windows}
         if self.is_scaled:
             for layer in range(self.num_layers):
+                if self.layer_windows[layer] == RECURRENT_STATES:
+                    continue
                 out[self.layer_windows[layer]] += (
                     self.kv_factor * self.kv_heads_per_layer[layer] * SCALE_BYTES / self.tokens_per_block
                 )
@@ -243,7 +291,23 @@ class CacheConfig:
         return len(self.windows) > 1
 
     def is_swa(self, window: int) -> bool:
-        return window < self.max_seq_len
+        return 0 < window < self.max_seq_len
+
+    @property
+    def has_recurrent(self) -> bool:
+        """A hybrid model's cache: one window holds recurrent states."""
+        return RECURRENT_STATES in self.windows
+
+    @property
+    def partial_reuse(self) -> bool:
+        """Partial-block reuse: a recurrent state exists at snapshot points only, so a hybrid
+        cache reuses whole blocks only."""
+        return self.enable_partial_reuse and not self.has_recurrent
+
+    @functools.cached_property
+    def recurrent_block_bytes(self) -> int:
+        """Bytes of one recurrent-state block: every recurrent layer's state at one position."""
+        return len(self.window_to_layers.get(RECURRENT_STATES, ())) * self.recurrent_state_bytes
 
     def primary_blocks_for(self, window: int) -> int:
         v = self.primary_blocks
@@ -288,6 +352,9 @@ class CacheConfig:
         FP8 block scales included (`kv_scale_bytes_per_token`)."""
         out = dict(self.kv_scale_bytes_per_token)
         for layer in range(self.num_layers):
+            if self.layer_windows[layer] == RECURRENT_STATES:  # a state block's bytes, spread over its block
+                out[RECURRENT_STATES] = self.recurrent_block_bytes / self.tokens_per_block
+                continue
             out[self.layer_windows[layer]] += (
                 self.kv_factor * self.kv_heads_per_layer[layer] * self.head_dim_per_layer[layer] * self.dtype_bytes
             )
@@ -301,7 +368,7 @@ class CacheConfig:
 
     def temporary_window(self, window: int) -> int:
         """Extra tokens a chunked context may need beyond `window` (TRT-LLM's temp attention window)."""
-        if self.max_num_tokens is None or self.max_seq_len <= window:
+        if self.max_num_tokens is None or window == RECURRENT_STATES or self.max_seq_len <= window:
             return 0
         return max(0, min(self.max_num_tokens, self.max_seq_len - window))
 

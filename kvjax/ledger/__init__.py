@@ -24,6 +24,7 @@ from kvjax.ledger.events import (
 )
 from kvjax.ledger.inspection import BlockInfo, LedgerInspector, TreeSize
 from kvjax.ledger.kv_cache_manager import KVCacheManager
+from kvjax.ledger.recurrent import RecurrentStep
 from kvjax.ledger.scheduler_queries import PrefixReuseSummary
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
 from kvjax.ledger.transfer_failures import TransferFailure
@@ -44,6 +45,7 @@ __all__ = [
     "LedgerInspector",
     "MmKey",
     "PrefixReuseSummary",
+    "RecurrentStep",
     "RemovedData",
     "RequestStats",
     "StoredBlock",

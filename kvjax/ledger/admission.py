@@ -113,7 +113,7 @@ def walk(bm: BlockManager, wm: WindowBlockManager, path: TokenPath, usable: int,
     d = len(matched)
     start = d * tpb
     end = min(start + tpb, usable)
-    if d < num_shared and end > start and bm.config.enable_partial_reuse:
+    if d < num_shared and end > start and bm.config.partial_reuse:
         after = (ROOT, -1) if not matched else tree.position_of(wm.index, matched[-1])
         assert after is not None  # a matched block is in the tree
         query = path.prefix(d, end - start)
@@ -191,7 +191,7 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
         wa = adm.windows[idx]
         if wa.partial is not None:
             partial.setdefault(wa.partial[0], []).append(i)
-        fresh += wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width
+        fresh += wm.fresh_need(wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width)
     # Matched blocks that are free leave the free pool: primary ones are held, secondary
     # ones need an onboard target (referenced blocks are always primary).
     if len(plans) == 1:
@@ -409,12 +409,13 @@ def _allocate_fresh(bm: BlockManager, wm: WindowBlockManager, adm: AdmissionPlan
     first, stop = wa.num_matched_positions, wa.num_shared
     if stop > first:
         retention = None if seq.retention is None else seq.block_priorities(first, stop, tpb)
-        fresh = wm.take_fresh(stop - first, retention)
+        fresh = wm.take_fresh(stop - first, retention) if wm.grows_blocks else [PLACEHOLDER_BLOCK_ID] * (stop - first)
         row = [*row, *fresh] if row else fresh
     if row:  # one write of the shared row: matches, the partial one, fresh blocks
         wm.extend_blocks(sw, row)
         if sw.cursor is not None:  # phase A's cursor (on the matched chain): its row exists now
             wm.set_cursor(sw, sw.cursor, own=True)
+    wm.admitted(seq, sw, adm.prepopulated)
     deltas = adm.deltas
     if bm.reuse:
         missed = wa.num_shared - wa.num_matched_positions + wa.num_per_beam

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import OutOfBlocksError
+from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.block_hashing import BlockHasher
 from kvjax.ledger.events import KVCacheEventManager
 from kvjax.ledger.free_queues import PRIMARY
@@ -79,11 +80,14 @@ class BlockManager:
             wm.counters.gen_alloc += 1
             return
         for wm in windows:
-            if wm.num_free_primary < per_token:
+            if wm.grows_blocks and wm.num_free_primary < per_token:
                 raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
         prio, dur = seq.block_priority(index, self.tokens_per_block)
         for wm in windows:
             sw = seq.windows[wm.index]
+            if not wm.grows_blocks:  # a placeholder (a recurrent-state chain)
+                wm.extend_blocks(sw, [PLACEHOLDER_BLOCK_ID], None)
+                continue
             for beam in range(per_token):
                 b = wm.get_free_block(prio, dur)
                 wm.append_block(sw, beam, b)

@@ -286,7 +286,7 @@ def plan_rows(
         if grows:
             need = seq.beam_width
             for wm in windows:
-                if free[wm.index] < need:
+                if free[wm.index] < need and wm.grows_blocks:
                     raise OutOfBlocksError(f"window {wm.window}: no free block for request {seq.request_id!r}")
             for wm in windows:
                 free[wm.index] -= need
@@ -321,6 +321,10 @@ def grow_rows(bm: BlockManager, live: LiveSequences, run: list[tuple[TrackedSequ
         retention = [seq.block_priority(seq.num_tokens // tpb, tpb) for seq, _ in run]
     for wm in bm.windows:
         widx = wm.index
+        if not wm.grows_blocks:  # a recurrent-state chain grows placeholders
+            for seq, _ in run:
+                wm.extend_blocks(seq.windows[widx], [PLACEHOLDER_BLOCK_ID], None)
+            continue
         blocks = wm.take_fresh(k, retention)  # capacity checked by plan_rows
         slot, table = wm.columns.slot, wm.slot_table
         rows = []

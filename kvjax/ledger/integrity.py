@@ -96,6 +96,7 @@ def _verify_sequence_blocks(
     """A sequence's blocks in one window: list lengths and rows, then each beam's blocks
     against its slot-table row, then its store hint."""
     _verify_block_list_shape(bm, wm, rid, seq, sw)
+    wm.verify_chain(seq, sw)  # the kind's own rules (a recurrent-state chain: placeholders anywhere)
     for b, beam in enumerate(sw.blocks):
         _verify_beam(wm, rid, sw, b, beam)
     if sw.rows is not None and len(sw.rows) == 1:
@@ -124,7 +125,8 @@ def _verify_beam(wm: WindowBlockManager, rid: Hashable, sw: SequenceWindow, b: i
         _fail(f"window {wm.window}: request {rid!r} beam {b} has {len(beam)} blocks but {len(slots)} slots")
     for pos, blk in enumerate(beam):
         if blk == PLACEHOLDER_BLOCK_ID:
-            _verify_placeholder(wm, rid, sw, pos, slots[pos])
+            if sw.state is None:
+                _verify_placeholder(wm, rid, sw, pos, slots[pos])
         else:
             _verify_held_block(wm, rid, sw, pos, blk, slots[pos])
 
@@ -164,7 +166,7 @@ def _verify_store_hint(
         return
     cur = sw.cursor
     w = wm.window
-    if cur is None or wm.detaches or due != (cur.full_blocks + 1) * bm.tokens_per_block:
+    if cur is None or wm.detaches or not wm.grows_blocks or due != (cur.full_blocks + 1) * bm.tokens_per_block:
         _fail(f"window {w}: request {rid!r} has store hint {due} for cursor {cur}")
     found = wm.cursor_position(seq, sw)  # where the position is now (a split may have moved it)
     own = sw.blocks[0][cur.full_blocks - 1]
@@ -533,6 +535,9 @@ def ledger_snapshot(bm: BlockManager, seqs: dict) -> tuple:
         )
         for rid, seq in seqs.items()
     )
-    cursors = tuple(tuple(sw.cursor for sw in seq.windows) for seq in seqs.values())
+    # store cursors, and recurrent-state cursors (None outside a recurrent-state window)
+    cursors = tuple(
+        tuple((sw.cursor, None if sw.state is None else sw.state.as_tuple()) for sw in seq.windows) for seq in seqs.values()
+    )
     events = bm.events.state() if bm.events is not None else ()
     return (tuple(out), tuple(sorted(nodes)), sequences, len(bm.recorder), events, cursors)

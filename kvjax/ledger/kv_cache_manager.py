@@ -20,7 +20,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ArgumentTypeError, InvalidRequestError, KVCacheError, UnknownRequestError
-from kvjax.ledger import admission, decode_batch, rewind, scheduler_queries, storing
+from kvjax.ledger import admission, decode_batch, recurrent, rewind, scheduler_queries, storing
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.concurrency import reader, writer
 from kvjax.ledger.events import KVCacheEvent
@@ -36,6 +36,7 @@ from kvjax.ledger.inspection import (
 )
 from kvjax.ledger.integrity import ledger_snapshot, verify_ledger
 from kvjax.ledger.live_sequences import LiveSequences
+from kvjax.ledger.recurrent import RecurrentStep
 from kvjax.ledger.reset import reset_prefix_cache
 from kvjax.ledger.scheduler_queries import DryRun, PrefixReuseSummary, check_dry_run
 from kvjax.ledger.sequence import TrackedSequence
@@ -53,7 +54,7 @@ from kvjax.request import Request
 from kvjax.transfer_plan import TransferPlan
 from kvjax.validation import INT32_MAX, check_id_list, check_int
 
-__all__ = ["KVCacheManager", "PrefixReuseSummary"]
+__all__ = ["KVCacheManager", "PrefixReuseSummary", "RecurrentStep"]
 
 
 class KVCacheManager:
@@ -195,6 +196,26 @@ class KVCacheManager:
         engine reports progress recomputing after `transfers_failed`)."""
         position = check_int("context position", position, 0, None, error=InvalidRequestError)
         self._live.set_context_position(self._seq(request_id), position)
+
+    # ------------------------------------------------------------------ recurrent states (hybrid models)
+    @writer
+    def begin_recurrent_step(self, request_ids: Sequence[Hashable], ends: Sequence[int] | None = None) -> RecurrentStep:
+        """Begin the next forward's step of each request in the recurrent-state window: its
+        read and write slots (copy-forward), per row (`kvjax.ledger.recurrent`). `ends[i]`:
+        the token count the step's state will cover (default: `recurrent_next_chunk_end`).
+        Call once per forward, before it; every check runs first."""
+        return recurrent.begin_steps(self._bm, self._live, request_ids, ends)
+
+    @reader
+    def recurrent_next_chunk_end(self, request_id: Hashable) -> int:
+        """Where the request's next step should end: its prompt's next snapshot point (or the
+        prompt's end) during the prompt, so that its states can be reused; else its newest token."""
+        return recurrent.next_chunk_end(self._bm, self._seq(request_id))
+
+    @reader
+    def recurrent_state_position(self, request_id: Hashable) -> int:
+        """The token count of the state the request's next step reads (where that step starts)."""
+        return recurrent.state_position(self._bm, self._seq(request_id))
 
     # ------------------------------------------------------------------ storing for reuse
     @writer

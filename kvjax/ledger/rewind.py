@@ -27,6 +27,8 @@ def check_rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
     if n == 0:
         return
     new_n = seq.num_tokens - n
+    for wm in bm.windows:
+        wm.check_rewind(seq, new_n)
     query = seq.context_position if seq.context_position < seq.prompt_len else new_n - 1
     released = bm.released_blocks_visible(seq, query)
     if released:
@@ -46,7 +48,10 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
     filled = new_n - last * tpb
     rewrites = filled < tpb  # block `last` loses positions that later tokens will rewrite
     cow = []
+    chains = [wm for wm in bm.windows if not wm.grows_blocks]  # recurrent-state chains
     for wm in bm.windows:
+        if wm in chains:  # a state block holds no token positions: nothing to copy
+            continue
         b = seq.windows[wm.index].blocks[0][last]
         if rewrites and wm.refs.ref[b] > 1:
             cow.append(wm)
@@ -58,6 +63,9 @@ def rewind(bm: BlockManager, seq: TrackedSequence, n: int) -> None:
     tree = bm.tree
     for wm in bm.windows:
         sw = seq.windows[wm.index]
+        if wm in chains:
+            wm.rewind_to(seq, sw, new_n)  # type: ignore[attr-defined]
+            continue
         beam = sw.blocks[0]
         while len(beam) > last + 1:
             wm.release_block(sw.pop_block(0), to_front=True)

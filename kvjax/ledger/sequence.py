@@ -34,10 +34,33 @@ class StoreCursor(NamedTuple):
     full_blocks: int
 
 
+class RecurrentCursor:
+    """Where one sequence's recurrent state is (a `RecurrentStatesWindow`): its live state,
+    `S(pos)` (the state after its first `pos` tokens), in block `live` (-1: none yet, the
+    zero state) at chain position `(pos - 1) // tokens_per_block`; block `write`, which the
+    next step writes (-1: none held; the live block itself when states are updated in
+    place); `end`: the token count the begun step's state covers (0: no step begun)."""
+
+    __slots__ = ("pos", "live", "write", "end")
+
+    def __init__(self, pos: int, live: int, write: int) -> None:
+        self.pos = pos
+        self.live = live
+        self.write = write
+        self.end = 0
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.pos, self.live, self.write, self.end)
+
+    def off_chain(self) -> int:
+        """The write block when the sequence holds it outside its chain (else -1)."""
+        return self.write if self.write >= 0 and self.write != self.live else -1
+
+
 class SequenceWindow:
     """One sequence's blocks in one window manager."""
 
-    __slots__ = ("request_id", "blocks", "rows", "num_front_removed", "cursor")
+    __slots__ = ("request_id", "blocks", "rows", "num_front_removed", "cursor", "state")
 
     def __init__(self, request_id: Hashable, beam_width: int) -> None:
         self.request_id = request_id  # the SlotTable files a one-beam sequence's row under it
@@ -47,6 +70,7 @@ class SequenceWindow:
         self.rows: list[int] | None = None
         self.num_front_removed = 0  # leading placeholders (sliding-window detach)
         self.cursor: StoreCursor | None = None  # None: store from the root
+        self.state: RecurrentCursor | None = None  # a recurrent-state window's cursor
 
     # ---------------------------------------------------------------- the one writer of `blocks`
     # (the window manager, admission's rows, the batched decode step and rewinds call these; the
@@ -69,8 +93,16 @@ class SequenceWindow:
         return self.blocks[beam].pop()
 
     def unique_blocks(self) -> list[int]:
-        """Real blocks this sequence references, in allocation order (shared blocks once)."""
+        """Real blocks this sequence references, in allocation order (shared blocks once); a
+        recurrent-state chain's placeholders are left out and its off-chain write block is
+        last."""
         beams = self.blocks
+        state = self.state
+        if state is not None:
+            held = [b for b in beams[0] if b >= 0]
+            if state.off_chain() >= 0:
+                held.append(state.write)
+            return held
         if len(beams) == 1:
             return beams[0][self.num_front_removed :].tolist()
         out: list[int] = []

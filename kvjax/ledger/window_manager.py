@@ -59,6 +59,9 @@ class WindowBlockManager(abc.ABC):
     grows: ClassVar[bool] = True
     #: its blocks may be stored in the tree for reuse
     stores: ClassVar[bool] = True
+    #: a token that starts a block allocates one here (False: a placeholder; a recurrent-state
+    #: window allocates its state blocks when steps begin, `RecurrentStatesWindow`)
+    grows_blocks: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -191,6 +194,24 @@ class WindowBlockManager(abc.ABC):
         n_ctx = ceil_div(seq.prompt_len, self.tokens_per_block)
         shared = n_ctx if seq.beam_width == 1 or (not reuse and seq.prompt_len % self.tokens_per_block == 0) else n_ctx - 1
         return shared, int(shared < n_ctx)
+
+    def fresh_need(self, positions: int) -> int:
+        """Free blocks admission takes for `positions` context positions it does not match."""
+        return positions
+
+    def admitted(self, seq: TrackedSequence, sw: SequenceWindow, prepopulated: int) -> None:
+        """Admission wrote the sequence's row (its first `prepopulated` tokens reused): a kind
+        that keeps more per sequence sets it up here."""
+        return None
+
+    def verify_chain(self, seq: TrackedSequence, sw: SequenceWindow) -> None:
+        """Raise `IntegrityError` unless the sequence's row keeps the kind's own rules
+        (`verify_integrity`; the shared rules are `kvjax.ledger.integrity`'s)."""
+        return None
+
+    def check_rewind(self, seq: TrackedSequence, new_n: int) -> None:
+        """Raise `InvalidRequestError` unless the sequence may drop its tokens past `new_n` here."""
+        return None
 
     def draft_blocks(self, request: Request) -> int:
         """Blocks the first step's draft tokens start after the prompt (a request not yet admitted)."""
@@ -336,11 +357,12 @@ class WindowBlockManager(abc.ABC):
         """Append referenced blocks (or placeholders) to one beam, or with `beam=None` share them
         with every beam. Slots are mirrored for block tables (placeholders -> null slot)."""
         slots: list[int] | np.ndarray
-        if self.num_secondary or self.detaches:
+        if self.num_secondary or self.detaches or not self.grows_blocks:
             slot, null = self.columns.slot, self.null_slot
             slots = [slot[b] if b >= 0 else null for b in blocks]
         else:  # no host tier: every block keeps its own slot (no swaps); no placeholders either
             slots = blocks
+        # (a recurrent-state chain has placeholders where it grows: `grows_blocks`)
         # an admitted row: one pack, then a byte copy (`array.extend` of a list converts int by int)
         ids = packer(len(blocks))(*blocks) if len(blocks) >= _MANY_BLOCKS else None
         if ids is not None and slots is blocks:  # the slots are those bytes too: no list conversion
@@ -404,7 +426,9 @@ class WindowBlockManager(abc.ABC):
         with fewer tokens than its cached key stays, `RadixTree._holds_longer`): `store` then
         clears every hint of the window."""
         sw.cursor = cursor
-        due = (cursor.full_blocks + 1) * self.tokens_per_block if cursor is not None and own and not self.detaches else 0
+        due = 0
+        if cursor is not None and own and not self.detaches and self.grows_blocks:  # (a state chain: snapshots only)
+            due = (cursor.full_blocks + 1) * self.tokens_per_block
         self.slot_table.set_store_due(sw, due)
 
     def cursor_position(self, seq: TrackedSequence, sw: SequenceWindow) -> tuple[tuple[int, int], int] | None:

@@ -109,6 +109,10 @@ MANAGER_ROWS = [
     ("priority_of_block.block_id", lambda m, v: m.priority_of_block(v), set(), UnknownBlockError),
     ("block.block_id", lambda m, v: m.block(v), set(), UnknownBlockError),
     ("request_stats.request_id", lambda m, v: m.request_stats(v), set(), UnknownRequestError),
+    # (no recurrent-state window in this cache: tests/ledger/test_recurrent_window.py has a hybrid's table)
+    ("begin_recurrent_step.request_ids", lambda m, v: m.begin_recurrent_step(v), set(), InvalidArgumentError),
+    ("recurrent_next_chunk_end.request_id", lambda m, v: m.recurrent_next_chunk_end(v), set(), UnknownRequestError),
+    ("recurrent_state_position.request_id", lambda m, v: m.recurrent_state_position(v), set(), UnknownRequestError),
     ("add_sequence.request", lambda m, v: m.add_sequence(v), set(), InvalidRequestError),
     ("add_sequences.requests", lambda m, v: m.add_sequences(v), set(), InvalidRequestError),
     ("add_sequence.prompt_token", lambda m, v: m.add_sequence(Request("new", [1, v])), set(), InvalidRequestError),
