@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-events-topic", default="", help="topic prefixed to every KV-event message (default none)")
     sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
                     help="data-parallel rank written into the KV-event batches (default 0)")
+    sv.add_argument("--warmup", choices=["none", "common", "all"], default="common",
+                    help="compile the step programs before serving: decode and single-chunk prefill shapes "
+                         "(common, the default), every shape the settings allow (all), or none (compile on "
+                         "first use)")
     sv.add_argument("--compilation-cache-dir", metavar="DIR",
                     help="JAX's persistent compilation cache for this server's programs (default: "
                          "$KVJAX_COMPILATION_CACHE_DIR, else ~/.cache/kvjax/jax)")

@@ -44,15 +44,21 @@ class LLM:
     """A model, its tokenizer and a step-wise engine, driven to completion by `generate`."""
 
     def __init__(
-        self, model: Any, *, tokenizer=None, seed: int = 0, model_seed: int = 0, dtype: Any = None, runner=None, **options: Any
+        self, model: Any, *, tokenizer=None, seed: int = 0, model_seed: int = 0, dtype: Any = None, runner=None,
+        warmup: str = "none", **options: Any
     ) -> None:
         """`seed`: base of the sampling seeds of requests without their own; `model_seed`: the
         built-in models' weights; `runner`: a `ModelRunner` of the same model whose compiled
-        executables to share."""
+        executables to share; `warmup` ("none", "common", "all"; `kvjax.engine.warmup`): step
+        programs compiled here instead of on first use (`self.warmup` reports it)."""
+        from kvjax.engine.warmup import check_level
+
+        check_level(warmup)
         built, loaded = load_model(model, seed=model_seed, dtype=dtype)
         tok = resolve_tokenizer(tokenizer) or loaded
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else built.spec.name
         self.llm_engine = LLMEngine.from_options(built, tokenizer=tok, seed=seed, runner=runner, **options)
+        self.warmup = self.llm_engine.core.warm_up(warmup)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

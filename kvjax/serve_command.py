@@ -189,15 +189,35 @@ def compilation_cache(args) -> str | None:
     return enable_compilation_cache(args.compilation_cache_dir)  # a directory set here stands for EngineCore
 
 
+def warm_up(core, level: str):
+    """`--warmup`: compile the chosen step programs before the server listens, saying how far it got."""
+    log = logging.getLogger("kvjax.serve")
+    total = len(core.forward_shapes)
+    if level == "none":
+        log.info("warmup off: the first request of each of the %d step shapes compiles it", total)
+        return None
+
+    def progress(done: int, count: int, shape, seconds: float) -> None:
+        if done == 1 or done == count or done % 10 == 0:
+            log.info("warmup (%s): %d/%d step programs ready (%.1f s; last: %d decode rows, %d prefill rows x %d "
+                     "tokens, tables %d blocks wide)", level, done, count, seconds, *shape)
+
+    report = core.warm_up(level, progress)
+    log.info("warmup (%s) done: %d of %d step shapes, %d programs traced, in %.1f s", level, report.shapes, total,
+             report.traced, report.seconds)
+    return report
+
+
 def _run_server(args, options, kv_events) -> None:
     from kvjax.server import serve
     from kvjax.server.stats_logger import log_startup
 
     cache_dir = compilation_cache(args)
-    logging.getLogger("kvjax.serve").info("compilation cache: %s", cache_dir or "off")
     mesh = serve_mesh(args.tensor_parallel_size)
     engine, sizing = serve_engine(args, options, kv_events, mesh)
     try:
+        logging.getLogger("kvjax.serve").info("compilation cache: %s", cache_dir or "off")
+        warm_up(engine.core, args.warmup)
         config = serve_config(args, engine)
         log_startup(engine, model_name=config.model_name, model_arg=args.model, sizing=sizing,
                     mesh_size=args.tensor_parallel_size)

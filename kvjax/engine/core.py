@@ -139,7 +139,7 @@ class EngineCore:
         # every step shape this core's one forward per step can compile (batching.forward_shapes)
         self.forward_shapes = forward_shapes(self.cfg, cache_config)
         log.info("the step's forward can take %d shapes (decode rows x prefill rows x chunk x table width; "
-                 "each compiled on first use)", len(self.forward_shapes))
+                 "each compiled on first use unless warmed up)", len(self.forward_shapes))
         self.events: EventPublishing | None = None
         if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
             self.events = EventPublishing(kv_events, cache_config)
@@ -261,6 +261,20 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.held)
+
+    def warm_up(self, level: str, progress=None):
+        """Compile (or load from the persistent cache) the step programs of `level` ("none",
+        "common", "all"; `kvjax.engine.warmup`) before any request; returns a `WarmupReport`.
+        Refused with `EngineBusyError` while requests are queued or run."""
+        from kvjax.engine.warmup import check_level, run_warmup
+
+        check_level(level)
+        if self._live:
+            raise EngineBusyError(f"warm up an idle engine: {len(self._live)} request(s) queued or running")
+        with self.clock.measuring():
+            report, self.pools = run_warmup(self.engine.runner, self.pools, self.cache_config, self.forward_shapes,
+                                            level, progress)
+        return report
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (the ledger's `reset_prefix_cache`). Refused with

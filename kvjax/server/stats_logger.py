@@ -49,7 +49,7 @@ def compile_buckets(engine_config, cache_config) -> tuple[str, int]:
     count = len(forward_shapes(engine_config, cache_config))
     text = (f"decode rows 0 or {_span(decode)} x 1 token with prefill rows 0 or {_span(rows)} x chunk "
             f"{_span(chunks)} tokens, block tables {_span(widths)} wide: at most {count} programs, each "
-            f"compiled on first use")
+            f"compiled before serving (--warmup) or on first use")
     return text, count
 
 

@@ -1,9 +1,46 @@
-"""`kvjax serve` flags reach the engine and the server (the blocking `serve` call is replaced,
-so no server starts and nothing compiles); bad flags give one line, exit status 2."""
+"""`kvjax serve` flags reach the engine and the server (the blocking `serve` call and, but in
+the warmup's own test, the warmup are replaced, so no server starts and nothing compiles); bad
+flags give one line, exit status 2."""
+import logging
+
 import pytest
 
+import kvjax.serve_command
 import kvjax.server
 from kvjax.cli import main
+
+WARMUPS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def no_warmup(request, monkeypatch):
+    """Record the --warmup level instead of compiling (except where a test asks for the real one)."""
+    WARMUPS.clear()
+    if "real_warmup" not in request.keywords:
+        monkeypatch.setattr(kvjax.serve_command, "warm_up", lambda core, level: WARMUPS.append(level))
+
+
+@pytest.mark.real_warmup
+def test_serve_warms_up_before_serving(monkeypatch, capsys, caplog):
+    """By default the decode and single-chunk prefill programs compile before `serve` is called,
+    with progress in the log; `--warmup none` compiles nothing."""
+    seen = _fake_serve(monkeypatch)
+    argv = ["serve", "micro", "--max-batch-size", "4", "--max-num-tokens", "32", "--primary-blocks", "40",
+            "--tokens-per-block", "8", "--max-seq-len", "64", "--option", "min_batch_bucket=4",
+            "--option", "min_chunk_bucket=32", "--option", "min_blocks_bucket=8"]
+    with caplog.at_level(logging.INFO, logger="kvjax.serve"):
+        assert main(argv) == 0, capsys.readouterr().err
+    runner = seen["engine"].engine.runner
+    # decode [4, 1] and one 32-token chunk, at the one table width (64 / 8 = 8 blocks); of the 7
+    # shapes, the others mix decodes with chunks or hold several chunks
+    assert runner.shapes == {(4, 0, 0, 8), (0, 1, 32, 8)} and runner.num_traces == 2
+    text = caplog.text
+    assert "warmup (common): 2/2 step programs ready" in text and "warmup (common) done: 2 of 7 step shapes" in text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvjax.serve"):
+        assert main(argv + ["--warmup", "none"]) == 0
+    assert seen["engine"].engine.runner.num_traces == 0
+    assert "warmup off: the first request of each of the 7 step shapes compiles it" in caplog.text
 
 
 def test_serve_flags(monkeypatch, capsys):
@@ -29,6 +66,7 @@ def test_serve_flags(monkeypatch, capsys):
     assert (cfg.model_name, cfg.max_pending, cfg.default_max_tokens, cfg.shutdown_timeout) == ("m", 5, 9, 2.0)
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
     assert eng.tokenizer is not None and eng.tokenizer.vocab_size == 512  # the built-in byte tokenizer
+    assert WARMUPS == ["common"]  # the default
 
 
 def test_serve_bad_flags(capsys):
