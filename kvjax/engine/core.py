@@ -43,6 +43,7 @@ from kvjax.config import CacheConfig
 from kvjax.engine.batching import Row, StepExtras
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
+from kvjax.engine.overlap import Forward, InFlight, needs_sync
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
@@ -96,6 +97,8 @@ class CoreCounters:
     reused_prompt_tokens: int = 0  # of which the cache supplied (prepopulated)
     computed_prompt_tokens: int = 0  # prefill tokens run through the model
     generated_tokens: int = 0
+    wasted_rows: int = 0  # overlap: rows dispatched for requests that had finished (one at most each)
+    overlapped_steps: int = 0  # steps dispatched before the previous step's tokens were read
     prefix_queries: int = 0  # admissions that looked up the cache
     reused_blocks: int = 0  # per-admission ledger stats, summed (checked against the ledger)
     missed_blocks: int = 0
@@ -145,6 +148,12 @@ class EngineCore:
         self.deferred = 0
         self.steps: list[StepRecord] | None = [] if record_steps else None
         self.last_step = StepCounts()
+        # overlap (kvjax.engine.overlap): the dispatched step whose tokens are not read yet, and
+        # how many live requests need synchronous steps
+        self._inflight: InFlight | None = None
+        self._sync_live = 0
+        self.overlap = (self.cfg.async_scheduling and self.rank_digest is None
+                        and callable(getattr(engine.runner, "dispatch", None)))
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -210,6 +219,8 @@ class EngineCore:
         else:
             self.waiting.append(r)
         self._live[rid] = r
+        if needs_sync(item):
+            self._sync_live += 1
         return r
 
     def _release_held(self, parent: LiveRequest) -> None:
@@ -239,7 +250,8 @@ class EngineCore:
         return CoreOutput(r, (), True)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        """Requests queued or running, or (overlap) a dispatched step still to be read."""
+        return bool(self._live) or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -253,7 +265,7 @@ class EngineCore:
         """Drop every cached block (the ledger's `reset_prefix_cache`). Refused with
         `EngineBusyError` while requests run: their blocks hold KV of the old weights.
         Returns the number of blocks dropped."""
-        if self.running:
+        if self.running or self._inflight is not None:
             raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
         dropped = self.ledger.reset_prefix_cache()
         self._publish_events()
@@ -273,7 +285,15 @@ class EngineCore:
         """Run one iteration; returns one output per request that produced a token or finished."""
         outputs: list[CoreOutput] = []
         try:
-            self._step(outputs)
+            if not self.overlap:
+                self._step(outputs)
+            elif self._sync_live:  # synchronous steps: first read the step in flight, if any
+                if self._inflight is not None:
+                    self._drain(outputs)
+                else:
+                    self._step(outputs)
+            else:
+                self._step_overlapped(outputs)
         finally:
             self.step_index += 1
         self._publish_events()
@@ -305,6 +325,163 @@ class EngineCore:
         self.last_step = StepCounts(running, len(decode), prefill_tokens, len(admitted), len(sched.pause), onboarded)
         if self.steps is not None:
             self._record_step(len(decode), prefill_tokens, len(admitted), len(sched.pause))
+
+    # ------------------------------------------------------------------ the overlapped step
+    def _step_overlapped(self, outputs: list[CoreOutput]) -> None:
+        """One iteration with overlap (kvjax/engine/overlap.py): schedule, commit and dispatch
+        this step while the previous one runs, then read the previous one's tokens."""
+        prev, self._inflight = self._inflight, None
+        now = self.clock.now()
+        # a request whose in-flight token is its last is done whatever the token: not scheduled again
+        candidates = [r for r in self.running.values() if not (r.in_flight and r.remaining_new_tokens <= r.in_flight)]
+        sched = self.scheduler.schedule(candidates, self.waiting, step=self.step_index)
+        self.deferred += sched.deferred
+        for r in sched.pause:
+            self._pause(r)
+        decode = self._commit_pending_tokens([r for r in sched.generation if not r.in_flight])
+        reserved = self._reserve_in_flight([r for r in sched.generation if r.in_flight])
+        admitted = self._admit(sched.admit, now)
+        running = len(self.running)
+        if not self.running and prev is None:
+            self._idle_step(len(admitted), len(sched.pause))
+            return
+        prefill = self._prefill_chunks(sched.context + admitted, len(decode) + len(reserved))
+        prefill, onboarded = self._apply_transfers(prefill)
+        step = self._dispatch_step(decode, reserved, prefill, prev)
+        if step is not None:
+            self.counters.overlapped_steps += prev is not None
+        if prev is not None:
+            self._complete(prev, reserved, outputs)
+        self._inflight = step
+        self.ledger.refresh_blocks()
+        prefill_tokens = sum(n for _, n in prefill)
+        rows = len(decode) + len(reserved)
+        self.last_step = StepCounts(running, rows, prefill_tokens, len(admitted), len(sched.pause), onboarded)
+        if self.steps is not None:
+            self._record_step(rows, prefill_tokens, len(admitted), len(sched.pause))
+
+    def _reserve_in_flight(self, generation: list[LiveRequest]) -> list[LiveRequest]:
+        """The position of each request's in-flight token enters the ledger before its id is
+        known (`add_pending_tokens`): batched, or one by one when blocks run short (a request
+        that finds none is paused). Returns the requests that decode this step."""
+        if not generation:
+            return []
+        led = self.ledger
+        try:
+            led.add_pending_tokens([r.request_id for r in generation])
+            return list(generation)
+        except OutOfBlocksError:  # nothing changed: one by one
+            pass
+        out = []
+        for r in generation:
+            try:
+                led.add_pending_tokens([r.request_id])
+            except OutOfBlocksError:
+                self.accounting_misses += 1
+                self._pause(r)
+                continue
+            out.append(r)
+        return out
+
+    def _dispatch_step(self, decode: list[LiveRequest], reserved: list[LiveRequest],
+                       prefill: list[tuple[LiveRequest, int]], prev: InFlight | None) -> InFlight | None:
+        """Dispatch this step's forwards; the reserved rows read their tokens from `prev`'s
+        device arrays. Prefill progress is booked now (the next step cuts the next chunk)."""
+        decode_fwd = None
+        rows_reqs = decode + reserved
+        if rows_reqs:
+            feed = None
+            if reserved:
+                assert prev is not None  # a token in flight was sampled by the previous step
+                from kvjax.engine.runner import TokenFeed
+
+                sources, where = prev.sources()
+                index = np.array([-1] * len(decode) + [where[id(r)] for r in reserved], np.int32)  # [rows]
+                feed = TokenFeed(sources, index)
+            rows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
+            rows += [Row(r.request_id, [0], len(r.prompt) + len(r.output) + r.in_flight - 1) for r in reserved]
+            decode_fwd = self._dispatch(rows, rows_reqs, chunk_bucket=1, feed=feed)
+            for r in rows_reqs:
+                r.in_flight += 1
+        forwards: list[Forward] = []
+        group = self.cfg.buckets.prefill_rows
+        scoring = [(r, n) for r, n in prefill if r.scores_prompt()]
+        plain = [(r, n) for r, n in prefill if not r.scores_prompt()]
+        chunks: list[tuple[LiveRequest, int, bool, bool]] = []
+        for part_list, scores in ((plain, False), (scoring, True)):
+            for g in range(0, len(part_list), group):
+                part = part_list[g : g + group]
+                rows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in part]
+                forwards.append(self._dispatch(rows, [r for r, _ in part], scores_prompt=scores))
+                chunks += [(r, n, *self._advance_prefill(r, n)) for r, n in part]
+        if decode_fwd is None and not forwards:
+            return None
+        return InFlight(self.step_index, decode_fwd, forwards, chunks)
+
+    def _advance_prefill(self, r: LiveRequest, n: int) -> tuple[bool, bool]:
+        """Book a dispatched chunk: does it complete the prompt, and is its sampled token the
+        request's first (then in flight)?"""
+        r.context_pos += n
+        self.counters.computed_prompt_tokens += n
+        adm = r.admissions[-1]
+        r.admissions[-1] = adm = dataclasses.replace(adm, computed=adm.computed + n)
+        self.ledger.set_context_position(r.request_id, r.context_pos)
+        if r.context_pos < len(r.context):
+            return False, False
+        if adm.computed + adm.reused != adm.prompt_len:
+            raise EngineInvariantError(
+                f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
+        if r.remaining_new_tokens <= 0:
+            return True, False
+        r.phase = Phase.GENERATION  # its first token is sampled now: it decodes from the next step
+        r.in_flight += 1
+        return True, True
+
+    def _complete(self, done: InFlight, reserved: list[LiveRequest], outputs: list[CoreOutput]) -> None:
+        """Read a dispatched step's tokens: the reserved positions get their ids, the blocks it
+        completed are stored, its tokens are emitted (a request that finished meanwhile, its row
+        wasted, gets nothing), prompts it completed are stored and their held requests freed."""
+        led = self.ledger
+        sampled = [] if done.decode is None else list(zip(done.decode.reqs, *self._collect(done.decode), strict=True))
+        chunks = iter(done.chunks)
+        first_tokens = []
+        for f in done.prefill:
+            for sample in zip(f.reqs, *self._collect(f), strict=True):
+                r, _, _, samples = next(chunks)
+                assert r is sample[0]  # chunks are booked in forward order
+                if samples:
+                    first_tokens.append(sample)
+        sampled += sorted(first_tokens, key=lambda x: x[0].order)
+        taken = {id(r) for r in reserved}
+        fill = [(r.request_id, int(t)) for r, t, *_ in sampled if id(r) in taken]
+        if fill:
+            ids, toks = zip(*fill, strict=True)
+            led.set_pending_tokens(list(ids), list(toks))
+        if done.decode is not None:
+            led.store_new_blocks([r.request_id for r in done.decode.reqs if self.running.get(r.request_id) is r])
+        for r, _, last, samples in done.chunks:  # prompts completed: stored, their held requests freed
+            if not last or r.phase is Phase.FINISHED:
+                continue
+            if self.running.get(r.request_id) is r:  # (a request paused meanwhile stored them leaving)
+                led.store_context_blocks(r.request_id)
+            self._release_held(r)
+            if not samples:  # max_new_tokens == 0: nothing to generate
+                self._finish(r, "length")
+                outputs.append(CoreOutput(r, (), True))
+        for r, t, c, m, lp in sampled:
+            r.in_flight -= 1
+            if r.phase is Phase.FINISHED:  # stopped or aborted after this row was dispatched
+                r.wasted_rows += 1
+                self.counters.wasted_rows += 1
+                continue
+            outputs.append(self._emit(r, int(t), float(c), float(m), lp, committed=id(r) in taken))
+
+    def _drain(self, outputs: list[CoreOutput]) -> None:
+        """Read the step in flight without dispatching another (before a synchronous step)."""
+        prev, self._inflight = self._inflight, None
+        assert prev is not None
+        self._complete(prev, [], outputs)
+        self.last_step = StepCounts(len(self.running), 0, 0, 0, 0, 0)
 
     def _commit_pending_tokens(self, generation: list[LiveRequest]) -> list[LiveRequest]:
         """The pending token of every scheduled generating request enters the ledger: one batched
@@ -545,20 +722,45 @@ class EngineCore:
         row, the sampled token's logprobs (None unless the request asks). With `scores_prompt`
         the prompt logprobs of the chunk's positions are stored on the requests."""
         batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
-        sp = [r.item.sampling for r in reqs]
-        temperature = np.array([p.temperature for p in sp], np.float32)
-        top_p = np.array([p.top_p for p in sp], np.float32)
-        top_k = np.array([p.top_k for p in sp], np.int32)
-        seed = np.array([r.seed for r in reqs], np.int32)
-        index = np.array([len(r.output) for r in reqs], np.int32)
+        args = self._sampling_args(reqs)
         extras = self._extras(batch, rows, reqs, scores_prompt)
         with self.clock.measuring():
             if extras is None:
-                toks, chosen, margins, self.pools = self.engine.runner.run(
-                    self.pools, batch, temperature, top_p, seed, index, top_k)
+                toks, chosen, margins, self.pools = self.engine.runner.run(self.pools, batch, *args)
                 return toks, chosen, margins, [None] * len(reqs)
-            toks, chosen, margins, self.pools, results = self.engine.runner.run(
-                self.pools, batch, temperature, top_p, seed, index, top_k, extras)
+            toks, chosen, margins, self.pools, results = self.engine.runner.run(self.pools, batch, *args, extras)
+        return toks, chosen, margins, self._logprobs(rows, reqs, toks, results)
+
+    def _sampling_args(self, reqs: list[LiveRequest]) -> tuple:
+        """temperature, top_p, seed, index (the token's number in the request's key stream,
+        counting tokens still in flight) and top_k of each row."""
+        sp = [r.item.sampling for r in reqs]
+        return (np.array([p.temperature for p in sp], np.float32), np.array([p.top_p for p in sp], np.float32),
+                np.array([r.seed for r in reqs], np.int32), np.array([len(r.output) + r.in_flight for r in reqs], np.int32),
+                np.array([p.top_k for p in sp], np.int32))
+
+    def _dispatch(self, rows: list[Row], reqs: list[LiveRequest], chunk_bucket: int | None = None,
+                  scores_prompt: bool = False, feed=None) -> Forward:
+        """`_forward` without waiting (overlap): the forward is enqueued, `_collect` reads it."""
+        batch = self.engine.runner.batch(self.ledger, rows, self.cfg.buckets, chunk_bucket)
+        extras = self._extras(batch, rows, reqs, scores_prompt)
+        with self.clock.measuring():
+            pending, self.pools = self.engine.runner.dispatch(self.pools, batch, *self._sampling_args(reqs), extras,
+                                                              feed)
+        return Forward(pending, rows, reqs, scores_prompt)
+
+    def _collect(self, f: Forward):
+        """Wait for a dispatched forward: what `_forward` returns."""
+        with self.clock.measuring():
+            out = f.pending.fetch()
+        toks, chosen, margins = out[:3]
+        if len(out) == 3:
+            return toks, chosen, margins, [None] * len(f.reqs)
+        return toks, chosen, margins, self._logprobs(f.rows, f.reqs, toks, out[3])
+
+    def _logprobs(self, rows: list[Row], reqs: list[LiveRequest], toks, results) -> list[TokenLogprobs | None]:
+        """Per row, the sampled token's logprobs (None unless asked); stores prompt logprobs."""
+        sp = [r.item.sampling for r in reqs]
         lps: list[TokenLogprobs | None] = [None] * len(reqs)
         if "logprobs" in results:
             lp, rank, ids, top = results["logprobs"]
@@ -578,7 +780,7 @@ class EngineCore:
                         col = t - len(row.tokens) + m
                         r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[i, col]), int(rank[i, col]),
                                                                tuple(ids[i, col, :k].tolist()), tuple(top[i, col, :k].tolist()))
-        return toks, chosen, margins, lps
+        return lps
 
     def _extras(self, batch, rows: list[Row], reqs: list[LiveRequest], scores_prompt: bool) -> StepExtras | None:
         """What this forward must compute besides the tokens (None: nothing, the plain executable)."""
@@ -611,8 +813,10 @@ class EngineCore:
             return None
         return StepExtras(penalties, logprobs, targets)
 
-    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None) -> CoreOutput:
-        """Record a sampled token; finish the request or keep the token pending."""
+    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None,
+              committed: bool = False) -> CoreOutput:
+        """Record a sampled token; finish the request or keep the token pending (`committed`:
+        already in the ledger, reserved by an overlapped step)."""
         r.output.append(token)
         r.chosen_logits.append(chosen)
         r.margins.append(margin)
@@ -627,9 +831,14 @@ class EngineCore:
         if reason is not None:
             if reason == "stop" and token in r.stop_ids and token not in r.eos_ids and token != r.item.eos_id:
                 r.stop_reason = token
-            self._finish(r, reason)
+            if r.phase is Phase.WAITING:  # overlap: paused while this token was in flight
+                self.waiting = collections.deque(x for x in self.waiting if x is not r)
+                self._retire(r, reason, r.stop_reason)
+            else:
+                self._finish(r, reason)
             return CoreOutput(r, (token,), True)
-        r.pending = token
+        # a paused request's resumed prompt includes it; an overlapped step reserved its position
+        r.pending = None if r.phase is Phase.WAITING or committed else token
         return CoreOutput(r, (token,), False)
 
     def _finish(self, r: LiveRequest, reason: str) -> None:
@@ -639,6 +848,8 @@ class EngineCore:
 
     def _retire(self, r: LiveRequest, reason: str, stop_reason: int | str | None) -> None:
         del self._live[r.request_id]
+        if needs_sync(r.item):
+            self._sync_live -= 1
         self._release_held(r)
         r.phase = Phase.FINISHED
         r.pending = None
@@ -681,6 +892,8 @@ class EngineCore:
         led = self.ledger
         if self._live:
             raise EngineInvariantError(f"requests still queued or running: {sorted(map(str, self._live))}")
+        if self._inflight is not None:
+            raise EngineInvariantError(f"step {self._inflight.step} was dispatched and never read")
         c = self.counters
         stats = led.stats()
         if c.reused_blocks != stats.reused_blocks:

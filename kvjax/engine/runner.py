@@ -3,7 +3,10 @@ forward batch (paged forward, last-position logits, sampling).
 
 The pools are donated (the forward writes K/V in place); only the sampled tokens and two
 float32 diagnostics per row (the chosen token's logit and the top-2 margin) come back to the
-host. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit, and so do,
+host. `dispatch` enqueues a forward and returns at once (`PendingForward.fetch` waits for its
+results; `run` is both), and a later dispatch may take its decode rows' input tokens straight
+from an earlier one's device tokens (`TokenFeed`), so an overlapped engine never waits for a
+step's tokens before sending the next. Sampling (temperature, top-k, top-p, seeded keys) runs inside the same jit, and so do,
 when a batch asks for them (`StepExtras`; separate executables, so a batch that does not pays
 nothing), penalties / min_tokens masks and logprobs (of the sampled tokens, or of every prompt
 position of a prefill chunk). Every
@@ -18,11 +21,13 @@ the same tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -68,6 +73,7 @@ class ModelRunner:
             return out, pools
 
         self._step = jax.jit(step, donate_argnums=(3,), static_argnames=("logprobs",))
+        self._feed = jax.jit(_feed_tokens)
 
     # ------------------------------------------------------------------ the core's device side
     def batch(self, ledger, rows, buckets, chunk_bucket: int | None = None) -> ForwardBatch:
@@ -93,7 +99,7 @@ class ModelRunner:
             return x
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
-    def run(
+    def dispatch(
         self,
         pools,
         batch: ForwardBatch,
@@ -103,14 +109,13 @@ class ModelRunner:
         index: np.ndarray,
         top_k: np.ndarray | None = None,
         extras: StepExtras | None = None,
-    ):
-        """Forward `batch` and sample each real row's next token.
-
-        temperature, top_p: float32 [rows]; seed, index, top_k: int32 [rows] (padded here to the
-        batch; top_k <= 0 or None: no top-k).
-        Returns (tokens int32 [rows], chosen logits float32 [rows], margins float32 [rows], pools),
-        and with `extras` a fifth item: what it asked for (see `StepExtras.results`).
-        """
+        feed: TokenFeed | None = None,
+    ) -> tuple[PendingForward, Any]:
+        """`run` without waiting: the forward is enqueued (jax dispatches asynchronously) and
+        the pools it returns are handed back at once, so the host can prepare the next step
+        while the device computes this one. `feed`: decode rows whose input token is still on
+        the device (an earlier dispatch's sampled tokens, `PendingForward.tokens`). Returns
+        (pending, pools); `pending.fetch()` waits and gives what `run` returns, minus the pools."""
         b = batch.tokens.shape[0]
         n = batch.num_rows
 
@@ -132,9 +137,12 @@ class ModelRunner:
                          g(pad(repetition, np.float32, 1.0)))
         if extras is not None and extras.prompt_targets is not None:
             prompt_targets = g(pad(extras.prompt_targets, np.int32, 0))
+        tokens = g(batch.tokens)  # [B, T]
+        if feed is not None:
+            tokens = self._feed(tokens, tuple(feed.sources), g(pad(feed.index, np.int32, -1)))
         (tok, chosen, margin, more), pools = self._step(
             self._state,
-            g(batch.tokens),
+            tokens,
             g(batch.positions),
             pools,
             {w: g(t) for w, t in batch.tables.items()},
@@ -149,11 +157,70 @@ class ModelRunner:
             prompt_targets,
             logprobs=extras is not None and extras.logprobs,
         )
-        tok, chosen, margin, more = jax.device_get((tok, chosen, margin, more))
         if self.num_traces != traces:
             log.info("compiled the forward for [B=%d, T=%d, blocks=%d] in %.2f s (%d programs so far)", *batch.shape,
                      time.perf_counter() - start, self.num_traces)
-        result = (np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n], pools)
-        if extras is None:
-            return result
-        return result + ({k: tuple(np.asarray(a)[:n] for a in v) for k, v in more.items()},)
+        return PendingForward(tok, (tok, chosen, margin, more), n, extras is not None), pools
+
+    def run(
+        self,
+        pools,
+        batch: ForwardBatch,
+        temperature: np.ndarray,
+        top_p: np.ndarray,
+        seed: np.ndarray,
+        index: np.ndarray,
+        top_k: np.ndarray | None = None,
+        extras: StepExtras | None = None,
+    ):
+        """Forward `batch` and sample each real row's next token (`dispatch`, then `fetch`).
+
+        temperature, top_p: float32 [rows]; seed, index, top_k: int32 [rows] (padded here to the
+        batch; top_k <= 0 or None: no top-k).
+        Returns (tokens int32 [rows], chosen logits float32 [rows], margins float32 [rows], pools),
+        and with `extras` a fifth item: what it asked for (see `StepExtras.results`).
+        """
+        pending, pools = self.dispatch(pools, batch, temperature, top_p, seed, index, top_k, extras)
+        out = pending.fetch()
+        return out[:3] + (pools,) + out[3:]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFeed:
+    """Decode rows whose input token an earlier dispatch is still sampling: row i's token is
+    entry `index[i]` of the `sources` (earlier `PendingForward.tokens`, int32 [B'] each,
+    concatenated in order); -1 keeps the batch's own token. `index`: int32 [rows]."""
+
+    sources: tuple
+    index: np.ndarray
+
+
+def _feed_tokens(tokens, sources, index):
+    """tokens int32 [B, T] with each fed row's last column taken from the device tokens."""
+    prev = sources[0] if len(sources) == 1 else jnp.concatenate(sources)  # [P]
+    last = jnp.where(index >= 0, prev[jnp.maximum(index, 0)], tokens[:, -1])  # [B]
+    return tokens.at[:, -1].set(last)
+
+
+class PendingForward:
+    """A dispatched forward: `tokens` (its sampled tokens, on the device: int32 [B], padded)
+    feed later dispatches; `fetch()` waits for it and returns (tokens, chosen logits, margins)
+    as numpy `[rows]`, plus the extras' results when it computed some (as `run`)."""
+
+    def __init__(self, tokens, outputs, rows: int, with_extras: bool) -> None:
+        self.tokens = tokens
+        self._outputs = outputs
+        self._rows = rows
+        self._with_extras = with_extras
+        self._result: tuple | None = None
+
+    def fetch(self) -> tuple:
+        if self._result is None:
+            tok, chosen, margin, more = jax.device_get(self._outputs)
+            n = self._rows
+            out: tuple = (np.asarray(tok)[:n], np.asarray(chosen)[:n], np.asarray(margin)[:n])
+            if self._with_extras:
+                out += ({k: tuple(np.asarray(a)[:n] for a in v) for k, v in more.items()},)
+            self._result = out
+            self._outputs = None
+        return self._result

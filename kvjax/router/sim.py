@@ -133,11 +133,28 @@ class TimeModelRunner:
         return pools
 
     def run(self, pools, batch, temperature, top_p, seed, index, top_k=None):
+        pending, pools = self.dispatch(pools, batch, temperature, top_p, seed, index, top_k)
+        return pending.fetch() + (pools,)
+
+    def dispatch(self, pools, batch, temperature, top_p, seed, index, top_k=None, extras=None, feed=None):
+        """`ModelRunner.dispatch`'s shape: the simulated tokens depend on (seed, index) only, so a
+        `feed` changes nothing; `fetch()` returns them at once."""
         self.forwards += 1
         n = batch.num_rows
         toks = simulated_tokens(seed, index, self.vocab_size, self.avoid)
         zeros = np.zeros(n, np.float32)
-        return toks, zeros, zeros, pools
+        return SimulatedForward(toks, (toks, zeros, zeros)), pools
+
+
+class SimulatedForward:
+    """A `PendingForward` of the time model: `tokens` (what a later step's feed reads) and `fetch()`."""
+
+    def __init__(self, tokens, result: tuple) -> None:
+        self.tokens = tokens
+        self.result = result
+
+    def fetch(self) -> tuple:
+        return self.result
 
 
 class VirtualClock:
