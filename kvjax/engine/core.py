@@ -24,6 +24,20 @@ idle core's ledger holds no request and agrees with the core's counters. Its mem
 by the pools and the live requests: nothing grows with the number of requests served, except
 the per-step records kept when `record_steps` is on (for `Engine.run`'s metrics).
 
+Overlap (`EngineConfig.async_scheduling`, kvjax/engine/overlap.py): step n+1 is scheduled,
+committed and dispatched while step n runs, then step n's tokens are read, so `step()` returns
+the previous dispatch's tokens. Invariants: (a) device order: every forward and transfer
+consumes the pools the previous one returned, so work dispatched later (a forward writing a
+block the ledger handed to another request, a transfer of the next plan moving a block) runs
+after every earlier step finished writing; the plan of step n+1 is applied after step n's
+forwards and before its own. (b) The ledger never lets a block be stored for reuse (hashed,
+matched, published) while it holds an unknown id or KV of a step not yet read: in-flight tokens
+hold pending positions (`add_pending_tokens`), always a request's newest token, which no store
+covers, and stores run after the step that wrote the blocks is read. (c) A request that stops
+in step n wastes at most its one row of step n+1; its pending position is dropped with it,
+never cached. Penalties / min_tokens requests, multi-process ranks and runners without
+`dispatch` step synchronously.
+
 The completions of an n > 1 request are requests of their own; all but the first are held
 (`held`, outside the queue) until the first one's prompt is computed and its blocks stored,
 then queued: their admission finds the prompt in the prefix cache.
@@ -240,6 +254,7 @@ class EngineCore:
         if r is None:
             return None
         if request_id in self.running:
+            self._forget_unread_chunk(r)
             self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
             self._publish_events()
@@ -330,7 +345,7 @@ class EngineCore:
     def _step_overlapped(self, outputs: list[CoreOutput]) -> None:
         """One iteration with overlap (kvjax/engine/overlap.py): schedule, commit and dispatch
         this step while the previous one runs, then read the previous one's tokens."""
-        prev, self._inflight = self._inflight, None
+        prev = self._inflight  # (kept there while this step runs: pauses and aborts look at its chunks)
         now = self.clock.now()
         # a request whose in-flight token is its last is done whatever the token: not scheduled again
         candidates = [r for r in self.running.values() if not (r.in_flight and r.remaining_new_tokens <= r.in_flight)]
@@ -343,6 +358,7 @@ class EngineCore:
         admitted = self._admit(sched.admit, now)
         running = len(self.running)
         if not self.running and prev is None:
+            self._inflight = None
             self._idle_step(len(admitted), len(sched.pause))
             return
         prefill = self._prefill_chunks(sched.context + admitted, len(decode) + len(reserved))
@@ -350,9 +366,9 @@ class EngineCore:
         step = self._dispatch_step(decode, reserved, prefill, prev)
         if step is not None:
             self.counters.overlapped_steps += prev is not None
+        self._inflight = step
         if prev is not None:
             self._complete(prev, reserved, outputs)
-        self._inflight = step
         self.ledger.refresh_blocks()
         prefill_tokens = sum(n for _, n in prefill)
         rows = len(decode) + len(reserved)
@@ -475,6 +491,19 @@ class EngineCore:
                 self.counters.wasted_rows += 1
                 continue
             outputs.append(self._emit(r, int(t), float(c), float(m), lp, committed=id(r) in taken))
+
+    def _forget_unread_chunk(self, r: LiveRequest) -> None:
+        """Before `r` leaves the ledger with its blocks stored: a prefill chunk of it that a
+        dispatched step is computing and the host has not read is not stored (the ledger's
+        context position goes back to the chunk's start), so the cache holds only what
+        steps that were read wrote."""
+        fl = self._inflight
+        if fl is None:
+            return
+        for x, n, _, _ in fl.chunks:
+            if x is r:
+                self.ledger.set_context_position(r.request_id, r.context_pos - n)
+                return
 
     def _drain(self, outputs: list[CoreOutput]) -> None:
         """Read the step in flight without dispatching another (before a synchronous step)."""
@@ -706,6 +735,7 @@ class EngineCore:
         """Take a generating request out of the ledger (its blocks stay cached) and queue it first."""
         if r.phase is not Phase.GENERATION:
             raise EngineInvariantError(f"only generating requests are paused, {r.request_id} is {r.phase}")
+        self._forget_unread_chunk(r)
         self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
         del self.running[r.request_id]
         r.phase = Phase.WAITING

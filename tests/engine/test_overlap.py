@@ -226,3 +226,22 @@ def test_switch_validation():
     assert EngineConfig.from_dict({"async_scheduling": True}).async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig.from_dict({"async_scheduling": "yes"})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_unread_chunk_is_never_cached(micro, overlap):
+    """A request aborted while its first prefill chunk is dispatched but not read (overlap)
+    leaves nothing of that chunk in the cache; served serially the chunk was read, and cached."""
+    from kvjax import Request
+
+    core = _core(micro, overlap, GNE, ROOMY)
+    prompt = np.random.default_rng(6).integers(1, 500, 100).tolist()  # chunks of 64 + 36 tokens
+    core.add_request(WorkItem("long", tuple(prompt), 4), prompt, seed=1)
+    core.step()
+    assert core.running["long"].context_pos == 64
+    core.abort_request("long")
+    while core.has_unfinished_requests():
+        core.step()
+    core.verify_idle()
+    cached = core.ledger.analyze_prefix_reuse(Request("probe", prompt, 4)).total_matched_tokens
+    assert cached == (0 if overlap else 64)
