@@ -81,12 +81,14 @@ def _serve(micro, overlap, plan, stops, policy=GNE, primary=ROOMY, reuse=True):
     return {cid: (r.output, r.finish_reason, r.stop_reason) for cid, (r, _) in live.items()}, core
 
 
-@pytest.mark.parametrize("policy, primary, reuse, seed", [
-    (GNE, ROOMY, True, 1),
-    (MAX_UTIL, TIGHT, True, 2),  # pauses and resumes
-    (GNE, ROOMY, False, 3),
+@pytest.mark.parametrize("model, policy, primary, reuse, seed", [
+    ("micro", GNE, ROOMY, True, 1),
+    ("micro", MAX_UTIL, TIGHT, True, 2),  # pauses and resumes
+    ("micro", GNE, ROOMY, False, 3),
+    ("micro_swa", GNE, ROOMY, True, 4),  # a sliding window: pending positions next to detaches
 ])
-def test_overlap_matches_serial(micro, policy, primary, reuse, seed):
+def test_overlap_matches_serial(request, model, policy, primary, reuse, seed):
+    micro = request.getfixturevalue(model)
     plan = _plan(seed)
     free, _ = _serve(micro, False, plan, {}, policy, primary, reuse)
     # stop tokens the model does generate: each drawn completion stops at one of its own tokens
@@ -133,7 +135,8 @@ def test_preemption_with_tokens_in_flight(micro):
 
 def test_stop_strings_and_n_through_llm_engine(micro):
     """Stop strings (found by LLMEngine one step late in overlap: the request is aborted with its
-    row of the next step in flight) and n = 2 sampled completions: same texts and tokens."""
+    row of the next step in flight), n = 2 sampled completions, logprobs and prompt logprobs
+    (read with the tokens, a step late): same texts, tokens and logprobs."""
     tok = Tokenizer.builtin(micro.model.spec.vocab_size)
 
     def run(overlap, stop):
@@ -144,10 +147,12 @@ def test_stop_strings_and_n_through_llm_engine(micro):
             p = SHARED[: 8 * i] + rng.integers(1, 500, 6).tolist()
             eng.add_request(f"g{i}", p, SamplingParams(max_tokens=14, stop=stop.get(f"g{i}", ())))
         eng.add_request("n2", SHARED[:20], SamplingParams(max_tokens=9, n=2, temperature=1.0, seed=3))
+        eng.add_request("lp", SHARED[:12], SamplingParams(max_tokens=5, logprobs=2, prompt_logprobs=1))
         final = {}
         while eng.has_unfinished_requests():
             for out in eng.step():
-                final[out.request_id] = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in out.outputs]
+                final[out.request_id] = [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs)
+                                         for o in out.outputs] + [out.prompt_logprobs]
         eng.core.verify_idle()
         return final, eng.core
 
@@ -164,7 +169,8 @@ def test_stop_strings_and_n_through_llm_engine(micro):
     assert serial == overlapped
     assert sum(out[0][2] == "stop" and isinstance(out[0][3], str) for out in serial.values()) >= 2
     assert core.counters.overlapped_steps > 5
-    assert len(serial["n2"]) == 2 and serial["n2"][0][0] != serial["n2"][1][0]
+    assert len(serial["n2"]) == 3 and serial["n2"][0][0] != serial["n2"][1][0]
+    assert len(serial["lp"][0][4]) == 5 and serial["lp"][1] is not None  # logprobs and prompt logprobs came
 
 
 def test_penalties_fall_back_to_synchronous_steps(micro):
