@@ -278,8 +278,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (the ledger's `reset_prefix_cache`). Refused with
-        `EngineBusyError` while requests run: their blocks hold KV of the old weights.
+        `EngineBusyError` while requests run: their blocks hold KV of the old weights (with
+        overlap, a dispatched step holding only finished requests' rows is read first).
         Returns the number of blocks dropped."""
+        if self._inflight is not None and not self._live:  # only wasted rows in flight: read and drop them
+            self._drain([])
         if self.running or self._inflight is not None:
             raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
         dropped = self.ledger.reset_prefix_cache()
@@ -473,8 +476,12 @@ class EngineCore:
         if fill:
             ids, toks = zip(*fill, strict=True)
             led.set_pending_tokens(list(ids), list(toks))
-        if done.decode is not None:
-            led.store_new_blocks([r.request_id for r in done.decode.reqs if self.running.get(r.request_id) is r])
+        if done.decode is not None:  # the blocks its decode rows completed (reserved first: the
+            # id list of this step's add_pending_tokens, whose rows the ledger has at hand)
+            led.store_new_blocks([r.request_id for r in reserved])
+            rest = [r.request_id for r in done.decode.reqs if id(r) not in taken and self.running.get(r.request_id) is r]
+            if rest:
+                led.store_new_blocks(rest)
         for r, _, last, samples in done.chunks:  # prompts completed: stored, their held requests freed
             if not last or r.phase is Phase.FINISHED:
                 continue

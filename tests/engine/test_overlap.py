@@ -251,3 +251,17 @@ def test_an_unread_chunk_is_never_cached(micro, overlap):
     core.verify_idle()
     cached = core.ledger.analyze_prefix_reuse(Request("probe", prompt, 4)).total_matched_tokens
     assert cached == (0 if overlap else 64)
+
+
+def test_reset_prefix_cache_after_the_last_request(micro):
+    """With overlap the last step's wasted rows may still be in flight when the last request
+    finished: a prefix-cache reset reads and drops them instead of refusing."""
+    core = _core(micro, True, GNE, ROOMY)
+    prompt = SHARED[:30]
+    core.add_request(WorkItem("a", tuple(prompt), 3), prompt, seed=1, stop_token_ids=frozenset(range(512)))
+    while core.has_unfinished_requests() and not core.counters.finished["stop"]:
+        core.step()
+    assert core.has_unfinished_requests() and not core.num_running  # the wasted row is in flight
+    assert core.reset_prefix_cache() > 0
+    core.verify_idle()
+    assert core.counters.wasted_rows == 1
