@@ -24,7 +24,10 @@ Invariants (docs/serving.md):
   * The cache holds only what completed steps wrote and the host read. A pending position is
     its request's newest token, which the ledger never counts as materialised, so no block
     holding an unknown id is hashed, matched or published; `store_new_blocks` and
-    `store_context_blocks` of step n run after step n's tokens are fetched.
+    `store_context_blocks` of step n run after step n's tokens are fetched, and a request
+    paused or aborted while a prefill chunk of it is unread leaves with its ledger context
+    position back at the chunk's start (`EngineCore._forget_unread_chunk`), so removal stores
+    nothing that chunk writes.
   * A request that stops in step n (stop token, `max_new_tokens`, a stop string LLMEngine
     finds, an abort) already has a row in step n+1: that one row is wasted (`wasted_rows`),
     never two, and its tokens are dropped. The position it reserved is the newest token, so
