@@ -70,10 +70,9 @@ def add_pending(bm: BlockManager, live: LiveSequences, request_ids) -> bool:
     changed = decode_batch.add_tokens(bm, live, ids, np.zeros(len(ids), dtype=np.int32))
     pending = live.pending
     for seq in seqs:
-        n = seq.num_tokens
-        seq.truncate(n - 1)
-        seq.append(PENDING_TOKEN)
-        pending[seq.request_id] = n - 1
+        at = seq.num_tokens - 1
+        seq.overwrite(at, PENDING_TOKEN)
+        pending[seq.request_id] = at
         live.set_limit(seq)  # 0: the next token takes the checked path
     return changed
 
@@ -97,9 +96,7 @@ def fill(live: LiveSequences, request_ids, tokens) -> None:
         if seq.request_id not in pending:
             raise InvalidRequestError(f"request {seq.request_id!r} has no pending token")
     for seq, t in zip(seqs, vals, strict=True):
-        at = pending.pop(seq.request_id)
-        seq.truncate(at)
-        seq.append(t)
+        seq.overwrite(pending.pop(seq.request_id), t)
         live.set_limit(seq)
 
 

@@ -154,3 +154,20 @@ def test_integrity_catches_a_lost_mark():
     seq.tokens[-1] = 5
     with pytest.raises(IntegrityError, match="pending"):
         m.verify_integrity()
+
+
+def test_a_pending_token_inside_a_store_prefix():
+    """A sequence moved into the token store with its pending token inside the row's prefix
+    (its tokens encoded whole) still gets the id written where the mark was."""
+    m = make_manager(primary_blocks=16)
+    _decoding(m, 1)
+    m.add_pending_tokens(["r0"])
+    seq = m._seqs["r0"]
+    seq.prompt_path = None  # no reusable prompt encoding: the move encodes every token as the prefix
+    with pytest.raises(InvalidRequestError):
+        m.add_tokens(["r0"], [1])  # refused; the batched path moved the tokens into the store first
+    assert seq.tokens is None and seq.store.base_of[seq.row] == 6
+    m.verify_integrity()
+    m.set_pending_tokens(["r0"], [42])
+    assert seq.token_list()[-1] == 42
+    m.verify_integrity()
