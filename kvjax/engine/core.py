@@ -37,10 +37,11 @@ the rows `_forward_step` would build, the in-flight tokens fed from step n's dev
 Invariants: (a) device order: every forward and transfer consumes the pools the previous one
 returned, so work dispatched later (a forward writing a block the ledger handed to another
 request, a transfer of the next plan moving a block) runs after every earlier step finished
-writing; the plan of step n+1 is applied after step n's forward and before its own. (b) The ledger never lets a block be stored for reuse (hashed,
-matched, published) while it holds an unknown id or KV of a step not yet read: in-flight tokens
-hold pending positions (`add_pending_tokens`), always a request's newest token, which no store
-covers, and stores run after the step that wrote the blocks is read. (c) A request that stops
+writing; the plan of step n+1 is applied after step n's forward and before its own. (b) The
+ledger never lets a block be stored for reuse (hashed, matched, published) while it holds an
+unknown id or KV of a step not yet read: in-flight tokens hold pending positions
+(`add_pending_tokens`), always a request's newest token, which no store covers, and stores run
+after the step that wrote the blocks is read. (c) A request that stops
 in step n wastes at most its one row of step n+1; its pending position is dropped with it,
 never cached. Penalties / min_tokens requests, multi-process ranks and runners without
 `dispatch` step synchronously.
