@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="reuse cached prefixes (default on)")
     sv.add_argument("--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching")
+    sv.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="schedule and dispatch step n+1 while step n runs on the device, reading tokens one "
+                         "step late (default off; penalties / min_tokens requests step synchronously)")
     sv.add_argument("--policy", choices=["guaranteed_no_evict", "max_utilization"])
     sv.add_argument("--queue-policy", choices=["fcfs", "lpm"], help="waiting-queue order (default fcfs)")
     sv.add_argument("--max-wait-steps", type=_positive_int, help="lpm starvation guard (engine steps)")

@@ -38,6 +38,8 @@ def serve_options(args) -> dict[str, Any]:
         raise ValueError("--no-prefix-caching contradicts --enable-prefix-caching")
     if args.no_prefix_caching or args.enable_prefix_caching is False:
         options["enable_block_reuse"] = False
+    if getattr(args, "async_scheduling", None) is not None:
+        options["async_scheduling"] = args.async_scheduling
     return options
 
 

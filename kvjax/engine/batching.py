@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvjax._math import ceil_div
 from kvjax.device.buckets import bucket
+from kvjax.errors import InvalidArgumentError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +209,26 @@ class StepBatch:
         """int [num_rows]: where each real row sits among the batch's `Bd + Bp` rows."""
         bd = self.shape.decode_rows
         return np.concatenate([np.arange(self.num_decode), bd + np.arange(self.num_prefill)])
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFeed:
+    """Decode rows whose input token an earlier dispatch is still sampling: decode row i takes
+    `tokens[index[i]]` (`tokens`: that dispatch's `PendingStep.tokens`, int32 [R'] on the
+    device; `index` int32 [rows of the decode group], positions in it); -1 keeps the batch's
+    own token."""
+
+    tokens: Any
+    index: np.ndarray
+
+    def device_index(self, batch: StepBatch) -> np.ndarray:
+        """int32 [Bd]: `index` padded to the batch's decode group (padding rows keep theirs)."""
+        bd = batch.shape.decode_rows
+        if self.index.ndim != 1 or len(self.index) > batch.num_decode:
+            raise InvalidArgumentError(f"a feed of shape {self.index.shape} for {batch.num_decode} decode rows")
+        out = np.full(bd, -1, np.int32)  # [Bd]
+        out[: len(self.index)] = self.index
+        return out
 
 
 def _powers(lo: int, hi: int) -> list[int]:

@@ -13,7 +13,9 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
 [engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
          "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
          prefill_rows, max_steps, rank_check_interval (steps between two comparisons of the
-         ranks' ledger digests when a mesh spans processes; see `kvjax.engine.ranks`)
+         ranks' ledger digests when a mesh spans processes; see `kvjax.engine.ranks`),
+         async_scheduling (true: step n+1 is scheduled and dispatched while step n runs on
+         the device; see `kvjax.engine.overlap`)
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ _STR_KEYS = {"policy", "queue_policy", "event_hash", "kv_cache_dtype"}
 #: `kv_cache_dtype` values: "auto" keeps the model's dtype; "fp8" names e4m3 (as vLLM's flag does).
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "float32": "float32", "bfloat16": "bfloat16",
                    "float16": "float16", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
-_BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix"}
+_BOOL_KEYS = {"enable_block_reuse", "enable_partial_reuse", "copy_on_partial_reuse", "onboard_blocks", "defer_shared_prefix",
+              "async_scheduling"}
 
 
 def _check_keys(table: str, values: Mapping[str, Any], known, source: str) -> None:
@@ -67,15 +70,18 @@ class EngineConfig:
     buckets: Buckets = Buckets()
     max_steps: int = 1_000_000
     rank_check_interval: int = 1
+    async_scheduling: bool = False  # overlap step n+1's host work with step n's device work (kvjax.engine.overlap)
 
     KEYS = ("policy", "max_batch_size", "max_num_tokens", "defer_shared_prefix", "queue_policy", "max_wait_steps",
             "min_batch_bucket", "min_chunk_bucket", "min_blocks_bucket", "prefill_rows", "max_steps",
-            "rank_check_interval")
+            "rank_check_interval", "async_scheduling")
 
     def __post_init__(self) -> None:
         v = self.rank_check_interval
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"rank_check_interval must be a positive int, got {v!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "<engine>") -> EngineConfig:
@@ -99,7 +105,8 @@ class EngineConfig:
             max_steps = v.get("max_steps", cls.max_steps)
             if max_steps < 1:
                 raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-            return cls(sched, buckets, max_steps, v.get("rank_check_interval", cls.rank_check_interval))
+            return cls(sched, buckets, max_steps, v.get("rank_check_interval", cls.rank_check_interval),
+                       v.get("async_scheduling", cls.async_scheduling))
         except ValueError as e:
             raise ValueError(f"{source}: [engine] {e}") from None
 

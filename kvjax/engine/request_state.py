@@ -8,6 +8,10 @@ tokens generated so far, so the ledger's prefix reuse recovers what it had compu
 The token sampled at the end of a step is *pending*: it enters the ledger (`add_token`) at
 the start of the next step that schedules the request, which is when its KV gets written.
 
+With overlap (`EngineConfig.async_scheduling`) a token is *in flight* between the step that
+samples it and the next step's end, when the host reads it: its position is reserved in the
+ledger (`add_pending_tokens`) and the next decode row takes it from the device.
+
 A request ends with a finish reason: "stop" (an end-of-sequence token: the work item's
 `eos_id` or one of `eos_ids`; a stop token of `stop_ids`; or a stop string found by
 `LLMEngine`), "length" (`max_new_tokens` reached) or "abort" (taken out by `abort_request` or a shutdown).
@@ -63,6 +67,8 @@ class LiveRequest:
     phase: Phase = Phase.WAITING
     output: list[int] = dataclasses.field(default_factory=list)
     pending: int | None = None  # sampled, not yet in the ledger
+    in_flight: int = 0  # tokens a dispatched, not yet fetched step is sampling (overlap: kvjax.engine.overlap)
+    wasted_rows: int = 0  # rows dispatched for it after it had finished (overlap: at most one)
     context: list[int] = dataclasses.field(default_factory=list)  # prompt of the current admission
     context_pos: int = 0  # tokens of `context` whose KV is materialised
     admissions: list[Admission] = dataclasses.field(default_factory=list)

@@ -12,7 +12,11 @@ Dispatch is kept cheap: the weights are flattened once (a list of arrays; the nn
 merged back inside the trace only), and a step ships three host arrays (`StepBatch.rows`,
 `StepBatch.tokens`, float32 temperature / top_p [rows, 2]) plus, only when asked, the extras.
 `dispatch` returns at once with a `PendingStep` (the device works on); its `fetch` is the
-blocking read of the sampled tokens. `run` is both.
+blocking read of the sampled tokens. `run` is both. A later dispatch may take decode rows' input
+tokens straight from an earlier step's device tokens (`TokenFeed`, `PendingStep.tokens`), so an
+overlapped engine (kvjax/engine/overlap.py) never waits for a step's tokens before sending the
+next; the feed is a small jitted op of its own that writes those rows' `tokens[:, TOK_ID]`, so
+the step program is the same with and without it.
 
 The pools are donated (the forward writes K/V in place); only the sampled tokens and two
 float32 diagnostics per row (the chosen token's logit and the top-2 margin) come back to the
@@ -41,6 +45,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Int
 
 from kvjax.engine.batching import (
     ROW_INDEX,
@@ -56,6 +61,7 @@ from kvjax.engine.batching import (
     StepExtras,
     StepOutput,
     StepShape,
+    TokenFeed,
     build_step,
 )
 from kvjax.engine.sampling import apply_penalties, sample, token_logprobs
@@ -67,7 +73,7 @@ log = logging.getLogger("kvjax.engine.runner")
 
 class PendingStep:
     """A dispatched step: the device is computing; `fetch()` waits for it and returns the
-    real rows' `StepOutput` (numpy)."""
+    real rows' `StepOutput` (numpy). `tokens` (device) feeds a later dispatch (`TokenFeed`)."""
 
     def __init__(self, out: Any, batch: StepBatch, on_fetch=None) -> None:
         self._out = out
@@ -77,6 +83,17 @@ class PendingStep:
     def arrays(self):
         """The step's device outputs (tokens, chosen, margins, extras), not waited for."""
         return self._out
+
+    @property
+    def tokens(self):
+        """The sampled tokens on the device, not waited for: int32 [Bd + Bp], padding rows
+        included (real row i is at `real_rows[i]`)."""
+        return self._out[0]
+
+    @property
+    def real_rows(self) -> np.ndarray:
+        """int [rows]: where each real row's token sits in `tokens`."""
+        return self._batch.real_rows
 
     def fetch(self) -> StepOutput:
         tok, chosen, margin, more = jax.device_get(self._out)
@@ -154,6 +171,8 @@ class ModelRunner:
             return out, pools
 
         self._step = jax.jit(step, donate_argnums=(1,), static_argnames=("shape", "windows", "logprobs"))
+        self._feed = jax.jit(_feed_tokens)
+        self.num_feeds = 0  # dispatches whose decode rows took tokens from an earlier step's device tokens
 
     # ------------------------------------------------------------------ the core's device side
     def batch(self, ledger, decode: list[Row], prefill: list[Row], buckets) -> StepBatch:
@@ -235,6 +254,7 @@ class ModelRunner:
         index: np.ndarray,
         top_k: np.ndarray | None = None,
         extras: StepExtras | None = None,
+        feed: TokenFeed | None = None,
     ) -> tuple[PendingStep, Any]:
         """Start the step's forward and sampling of `batch`; returns at once with
         (`PendingStep`, the new pools) (the old pools are donated).
@@ -242,6 +262,7 @@ class ModelRunner:
         temperature, top_p: float32 [rows]; seed, index, top_k: int32 [rows] (rows: the batch's
         real rows, decode then prefill; top_k <= 0 or None: no top-k). `extras` rows likewise,
         except `prompt_targets`: int32 [prefill rows, T]. Fills `batch.rows`' sampling columns.
+        `feed`: decode rows whose input token an earlier, unread dispatch is sampling.
         """
         shape = batch.shape
         if shape not in self.shapes:  # the wait a first request of a new shape sees, said when it starts
@@ -249,6 +270,10 @@ class ModelRunner:
         self.shapes.add(shape)
         traces, start = self.num_traces, time.perf_counter()
         args, static = self.step_inputs(batch, temperature, top_p, seed, index, top_k, extras)
+        if feed is not None:  # [N, 2 + W]: the fed decode rows' ids from the device, not the host
+            index_d = feed.device_index(batch)  # [Bd]
+            args = (args[0], args[1], self._feed(args[2], feed.tokens, self._global(index_d)), *args[3:])
+            self.num_feeds += 1
         self.num_forwards += 1
         out, pools = self._step(self._weights, pools, *args, **static)
         on_fetch = None
@@ -271,3 +296,12 @@ class ModelRunner:
         """`dispatch` then `fetch`: (the real rows' `StepOutput`, the new pools)."""
         pending, pools = self.dispatch(pools, batch, temperature, top_p, seed, index, top_k, extras)
         return pending.fetch(), pools
+
+
+def _feed_tokens(tokens: Int[Array, "N C"], prev: Int[Array, " P"], index: Int[Array, " Bd"]) -> Int[Array, "N C"]:
+    """tokens with each fed decode row's id (`TOK_ID` of the first `Bd` tokens: the decode
+    group, one token per row) taken from `prev` (an earlier step's sampled tokens)."""
+    bd = index.shape[0]
+    own = tokens[:bd, TOK_ID]  # [Bd]
+    fed = jnp.where(index >= 0, prev[jnp.maximum(index, 0)], own)  # [Bd]
+    return tokens.at[:bd, TOK_ID].set(fed)

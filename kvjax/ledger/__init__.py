@@ -24,6 +24,7 @@ from kvjax.ledger.events import (
 )
 from kvjax.ledger.inspection import BlockInfo, LedgerInspector, TreeSize
 from kvjax.ledger.kv_cache_manager import KVCacheManager
+from kvjax.ledger.pending_tokens import PENDING_TOKEN
 from kvjax.ledger.recurrent import RecurrentStep
 from kvjax.ledger.scheduler_queries import PrefixReuseSummary
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
@@ -31,6 +32,7 @@ from kvjax.ledger.transfer_failures import TransferFailure
 from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
 
 __all__ = [
+    "PENDING_TOKEN",
     "PLACEHOLDER_BLOCK_ID",
     "SHA256_ROOT_HASH",
     "BlockHash",

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvjax.errors import DuplicateRequestError, InvalidArgumentError, OutOfBlocksError
+from kvjax.errors import DuplicateRequestError, InvalidArgumentError, InvalidRequestError, OutOfBlocksError
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID
 from kvjax.ledger.growth import add_token_slow, checked_token
 from kvjax.ledger.live_sequences import DecodeBatch, LiveSequences
@@ -147,7 +147,7 @@ def add_tokens(bm: BlockManager, live: LiveSequences, request_ids: Sequence[Hash
         tok.append_rows(rows, counts, arr)
         return False
     at = np.flatnonzero(event)  # [k]
-    if bad is None and not bm.detaching and grow_batched(bm, live, batch, counts, arr, at):
+    if bad is None and not bm.detaching and not live.pending and grow_batched(bm, live, batch, counts, arr, at):
         return True
     vals = arr.tolist() if given is None else given
     plans = plan_rows(bm, live, ids, vals, at.tolist(), checked=True)  # raises before any change
@@ -279,6 +279,8 @@ def plan_rows(
         if n <= live.limit_of(seq) and type(token) is int and 0 <= token <= INT32_MAX:
             out.append((r, _PLAIN, token))
             continue
+        if live.pending and rid in live.pending:
+            raise InvalidRequestError(f"request {rid!r}: its newest token is pending (set_pending_tokens first)")
         token = checked_token(bm, seq, token, n)
         if free is None:
             free = [wm.num_free_primary for wm in windows]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from kvjax._math import ceil_div
 from kvjax.errors import IntegrityError
+from kvjax.ledger import pending_tokens
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
@@ -43,6 +44,7 @@ def verify_ledger(bm: BlockManager, live: LiveSequences) -> None:
     table, each sequence's blocks, the free queues, reference counts and slots, then the tree."""
     _verify_token_homes(live)
     _verify_sequence_limits(bm, live)
+    pending_tokens.verify(bm, live)
     for wm in bm.windows:
         _verify_window(bm, wm, live.seqs)
     _verify_tree(bm)
@@ -65,7 +67,7 @@ def _verify_sequence_limits(bm: BlockManager, live: LiveSequences) -> None:
     no self-attention sequence holds fewer tokens than its prompt."""
     limits = live.tok.limit
     for rid, seq in live.seqs.items():
-        limit = bm.fast_limit(seq)
+        limit = 0 if rid in live.pending else bm.fast_limit(seq)
         if seq.tokens is not None:
             if seq.limit != limit or seq.row != -1:
                 _fail(f"request {rid!r}: its token list has a stale limit, or it also holds a token-store row")

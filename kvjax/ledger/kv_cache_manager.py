@@ -20,7 +20,7 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ArgumentTypeError, InvalidRequestError, KVCacheError, UnknownRequestError
-from kvjax.ledger import admission, decode_batch, recurrent, rewind, scheduler_queries, storing
+from kvjax.ledger import admission, decode_batch, pending_tokens, recurrent, rewind, scheduler_queries, storing
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.concurrency import reader, writer
 from kvjax.ledger.events import KVCacheEvent
@@ -153,6 +153,7 @@ class KVCacheManager:
         lock = self._lock  # the fast path above takes no lock (kvjax/ledger/concurrency.py)
         lock.acquire()
         try:
+            pending_tokens.refuse_growth(self._live, request_id)
             if tokens is None:  # a batched step moved them into the store: a list again
                 self._live.to_list(seq)
             add_token_slow(self._bm, self._live, seq, token, seq.num_tokens + 1)
@@ -174,6 +175,34 @@ class KVCacheManager:
         finally:
             lock.release()
 
+    def add_pending_tokens(self, request_ids: Sequence[Hashable]) -> None:
+        """`add_tokens` of tokens whose ids are not known yet (an overlapped engine's step n+1
+        reserves the positions of the tokens step n is still sampling on the device): each
+        request grows by one position, its block allocated as `add_tokens` would, holding
+        `PENDING_TOKEN` until `set_pending_tokens`. Until then the request takes no other token
+        and no stored block covers the position (kvjax/ledger/pending_tokens.py). Atomic, with
+        `add_tokens`' checks and errors; one-beam self-attention requests without extra ids
+        only, and none whose newest token is already pending (`InvalidRequestError`)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            pending_tokens.add_pending(self._bm, self._live, request_ids)
+            self._version += 1
+        finally:
+            lock.release()
+
+    @writer
+    def set_pending_tokens(self, request_ids: Sequence[Hashable], tokens: Sequence[int] | np.ndarray) -> None:
+        """Write the ids of the requests' pending tokens (`add_pending_tokens`); every id must
+        be live and pending, every token an int in [0, 2**31): else `InvalidRequestError`
+        (unknown ids `UnknownRequestError`) and nothing changes."""
+        pending_tokens.fill(self._live, request_ids, tokens)
+
+    @reader
+    def pending_tokens(self) -> dict[Hashable, int]:
+        """Requests whose newest token is pending, with its position."""
+        return dict(self._live.pending)
+
     @writer
     def rewind(self, request_id: Hashable, n: int) -> None:
         """Drop the last `n` generated tokens (rejected draft tokens). Blocks left empty are
@@ -188,6 +217,7 @@ class KVCacheManager:
         rewind.check_rewind(self._bm, seq, n)
         if n:
             rewind.rewind(self._bm, seq, n)
+            self._live.truncated(seq)
             self._live.set_limit(seq)
 
     @writer
@@ -523,7 +553,8 @@ class KVCacheManager:
         live = self._live
         live.pause_fast_path()
         try:
-            state = (self._transfers.state(), tuple(sorted(live.kv_valid.items(), key=repr)))
+            state = (self._transfers.state(), tuple(sorted(live.kv_valid.items(), key=repr)),
+                     tuple(sorted(live.pending.items(), key=repr)))
             return ledger_snapshot(self._bm, live.seqs) + state
         finally:
             live.resume_fast_path()

@@ -44,7 +44,7 @@ class LiveSequences:
     `seqs` and `tok` are never rebound: the facade keeps them as its own names for the
     lock-free `add_token` path."""
 
-    __slots__ = ("bm", "seqs", "listed", "tok", "new_in_store", "batch", "table_rows", "kv_valid")
+    __slots__ = ("bm", "seqs", "listed", "tok", "new_in_store", "batch", "table_rows", "kv_valid", "pending")
 
     def __init__(self, bm: BlockManager) -> None:
         self.bm = bm  # for `fast_limit`, a function of the sequence's blocks
@@ -61,6 +61,7 @@ class LiveSequences:
         self.batch: DecodeBatch | None = None
         self.table_rows: dict[int, tuple[Sequence[Hashable], int, np.ndarray]] = {}  # window index -> last ids, epoch, rows
         self.kv_valid: dict[Hashable, int] = {}  # request -> valid KV length after a failed transfer
+        self.pending: dict[Hashable, int] = {}  # request -> position of its pending token (`pending_tokens`)
 
     # ------------------------------------------------------------------ lookups
     def get(self, request_id: Hashable) -> TrackedSequence:
@@ -107,6 +108,7 @@ class LiveSequences:
         self.listed.pop(rid, None)
         del self.seqs[rid]
         self.kv_valid.pop(rid, None)
+        self.pending.pop(rid, None)
 
     # ------------------------------------------------------------------ where the tokens are
     def to_list(self, seq: TrackedSequence) -> None:
@@ -133,12 +135,19 @@ class LiveSequences:
     def set_limit(self, seq: TrackedSequence) -> None:
         """File the sequence's limit (`BlockManager.fast_limit`: `add_token` only appends
         below it) with its tokens, list or store row; called after every change to its
-        blocks, windows or tokens on a locked path."""
-        limit = self.bm.fast_limit(seq)
+        blocks, windows or tokens on a locked path. A sequence whose newest token is pending
+        gets 0: its next token takes the checked path, which refuses it (`pending_tokens`)."""
+        limit = 0 if self.pending and seq.request_id in self.pending else self.bm.fast_limit(seq)
         if seq.tokens is not None:
             seq.limit = limit
         else:
             self.tok.set_limit(seq.row, limit)
+
+    def truncated(self, seq: TrackedSequence) -> None:
+        """A rewind kept the first `num_tokens` tokens: a pending token past them is gone."""
+        at = self.pending.get(seq.request_id) if self.pending else None
+        if at is not None and at >= seq.num_tokens:
+            del self.pending[seq.request_id]
 
     def limit_of(self, seq: TrackedSequence) -> int:
         """The limit `set_limit` filed, wherever the sequence's tokens are."""

@@ -237,6 +237,13 @@ class TrackedSequence:
         else:
             self.store.append(self.row, token)
 
+    def overwrite(self, pos: int, token: int) -> None:
+        """Token `pos` (a generated one) becomes `token` (a pending token's id, or its mark)."""
+        if self.tokens is not None:
+            self.tokens[pos] = token
+        else:
+            self.store.overwrite(self.row, pos, token)
+
     def truncate(self, n: int) -> None:
         """Keep the first `n` tokens (a rewind)."""
         if self.tokens is not None:

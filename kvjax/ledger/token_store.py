@@ -174,6 +174,18 @@ class TokenStore:
         self.flat_of[self.tail_of[r] + at] = token
         self.count_of[r] = n + 1
 
+    def overwrite(self, r: int, pos: int, token: int) -> None:
+        """Token `pos` of row `r` becomes `token` (a pending token's id, or its mark)."""
+        base = self.base_of[r]
+        pages = self.row_pages[r]
+        assert pages is not None and 0 <= pos < self.count_of[r]
+        if pos < base:  # inside the immutable prefix: a new bytes object
+            old = self.prefix[r]
+            self.prefix[r] = old[: pos * _UNIT] + struct.pack("i", token) + old[(pos + 1) * _UNIT :]
+            return
+        at = pos - base
+        self.flat_of[pages[at // PAGE] * PAGE + (at & MASK)] = token
+
     def extend(self, r: int, tokens: list[int]) -> None:
         """Tokens at the end of row `r` (checked ints in [0, 2**31)): one copy per page."""
         if len(tokens) == 1:  # the usual move into the store: the prompt's last token

@@ -139,11 +139,30 @@ class TimeModelRunner:
 
     def run(self, pools, batch, temperature, top_p, seed, index, top_k=None, extras=None):
         """One step's forward (`ModelRunner.run`'s interface): (`StepOutput`, pools)."""
+        pending, pools = self.dispatch(pools, batch, temperature, top_p, seed, index, top_k, extras)
+        return pending.fetch(), pools
+
+    def dispatch(self, pools, batch, temperature, top_p, seed, index, top_k=None, extras=None, feed=None):
+        """`ModelRunner.dispatch`'s interface: the simulated tokens depend on (seed, index) only,
+        so a `feed` changes nothing; `fetch()` returns them at once."""
         self.forwards += 1
         n = batch.num_rows
         toks = simulated_tokens(seed, index, self.vocab_size, self.avoid)
         zeros = np.zeros(n, np.float32)
-        return StepOutput(toks, zeros, zeros), pools
+        return SimulatedStep(toks, StepOutput(toks, zeros, zeros)), pools
+
+
+class SimulatedStep:
+    """A `PendingStep` of the time model: its `tokens` (one per real row: `real_rows` is the
+    identity), what a later step's feed would read, and `fetch()`."""
+
+    def __init__(self, tokens: np.ndarray, result: StepOutput) -> None:
+        self.tokens = tokens
+        self.real_rows = np.arange(len(tokens))
+        self.result = result
+
+    def fetch(self) -> StepOutput:
+        return self.result
 
 
 class VirtualClock:

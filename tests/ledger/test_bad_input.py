@@ -77,6 +77,21 @@ MANAGER_ROWS = [
         set(),
         {"list": UnknownRequestError, None: InvalidArgumentError},
     ),
+    ("add_pending_tokens.request_id", lambda m, v: m.add_pending_tokens(["a", v]), set(), UnknownRequestError),
+    (
+        "add_pending_tokens.request_ids",
+        lambda m, v: m.add_pending_tokens(v),
+        set(),
+        {"list": UnknownRequestError, "array": UnknownRequestError, None: InvalidArgumentError},
+    ),
+    ("set_pending_tokens.token", lambda m, v: m.set_pending_tokens(["a"], [v]), set(), InvalidRequestError),
+    (
+        "set_pending_tokens.tokens",
+        lambda m, v: m.set_pending_tokens(["a"], v),
+        set(),
+        {"list": InvalidRequestError, "array": InvalidArgumentError, None: InvalidArgumentError},
+    ),
+    ("set_pending_tokens.request_id", lambda m, v: m.set_pending_tokens([v], [1]), set(), UnknownRequestError),
     ("store_new_blocks.request_id", lambda m, v: m.store_new_blocks(["a", v]), set(), UnknownRequestError),
     (
         "store_new_blocks.request_ids",
@@ -473,7 +488,7 @@ def test_every_public_method_is_in_the_table():
     """A new public method must join the table above (or be argument-free)."""
     covered = {name.split(".")[0] for name, *_ in MANAGER_ROWS}
     no_args = {"stats", "iteration_stats", "refresh_blocks", "flush_iteration_events", "take_transfers",
-               "verify_integrity", "snapshot", "start_scheduling", "reset_prefix_cache"}
+               "verify_integrity", "snapshot", "start_scheduling", "reset_prefix_cache", "pending_tokens"}
     id_only = {"store_context_blocks", "store_new_block", "pin_blocks"}  # unknown ids: test_errors.py
     public = {n for n in dir(KVCacheManager) if not n.startswith("_") and callable(getattr(KVCacheManager, n))}
     assert public - covered - no_args - id_only == set()

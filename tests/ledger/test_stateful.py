@@ -34,6 +34,7 @@ KV unnoticed.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from ledger_helpers import FakeClock, SlotModel, make_config, salt, tag
@@ -413,6 +414,77 @@ class LedgerMachine(RuleBasedStateMachine):
             n = lengths[rid]
             self._check_query_windows(rid, n, n)
             self._unwritten(rid, [n])
+
+    @precondition(lambda self: self._decoding())
+    @rule(data=st.data(), store=st.booleans())
+    def overlapped_step(self, data, store):
+        """An overlapped engine's decode step (kvjax/ledger/pending_tokens.py): the positions of
+        tokens still being sampled are reserved (`add_pending_tokens`), stores may run while
+        they are pending, then each id arrives (`set_pending_tokens`), or its request stops
+        (the position rewound, then removed with its blocks stored), or is removed while its
+        token is still unknown. A pending id never reaches the tree: the slot model's content
+        checks would see it."""
+        rids = data.draw(st.lists(st.sampled_from(self._decoding()), min_size=1, max_size=4, unique=True), label="rids")
+        rids = [r for r in rids if len(self.live[r]["beams"]) == 1 and self.live[r]["extra"] is None
+                and len(self.live[r]["beams"][0]) < self.max_seq_len]
+        if not rids:
+            return
+        self._engine_step()
+        lengths = {rid: len(self.live[rid]["beams"][0]) for rid in rids}
+        for rid in rids:
+            self._write(rid, [lengths[rid] - 1])
+        before = self.m.snapshot()
+        try:
+            self.m.add_pending_tokens(rids)
+        except OutOfBlocksError:
+            assert self.m.snapshot() == before
+            return
+        event("overlapped step")
+        assert self.m.pending_tokens() == lengths
+        self.m.verify_integrity()
+        self._engine_step()  # transfers (an evicted block's offload) before the forward writes
+        for rid in rids:  # the next forward writes the pending position's KV
+            self._unwritten(rid, [lengths[rid]])
+        held = self.m.snapshot()
+        with pytest.raises(InvalidRequestError, match="pending"):
+            self.m.add_tokens(rids, [0] * len(rids))
+        assert self.m.snapshot() == held
+        if store:
+            self.m.store_new_blocks(rids)
+            self.m.verify_integrity()
+        fill, toks, finish = [], [], []
+        for rid in rids:
+            fate = data.draw(st.sampled_from(["token", "token", "stop", "abort", "rewind"]), label="fate")
+            if fate == "stop":  # stopped: removed with the wasted row's position never filled
+                self.m.remove_sequence(rid, store_for_reuse=True)
+                del self.live[rid]
+            elif fate == "rewind":
+                before = self.m.snapshot()
+                try:
+                    self.m.rewind(rid, 1)
+                except (OutOfBlocksError, InvalidRequestError) as e:  # a copy with no free block, a released window
+                    assert isinstance(e, OutOfBlocksError) or "released" in str(e)
+                    assert self.m.snapshot() == before
+                    fill.append(rid)
+                    toks.append(0)
+            else:
+                fill.append(rid)
+                toks.append(data.draw(st.integers(0, 3), label="token"))
+                if fate == "abort":  # its id arrived, then it left (an abort, a stop string)
+                    finish.append(rid)
+        self.m.set_pending_tokens(fill, toks)
+        assert self.m.pending_tokens() == {}
+        for rid, t in zip(fill, toks, strict=True):
+            info = self.live[rid]
+            info["beams"][0].append(t)
+            info["longest"] = max(info["longest"], lengths[rid] + 1)
+        for rid in finish:
+            self.m.remove_sequence(rid, store_for_reuse=True)
+            del self.live[rid]
+        self._engine_step()
+        for rid in fill:
+            if rid in self.live:
+                self._check_query_windows(rid, lengths[rid], lengths[rid])
 
     @precondition(lambda self: any(i["prefilled"] < i["prompt_len"] for i in self.live.values()))
     @rule(data=st.data(), store=st.booleans())

@@ -235,3 +235,12 @@ def test_api_keys_from_the_flag_or_vllm_env():
     assert api_keys(["a", "b"], {"VLLM_API_KEY": "e"}) == ("a", "b")  # the flag wins, as in vLLM
     with pytest.raises(ValueError, match="must not be empty"):
         api_keys([""], {})
+
+
+@pytest.mark.parametrize("flag, on", [([], False), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_serve_async_scheduling_flag(monkeypatch, capsys, flag, on):
+    """vLLM's --async-scheduling / --no-async-scheduling reach the core (default off)."""
+    seen = _fake_serve(monkeypatch)
+    assert main(["serve", "micro", "--primary-blocks", "16", "--max-model-len", "128", *flag]) == 0, capsys.readouterr().err
+    core = seen["engine"].core
+    assert core.cfg.async_scheduling is on and core.overlap is on

@@ -401,6 +401,36 @@ def test_shutdown_lets_short_requests_finish(stack):
     srv.engine_loop.engine.core.verify_idle()
 
 
+def test_async_scheduling_serves_the_same_tokens(stack):
+    """A server whose engine overlaps steps (`kvjax serve --async-scheduling`): concurrent
+    completions, one ended by a stop string found a step late, get the serial offline
+    engine's tokens and texts; the engine ends idle (its last wasted rows read)."""
+    llm = LLM(stack.model, tokenizer=stack.tokenizer, runner=stack.runner, **OPTIONS, **ENGINE)
+    prompts = ["Hello", "The sky is", "kvjax pages", "overlap"]
+    offline = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    text = offline[1].outputs[0].text
+    stop = next(text[j : j + 2] for j in range(1, len(text) - 2) if "\ufffd" not in text[j : j + 2])
+    stopped = llm.generate(prompts[1], SamplingParams(max_tokens=8, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    srv = stack.server(stack.engine(async_scheduling=True)).start()
+    try:
+        assert srv.engine_loop.engine.core.overlap
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(prompt, stops=None):
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stop=stops,
+                                             extra_body={"return_token_ids": True}).choices[0]
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(ask, p) for p in prompts] + [pool.submit(ask, prompts[1], [stop])]
+            got = [f.result() for f in futures]
+        for choice, off in zip(got, offline, strict=False):
+            assert choice.token_ids == off.outputs[0].token_ids and choice.text == off.outputs[0].text
+        assert got[4].text == stopped.text and got[4].finish_reason == "stop"
+    finally:
+        srv.stop()
+    srv.engine_loop.engine.core.verify_idle()
+
+
 def test_compilations_stay_bounded(stack):
     """Every request of this module ran on at most three executables, one step shape each:
     decode rows [4, 1] alone, a prefill row [1, 64] alone, or both in one forward, one
