@@ -324,3 +324,122 @@ def test_recurrent_window_refuses_pins_and_restores():
     m.pin_host_slots(64, [0])  # the attention window takes host pins
     m.unpin_host_slots(64, [0])
     m.verify_integrity()
+
+
+def test_restore_commit_emits_stored_events_on_the_host_tier():
+    from kvjax.ledger.events import StoredData
+
+    m = make_manager(primary_blocks=6, secondary_blocks=4, event_buffer_max_size=64)
+    seed(m, "a", R(5))
+    m.flush_iteration_events()
+    m.get_latest_events()
+    r = m.reserve_restore(Request("r", list(R(17))), 3)
+    m.commit_restore(r)
+    m.flush_iteration_events()
+    stored = [e.data for e in m.get_latest_events() if isinstance(e.data, StoredData)]
+    assert len(stored) == 1
+    assert stored[0].parent_hash == m.inspector.block_hash(0)
+    assert [b.tokens for b in stored[0].blocks] == [tuple(R(4, 8)), tuple(R(8, 12)), tuple(R(12, 16))] or [
+        tuple(t.token_id for t in b.tokens) for b in stored[0].blocks
+    ] == [tuple(R(4, 8)), tuple(R(8, 12)), tuple(R(12, 16))]
+    assert [b.cache_level for b in stored[0].blocks] == [1, 1, 1]
+
+
+# --------------------------------------------------------------------------- random driver
+# two shared first blocks, each followed by three tails (prompts of 9..18 tokens)
+PROMPTS = [
+    list(R(p * 100, p * 100 + 4)) + list(R(1000 + 7 * k, 1000 + 7 * k + n)) for p in (0, 1) for k, n in ((0, 9), (1, 14), (2, 5))
+]
+
+
+@pytest.mark.parametrize("seed_", [0, 1, 2, 3])
+def test_random_driver_keeps_pins_and_restores_consistent(seed_):
+    """Admissions, removals, tokens, offloads, host pins (by the engine and the evict guard),
+    restores (commit / abort) and evictions, with `verify_integrity()` after every operation,
+    a model of the host pins, and: a pinned host slot is never an op's destination, never
+    evicted, and needed_blocks_one_step's guarantee holds with host-pinned matches."""
+    import random
+
+    from kvjax.transfer_plan import TransferKind
+
+    rng = random.Random(seed_)
+    m = make_manager(primary_blocks=10, secondary_blocks=5, max_seq_len=64)
+    model: dict[int, int] = {}
+    keep = seed_ % 2 == 1  # half the runs with an evict guard that keeps some host blocks
+
+    def guard(window, h, slot):
+        k = keep and rng.random() < 0.15
+        if k:
+            model[slot] = model.get(slot, 0) + 1
+        return k
+
+    m.enable_host_notices(evict_guard=guard)
+    tickets: list[int] = []
+    live: list[str] = []
+    n = 0
+    seen = dict.fromkeys(("pinned_hit", "committed", "refused", "evicting"), 0)
+    for step in range(500):
+        pinned_before = {s for s, c in model.items() if c}
+        op = rng.random()
+        if op < 0.3:
+            n += 1
+            req = Request(f"r{n}", rng.choice(PROMPTS), max_new_tokens=8)
+            fits = m.needed_blocks_one_step(req) <= m.num_free_blocks()
+            try:
+                m.add_sequence(req)
+                live.append(req.request_id)
+            except OutOfBlocksError:
+                assert not fits, "needed_blocks_one_step promised room"
+                seen["refused"] += 1
+        elif op < 0.45 and live:
+            rid = live.pop(rng.randrange(len(live)))
+            m.remove_sequence(rid, store_for_reuse=rng.random() < 0.8)
+        elif op < 0.55 and live:
+            rid = rng.choice(live)
+            try:
+                m.add_token(rid, rng.randrange(50))
+            except (OutOfBlocksError, InvalidRequestError):
+                pass
+        elif op < 0.69 and any(model.values()):
+            s = rng.choice([s for s, c in model.items() if c])
+            m.unpin_host_slots(None, [s])
+            model[s] -= 1
+        elif op < 0.82:
+            try:
+                r = m.reserve_restore(Request("q", rng.choice(PROMPTS)), rng.randrange(1, 4))
+                tickets.append(r.ticket)
+                assert not set(r.host_slots[0]) & pinned_before
+            except (OutOfBlocksError, InvalidRequestError):
+                pass
+        elif op < 0.9 and tickets:
+            t = tickets.pop(rng.randrange(len(tickets)))
+            if rng.random() < 0.7:
+                seen["committed"] += m.commit_restore(t, rng.choice([None, 0, 1]) if rng.random() < 0.5 else None)
+            else:
+                m.abort_restore(t)
+        else:
+            m.refresh_blocks()
+        plan = m.take_transfers()  # applied each step, as an engine does
+        for kind, dst in zip(plan.kind, plan.dst, strict=True):
+            if kind == int(TransferKind.OFFLOAD):
+                assert int(dst) not in pinned_before  # a pinned host slot is never overwritten
+        m.transfers_applied(plan)
+        # the engine polls notices after each call: a stored block's put pins its slot
+        for note in m.take_host_notices():
+            assert note.kind != HostNoticeKind.EVICTING or note.host_slot not in pinned_before
+            seen["pinned_hit"] += note.kind == HostNoticeKind.HIT and note.host_slot in pinned_before
+            seen["evicting"] += note.kind == HostNoticeKind.EVICTING
+            if note.kind == HostNoticeKind.STORED and rng.random() < 0.5:
+                m.pin_host_slots(None, [note.host_slot])
+                model[note.host_slot] = model.get(note.host_slot, 0) + 1
+        m.verify_integrity()
+        assert m.host_slot_pins() == {s: c for s, c in model.items() if c}, step
+    assert all(seen.values()), seen  # the driver reached every path
+    for t in tickets:
+        m.abort_restore(t)
+    for s, c in list(model.items()):
+        m.unpin_host_slots(None, [s] * c)
+    for rid in live:
+        m.remove_sequence(rid)
+    m.verify_integrity()
+    assert m.num_free_secondary_blocks() == 5 and m.host_slot_pins() == {}
