@@ -58,21 +58,21 @@ def reserve(bm: BlockManager, live: LiveSequences, request: Request, num_blocks:
                 break
             wm.queues.set_retention(b, DEFAULT_PRIORITY, None)
             got.append(b)
-        blocks[wm.index] = got
+        blocks[wm.window] = got
         n = min(n, len(got))
     for wm in bm.windows:  # every window the same count: the guard may have kept some
-        extra = blocks[wm.index][n:]
-        del blocks[wm.index][n:]
+        extra = blocks[wm.window][n:]
+        del blocks[wm.window][n:]
         for b in extra:
             wm.refs.release(b)
     if n == 0:
         raise OutOfBlocksError("no free host block to restore into (the evict guard kept every one)")
     hub = hub_of(bm)
     for wm, t in zip(bm.windows, tiers, strict=True):
-        for b in blocks[wm.index]:
+        for b in blocks[wm.window]:
             wm.refs.pin[b] += 1  # the claim's reference is the reservation's pin
             t.reserved.add(b)
-    slots = {w: [bm.windows[w].columns.slot[b] for b in bs] for w, bs in blocks.items()}
+    slots = {wm.window: [wm.columns.slot[b] for b in blocks[wm.window]] for wm in bm.windows}
     path = prompt_path(bm, seq, (first + n) * tpb)
     r = Restore(hub.next_id(), path, first, n, blocks, slots)
     hub.restores[r.ticket] = r
@@ -90,7 +90,7 @@ def _open(bm: BlockManager, ticket: object) -> Restore:
 
 def _unreserve(bm: BlockManager, r: Restore) -> None:
     for w, bs in r.blocks.items():
-        wm = bm.windows[w]
+        wm = bm.windows[bm.window_index[w]]
         t = tier_of(wm)
         assert t is not None
         for b in bs:
@@ -107,7 +107,7 @@ def commit(bm: BlockManager, ticket: object, num_arrived: object = None) -> int:
     _unreserve(bm, r)
     cached = 0
     for w, bs in r.blocks.items():
-        wm = bm.windows[w]
+        wm = bm.windows[bm.window_index[w]]
         attached: set[int] = set()
         if n:
             row = [PLACEHOLDER_BLOCK_ID] * r.first + bs[:n]
@@ -123,4 +123,4 @@ def abort(bm: BlockManager, ticket: object) -> None:
     _unreserve(bm, r)
     for w, bs in r.blocks.items():
         for b in bs:
-            bm.windows[w].refs.release(b)
+            bm.windows[bm.window_index[w]].refs.release(b)

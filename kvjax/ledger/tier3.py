@@ -70,8 +70,9 @@ class Tier3Hub:
 
 @dataclasses.dataclass(slots=True)
 class Restore:
-    """Host blocks reserved for a request's tier-3 blocks: `blocks[w]` (window index -> block
-    ids, one per restored position) for prompt blocks `first .. first + len - 1`."""
+    """Host blocks reserved for a request's prompt blocks `first .. first + num_blocks - 1`:
+    `blocks[w]` (window size -> block ids, one per position) and `host_slots[w]` (their host
+    slots: what the store's gets fill)."""
 
     ticket: int
     path: Any  # the request's TokenPath from the root to the last restored block
@@ -260,9 +261,9 @@ def verify_tier3(bm: BlockManager, fail: Callable[[str], Any]) -> None:
         for b in t.reserved:
             if wm.block_node[b] >= 0:
                 fail(f"window {wm.window}: reserved block {b} is in the tree")
-            if held.get((wm.index, b)) != 1:
-                fail(f"window {wm.window}: reserved block {b} is held by {held.get((wm.index, b), 0)} restores")
-        if sum(1 for (w, _) in held if w == wm.index) != len(t.reserved):
+            if held.get((wm.window, b)) != 1:
+                fail(f"window {wm.window}: reserved block {b} is held by {held.get((wm.window, b), 0)} restores")
+        if sum(1 for (w, _) in held if w == wm.window) != len(t.reserved):
             fail(f"window {wm.window}: open restores hold blocks not marked reserved")
 
 

@@ -8,7 +8,7 @@ from ledger_helpers import cached_ids, free_order, make_manager, plan_ops
 
 from kvjax import InvalidArgumentError, InvalidRequestError, OutOfBlocksError, Request, UnknownBlockError
 from kvjax.config import RECURRENT_STATES
-from kvjax.ledger.tier3 import HostNoticeKind
+from kvjax.ledger import HostNotice, HostNoticeKind
 
 R = range
 
@@ -35,7 +35,6 @@ def test_notices_off_by_default_and_cheap():
     m = make_manager(primary_blocks=4, secondary_blocks=2)
     seed(m, "a", R(9))
     m.add_sequence(Request("b", list(R(100, 116))))
-    assert m.inspector is not None
     assert all(wm.tier3 is None for wm in m._bm.windows)  # nothing built until first used
     m.verify_integrity()
 
@@ -217,7 +216,7 @@ def test_restore_commit_caches_blocks_a_later_admission_onboards():
     req = Request("r", list(R(17)))  # 4 reusable full blocks: 1 local, ask 3 from tier 3
     r = m.reserve_restore(req, 3)
     assert (r.first, r.num_blocks) == (1, 3)
-    slots = r.host_slots[0]
+    slots = r.host_slots[64]
     assert len(set(slots)) == 3 and m.num_free_secondary_blocks() == 1
     m.verify_integrity()
     assert m.analyze_prefix_reuse(req).total_matched_tokens == 4  # not in the tree yet
@@ -305,7 +304,7 @@ def test_restore_bad_input_changes_nothing():
             m.commit_restore(r, n)
         assert m.snapshot() == snap
     with pytest.raises(InvalidRequestError):
-        m.pin_host_slots(None, r.host_slots[0][:1])  # reserved
+        m.pin_host_slots(None, r.host_slots[64][:1])  # reserved
     assert m.snapshot() == snap
 
 
@@ -352,8 +351,9 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("vswa", [False, True], ids=["full", "vswa"])
 @pytest.mark.parametrize("seed_", [0, 1, 2, 3])
-def test_random_driver_keeps_pins_and_restores_consistent(seed_):
+def test_random_driver_keeps_pins_and_restores_consistent(seed_, vswa):
     """Admissions, removals, tokens, offloads, host pins (by the engine and the evict guard),
     restores (commit / abort) and evictions, with `verify_integrity()` after every operation,
     a model of the host pins, and: a pinned host slot is never an op's destination, never
@@ -363,12 +363,14 @@ def test_random_driver_keeps_pins_and_restores_consistent(seed_):
     from kvjax.transfer_plan import TransferKind
 
     rng = random.Random(seed_)
-    m = make_manager(primary_blocks=10, secondary_blocks=5, max_seq_len=64)
+    kw = dict(num_layers=2, attention_windows=(8, 64), event_buffer_max_size=4096) if vswa else {}
+    m = make_manager(primary_blocks=10, secondary_blocks=5, max_seq_len=64, **kw)
+    win = 64 if vswa else None  # the driver pins host slots of the full-attention window
     model: dict[int, int] = {}
     keep = seed_ % 2 == 1  # half the runs with an evict guard that keeps some host blocks
 
     def guard(window, h, slot):
-        k = keep and rng.random() < 0.15
+        k = keep and window == (win or 64) and rng.random() < 0.15
         if k:
             model[slot] = model.get(slot, 0) + 1
         return k
@@ -384,7 +386,7 @@ def test_random_driver_keeps_pins_and_restores_consistent(seed_):
         if op < 0.3:
             n += 1
             req = Request(f"r{n}", rng.choice(PROMPTS), max_new_tokens=8)
-            fits = m.needed_blocks_one_step(req) <= m.num_free_blocks()
+            fits = all(m.needed_blocks_one_step(req, window=w) <= m.num_free_blocks(w) for w in m.windows)
             try:
                 m.add_sequence(req)
                 live.append(req.request_id)
@@ -402,13 +404,13 @@ def test_random_driver_keeps_pins_and_restores_consistent(seed_):
                 pass
         elif op < 0.69 and any(model.values()):
             s = rng.choice([s for s, c in model.items() if c])
-            m.unpin_host_slots(None, [s])
+            m.unpin_host_slots(win, [s])
             model[s] -= 1
         elif op < 0.82:
             try:
                 r = m.reserve_restore(Request("q", rng.choice(PROMPTS)), rng.randrange(1, 4))
                 tickets.append(r.ticket)
-                assert not set(r.host_slots[0]) & pinned_before
+                assert not set(r.host_slots[win or 64]) & pinned_before
             except (OutOfBlocksError, InvalidRequestError):
                 pass
         elif op < 0.9 and tickets:
@@ -420,26 +422,71 @@ def test_random_driver_keeps_pins_and_restores_consistent(seed_):
         else:
             m.refresh_blocks()
         plan = m.take_transfers()  # applied each step, as an engine does
-        for kind, dst in zip(plan.kind, plan.dst, strict=True):
-            if kind == int(TransferKind.OFFLOAD):
+        for kind, pool, dst in zip(plan.kind, plan.pool, plan.dst, strict=True):
+            if kind == int(TransferKind.OFFLOAD) and m.config.pools[int(pool)].window == (win or 64):
                 assert int(dst) not in pinned_before  # a pinned host slot is never overwritten
         m.transfers_applied(plan)
         # the engine polls notices after each call: a stored block's put pins its slot
         for note in m.take_host_notices():
-            assert note.kind != HostNoticeKind.EVICTING or note.host_slot not in pinned_before
-            seen["pinned_hit"] += note.kind == HostNoticeKind.HIT and note.host_slot in pinned_before
+            ours = note.window == (win or 64)
+            assert note.kind != HostNoticeKind.EVICTING or not ours or note.host_slot not in pinned_before
+            seen["pinned_hit"] += note.kind == HostNoticeKind.HIT and ours and note.host_slot in pinned_before
             seen["evicting"] += note.kind == HostNoticeKind.EVICTING
-            if note.kind == HostNoticeKind.STORED and rng.random() < 0.5:
-                m.pin_host_slots(None, [note.host_slot])
+            if note.kind == HostNoticeKind.STORED and ours and rng.random() < 0.5:
+                m.pin_host_slots(win, [note.host_slot])
                 model[note.host_slot] = model.get(note.host_slot, 0) + 1
         m.verify_integrity()
-        assert m.host_slot_pins() == {s: c for s, c in model.items() if c}, step
+        assert m.host_slot_pins(win) == {s: c for s, c in model.items() if c}, step
+    if vswa:  # two windows share the primary pool pressure: pinned hits are rarer there
+        seen.pop("pinned_hit")
     assert all(seen.values()), seen  # the driver reached every path
     for t in tickets:
         m.abort_restore(t)
     for s, c in list(model.items()):
-        m.unpin_host_slots(None, [s] * c)
+        m.unpin_host_slots(win, [s] * c)
     for rid in live:
         m.remove_sequence(rid)
     m.verify_integrity()
-    assert m.num_free_secondary_blocks() == 5 and m.host_slot_pins() == {}
+    assert m.num_free_secondary_blocks() == 5 and m.host_slot_pins(win) == {}
+
+
+def test_reset_prefix_cache_keeps_host_pinned_blocks_cached():
+    m = make_manager(primary_blocks=4, secondary_blocks=2)
+    fill_host(m)
+    m.pin_host_slots(None, [0])
+    pinned = {b for b in cached_ids(m) if m.block(b).level == 1 and m.block(b).slot == 0}
+    m.reset_prefix_cache()
+    assert cached_ids(m) == pinned
+    m.verify_integrity()
+
+
+def test_notice_records_are_frozen():
+    m = make_manager(primary_blocks=4, secondary_blocks=2)
+    m.enable_host_notices()
+    note = fill_host(m)[0]
+    assert isinstance(note, HostNotice)
+    with pytest.raises(AttributeError):
+        note.host_slot = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("corrupt", ["slot_pins", "block_pins", "reserved"])
+def test_verify_integrity_catches_broken_host_pins(corrupt):
+    from kvjax.errors import IntegrityError
+
+    m = make_manager(primary_blocks=6, secondary_blocks=4)
+    seed(m, "a", R(5))
+    r = m.reserve_restore(Request("r", list(R(13))), 1)
+    m.pin_host_slots(None, [s for s in R(4) if s not in r.host_slots[64]][:1])
+    m.verify_integrity()
+    wm = m._bm.windows[0]
+    t = wm.tier3
+    if corrupt == "slot_pins":
+        t.pins[r.host_slots[64][0]] += 1
+    elif corrupt == "block_pins":
+        b = next(iter(t.reserved))
+        wm.refs.pin[b] += 1
+        wm.refs.ref[b] += 1
+    else:
+        t.reserved.clear()
+    with pytest.raises(IntegrityError):
+        m.verify_integrity()
