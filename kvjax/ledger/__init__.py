@@ -22,12 +22,14 @@ from kvjax.ledger.events import (
     StoredData,
     UpdatedData,
 )
+from kvjax.ledger.host_notices import HostNotice, HostNoticeKind
 from kvjax.ledger.inspection import BlockInfo, LedgerInspector, TreeSize
 from kvjax.ledger.kv_cache_manager import KVCacheManager
 from kvjax.ledger.pending_tokens import PENDING_TOKEN
 from kvjax.ledger.recurrent import RecurrentStep
 from kvjax.ledger.scheduler_queries import PrefixReuseSummary
 from kvjax.ledger.stats import IterationStats, KVCacheStats, RequestStats
+from kvjax.ledger.tier3 import Restore
 from kvjax.ledger.transfer_failures import TransferFailure
 from kvjax.transfer_plan import TransferKind, TransferOp, TransferPlan
 
@@ -40,6 +42,8 @@ __all__ = [
     "BlockInfo",
     "BlockKey",
     "CreatedData",
+    "HostNotice",
+    "HostNoticeKind",
     "IterationStats",
     "KVCacheEvent",
     "KVCacheManager",
@@ -50,6 +54,7 @@ __all__ = [
     "RecurrentStep",
     "RemovedData",
     "RequestStats",
+    "Restore",
     "StoredBlock",
     "StoredColumns",
     "StoredData",

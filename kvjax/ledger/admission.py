@@ -193,7 +193,7 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
             partial.setdefault(wa.partial[0], []).append(i)
         fresh += wm.fresh_need(wa.num_shared - wa.num_matched_positions + wa.num_per_beam * adm.seq.beam_width)
     # Matched blocks that are free leave the free pool: primary ones are held, secondary
-    # ones need an onboard target (referenced blocks are always primary).
+    # ones need an onboard target (referenced blocks are primary, but for host-pinned ones).
     if len(plans) == 1:
         wa = plans[0].windows[idx]
         free_matched = wa.free = [b for b in wm.real_blocks(wa.matched) if not ref[b]]  # unreferenced = queued
@@ -201,6 +201,9 @@ def window_need(wm: WindowBlockManager, plans: list[AdmissionPlan]) -> WindowNee
         free_matched = list(dict.fromkeys(b for adm in plans for b in adm.windows[idx].matched if b is not None and not ref[b]))
     held = sum(1 for b in free_matched if level[b] == PRIMARY) if wm.num_secondary else len(free_matched)
     claims = len(free_matched) - held  # onboard targets
+    if wm.tier3 is not None:  # host-pinned blocks are referenced and secondary: onboarded too
+        pinned = {b for adm in plans for b in adm.windows[idx].matched if b is not None and ref[b] and level[b] == SECONDARY}
+        claims += len(pinned)
     released = 0
     in_place: dict[int, int | None] = {}
     if partial:

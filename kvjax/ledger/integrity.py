@@ -22,6 +22,7 @@ from kvjax.ledger import pending_tokens
 from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY
 from kvjax.ledger.free_queues import NOT_FREE, NUM_PRIORITIES
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
+from kvjax.ledger.tier3 import verify_tier3
 from kvjax.ledger.token_path import child_key
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ def verify_ledger(bm: BlockManager, live: LiveSequences) -> None:
     for wm in bm.windows:
         _verify_window(bm, wm, live.seqs)
     _verify_tree(bm)
+    verify_tier3(bm, _fail)
 
 
 # ------------------------------------------------------------------ sequences

@@ -20,7 +20,17 @@ import numpy as np
 
 from kvjax.config import CacheConfig
 from kvjax.errors import ArgumentTypeError, InvalidRequestError, KVCacheError, UnknownRequestError
-from kvjax.ledger import admission, decode_batch, pending_tokens, recurrent, rewind, scheduler_queries, storing
+from kvjax.ledger import (
+    admission,
+    decode_batch,
+    pending_tokens,
+    recurrent,
+    restores,
+    rewind,
+    scheduler_queries,
+    storing,
+    tier3,
+)
 from kvjax.ledger.block_manager import BlockManager
 from kvjax.ledger.concurrency import reader, writer
 from kvjax.ledger.events import KVCacheEvent
@@ -558,3 +568,61 @@ class KVCacheManager:
             return ledger_snapshot(self._bm, live.seqs) + state
         finally:
             live.resume_fast_path()
+
+    # ------------------------------------------------------------------ tier-3 hooks (kvjax.ledger.tier3)
+    @writer
+    def enable_host_notices(self, evict_guard: tier3.EvictGuard | None = None) -> None:
+        """Start collecting `HostNotice`s (`take_host_notices`); `evict_guard(window, block_hash,
+        host_slot) -> bool`, if given, is asked before a cached host block is evicted (True:
+        keep it host-pinned; release it with `unpin_host_slots`). It must not raise or call
+        the ledger."""
+        if evict_guard is not None and not callable(evict_guard):
+            raise ArgumentTypeError(f"evict_guard must be callable or None, got {evict_guard!r}")
+        hub = tier3.hub_of(self._bm)
+        hub.listening = True
+        hub.guard = evict_guard
+
+    @writer
+    def take_host_notices(self) -> list[tier3.HostNotice]:
+        """The host notices since the last call, in order (see `kvjax.ledger.tier3`)."""
+        return tier3.take_notices(self._bm)
+
+    @writer
+    def pin_host_slots(self, window: int | None, slots: Iterable[int]) -> None:
+        """One host pin per listed host slot (counted: pin twice, unpin twice): the block owning
+        it is never evicted nor its slot reused until `unpin_host_slots`."""
+        wm = window_manager(self._bm, window)
+        tier3.check_host_window(wm)
+        checked = tier3.check_slots(wm, slots)
+        tier3.host_tier(self._bm, wm).pin(checked)
+
+    @writer
+    def unpin_host_slots(self, window: int | None, slots: Iterable[int]) -> None:
+        """Drop one host pin per listed host slot (every one must be pinned that often)."""
+        wm = window_manager(self._bm, window)
+        tier3.check_host_window(wm)
+        checked = tier3.check_slots(wm, slots)
+        tier3.host_tier(self._bm, wm).unpin(checked)
+
+    @reader
+    def host_slot_pins(self, window: int | None = None) -> dict[int, int]:
+        """Host slot -> host pins, for the pinned slots of `window`."""
+        wm = window_manager(self._bm, window)
+        t = tier3.tier_of(wm)
+        return {} if t is None else t.pinned()
+
+    @writer
+    def reserve_restore(self, request: Request, num_blocks: int) -> tier3.Restore:
+        """Reserve host blocks for up to `num_blocks` of the request's blocks after its local
+        prefix match (`kvjax.ledger.restores`); fill their `host_slots`, then commit or abort."""
+        return restores.reserve(self._bm, self._live, request, num_blocks)
+
+    @writer
+    def commit_restore(self, ticket: tier3.Restore | int, num_arrived: int | None = None) -> int:
+        """The first `num_arrived` (None: all) restored blocks arrived: cache them, free the rest."""
+        return restores.commit(self._bm, ticket, num_arrived)
+
+    @writer
+    def abort_restore(self, ticket: tier3.Restore | int) -> None:
+        """Free a restore's host blocks; nothing is cached."""
+        restores.abort(self._bm, ticket)

@@ -14,6 +14,7 @@ admission splits a prompt) is declared here as the kind interface and stated by 
 from __future__ import annotations
 
 import abc
+import array
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -25,6 +26,7 @@ from kvjax.ledger.block_columns import PLACEHOLDER_BLOCK_ID, PRIMARY, SECONDARY,
 from kvjax.ledger.block_tables import SlotTable
 from kvjax.ledger.events import add_stored_blocks, new_columns
 from kvjax.ledger.free_queues import FreeQueues
+from kvjax.ledger.host_notices import HostHooks, HostNoticeKind
 from kvjax.ledger.packing import int_array, packer
 from kvjax.ledger.radix_tree import NO_BLOCK, ROOT
 from kvjax.ledger.refs import RefCounts
@@ -98,6 +100,7 @@ class WindowBlockManager(abc.ABC):
         self.refs = RefCounts(self.num_blocks, self.queues)
         self.block_node = tree.block_node[index]  # read-only here: the tree changes it
         self.counters = Counters()
+        self.tier3: HostHooks | None = None  # tier-3 hooks (`kvjax.ledger.tier3`), set on first use
         if events is not None:
             events.created(window, self.num_primary, self.num_secondary)
 
@@ -268,10 +271,7 @@ class WindowBlockManager(abc.ABC):
         if self.block_node[victim] < 0:
             c.alloc_new += 1
             b = victim
-        elif can_offload and self.offload_enabled and queues.num_free[SECONDARY]:
-            spare, _ = refs.claim_victim(SECONDARY)
-            if self.block_node[spare] >= 0:
-                self.drop_cached(spare)
+        elif can_offload and self.offload_enabled and queues.num_free[SECONDARY] and (spare := self._host_spare()) >= 0:
             slot = self.columns.slot
             self.recorder.record(_OFFLOAD, self.pools, slot[victim], slot[spare], self.tokens_per_block)
             self.columns.swap_memory(victim, spare)
@@ -280,6 +280,8 @@ class WindowBlockManager(abc.ABC):
             c.offload_bytes += self.block_bytes
             if self.events is not None:
                 self.events.updated(self.window, self.block_hash(victim), cache_level=(PRIMARY, SECONDARY))
+            if self.tier3 is not None:
+                self.tier3.notice(HostNoticeKind.STORED, victim)
             b = spare
         else:
             if self.events is not None:
@@ -289,6 +291,16 @@ class WindowBlockManager(abc.ABC):
             b = victim
         queues.set_retention(b, DEFAULT_PRIORITY if priority is None else priority, duration)
         return b
+
+    def _host_spare(self) -> int:
+        """Claim the host victim an offload copies into (its cached content evicted; with tier-3
+        hooks on, an evict guard may keep it): the block, or -1 when none is left."""
+        spare, _ = self.refs.claim_victim(SECONDARY)
+        if self.block_node[spare] >= 0:
+            if self.tier3 is not None:
+                return self.tier3.evict_spare(spare)
+            self.drop_cached(spare)
+        return spare
 
     def take_fresh(self, count: int, retention: list[tuple[int | None, float | None]] | None) -> list[int]:
         """`count` blocks from `get_free_block`, each referenced once; `retention` holds each
@@ -324,8 +336,13 @@ class WindowBlockManager(abc.ABC):
         """Bring a claimed secondary block back to primary memory (swap with a fresh block)."""
         target = self.get_free_block(DEFAULT_PRIORITY, None)
         slot = self.columns.slot
+        tier3 = self.tier3
+        if tier3 is not None:
+            tier3.notice(HostNoticeKind.HIT, b)
         self.recorder.record(_ONBOARD, self.pools, slot[b], slot[target], self.tokens_per_block)
         self.columns.swap_memory(b, target)
+        if tier3 is not None:
+            tier3.onboarded(b, target)  # host pins follow the host slot
         self.refs.release(target)  # now owns secondary memory: back to the secondary queues
         c = self.counters
         c.onboarded += 1
@@ -339,6 +356,8 @@ class WindowBlockManager(abc.ABC):
         dst = self.get_free_block(priority, duration)
         slot = self.columns.slot
         kind = _COPY if self.columns.level[src] == PRIMARY else _ONBOARD
+        if kind == _ONBOARD and self.tier3 is not None:
+            self.tier3.notice(HostNoticeKind.HIT, src)
         self.recorder.record(kind, self.pools, slot[src], slot[dst], num_tokens)
         c = self.counters
         c.copied += 1
@@ -497,6 +516,17 @@ class WindowBlockManager(abc.ABC):
         if events is not None:
             self._emit_stored(attached, moves, None if seq.extra_ids is not None else seq, num_tokens)
         return len(attached)
+
+    def attach_restored(self, path: TokenPath, n_blocks: int, blocks: list[int]) -> list[int]:
+        """Cache restored host blocks: `blocks[d]` at depth d of `path` (a path from the root;
+        negative entries attach nothing), with their Stored events. A position already holding a
+        block keeps it. Returns the blocks attached."""
+        moves: list[tuple[int, object]] = []
+        ids = array.array("i", blocks)
+        attached, _ = self.tree.insert(self.index, path, (ROOT, -1), n_blocks, n_blocks, ids, lambda d, b: None)
+        if attached and self.events is not None:
+            self._emit_stored(attached, moves, None, n_blocks * self.tokens_per_block)
+        return [b for _, b in attached]
 
     def _extend_own_leaf(self, seq: TrackedSequence, sw: SequenceWindow, pos: tuple[int, int], depth: int) -> int:
         """A decode step's store: the sequence's block `depth`, one new full block, attached

@@ -62,6 +62,9 @@ def cases(rows):
     return out
 
 
+HOST_SLOTS = {"array": UnknownBlockError, None: InvalidArgumentError}  # [1, 2]: slot 2 is out of range
+HOST_SLOT = {"huge": UnknownBlockError, "negative": UnknownBlockError, None: InvalidArgumentError}
+
 # (name, call(manager, value), classes that are valid there, error or {class: error, None: default})
 MANAGER_ROWS = [
     ("add_token.token", lambda m, v: m.add_token("a", v), {"list"}, InvalidRequestError),
@@ -234,6 +237,19 @@ MANAGER_ROWS = [
         {"huge": TransferSequenceError, None: InvalidArgumentError},
     ),
     ("transfers_failed.op_indices", lambda m, v: m.transfers_failed(m._transfers.issued, v), {"none"}, InvalidArgumentError),
+    # tier-3 hooks (kvjax.ledger.tier3): the busy manager has host slots 0 and 1
+    ("pin_host_slots.slots", lambda m, v: m.pin_host_slots(None, v), {"list"}, HOST_SLOTS),
+    ("pin_host_slots.slot", lambda m, v: m.pin_host_slots(None, [0, v]), set(), HOST_SLOT),
+    ("pin_host_slots.window", lambda m, v: m.pin_host_slots(v, [0]), {"none"}, InvalidArgumentError),
+    ("unpin_host_slots.slots", lambda m, v: m.unpin_host_slots(None, v), set(), HOST_SLOTS),
+    ("unpin_host_slots.slot", lambda m, v: m.unpin_host_slots(None, [v]), set(), HOST_SLOT),
+    ("unpin_host_slots.window", lambda m, v: m.unpin_host_slots(v, [0]), set(), InvalidArgumentError),
+    ("host_slot_pins.window", lambda m, v: m.host_slot_pins(v), {"none"}, InvalidArgumentError),
+    ("enable_host_notices.evict_guard", lambda m, v: m.enable_host_notices(v), {"none"}, InvalidArgumentError),
+    ("reserve_restore.request", lambda m, v: m.reserve_restore(v, 1), set(), InvalidRequestError),
+    ("reserve_restore.num_blocks", lambda m, v: m.reserve_restore(Request("q", list(range(17))), v), set(), InvalidArgumentError),
+    ("commit_restore.ticket", lambda m, v: m.commit_restore(v), set(), InvalidArgumentError),
+    ("abort_restore.ticket", lambda m, v: m.abort_restore(v), set(), InvalidArgumentError),
     (
         "transfers_applied.plan",
         lambda m, v: m.transfers_applied(v),
@@ -488,7 +504,8 @@ def test_every_public_method_is_in_the_table():
     """A new public method must join the table above (or be argument-free)."""
     covered = {name.split(".")[0] for name, *_ in MANAGER_ROWS}
     no_args = {"stats", "iteration_stats", "refresh_blocks", "flush_iteration_events", "take_transfers",
-               "verify_integrity", "snapshot", "start_scheduling", "reset_prefix_cache", "pending_tokens"}
+               "verify_integrity", "snapshot", "start_scheduling", "reset_prefix_cache", "pending_tokens",
+               "take_host_notices"}
     id_only = {"store_context_blocks", "store_new_block", "pin_blocks"}  # unknown ids: test_errors.py
     public = {n for n in dir(KVCacheManager) if not n.startswith("_") and callable(getattr(KVCacheManager, n))}
     assert public - covered - no_args - id_only == set()
