@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, CheckpointError, CheckpointTensors
+from kvjax.checkpoint_files import CheckpointTensors
 from kvjax.models.layers import shapes_only
 
 
@@ -65,22 +65,7 @@ def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: l
 
     `optional`: tensor names a checkpoint may carry that the model does not use (a tied head)."""
     tensors = CheckpointTensors(directory)
-    wanted = {s.name for s in sources}
-    missing = sorted(wanted - set(tensors))
-    if missing:
-        raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
-    for s in sources:
-        info = tensors.info(s.name)
-        if info.shape != s.hf_shape:
-            raise CheckpointError(f"{directory}: tensor {s.name!r} has shape {list(info.shape)}, config.json "
-                                  f"implies {list(s.hf_shape)}")
-        if info.dtype not in ("F32", "F16", "BF16"):
-            raise CheckpointError(f"{directory}: tensor {s.name!r} is {info.dtype}; kvjax loads float32, float16 "
-                                  "and bfloat16 weights")
-    for name in tensors:
-        if name not in wanted and name not in optional and not name.endswith(RECOMPUTED_SUFFIXES):
-            raise CheckpointError(f"{directory}: unexpected tensor {name!r} (kvjax would not use it; refusing "
-                                  "rather than ignore it)")
+    tensors.check_names({s.name: s.hf_shape for s in sources}, lambda name: name in optional)
     with shapes_only():
         model = nnx.eval_shape(build)
     target = np.dtype(jnp.dtype(dtype))
