@@ -185,14 +185,8 @@ class GraniteSpec:
             mamba_proj_bias=f.flag("mamba_proj_bias"),
             max_seq_len=f.int("max_position_embeddings"),
             tie_embeddings=f.flag("tie_word_embeddings"),
-            dtype=_finish(f, strict),
+            dtype=f.close(_IGNORED, strict),
         )
-
-
-def _finish(f: ConfigReader, strict: bool) -> str:
-    dtype = f.dtype()
-    f.finish(_IGNORED, strict)
-    return dtype
 
 
 class Mamba2(nnx.Module):

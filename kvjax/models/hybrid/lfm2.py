@@ -138,14 +138,8 @@ class Lfm2Spec:
             rope_theta=f.rope_theta(),
             max_seq_len=f.int("max_position_embeddings"),
             tie_embeddings=tie,
-            dtype=_finish(f, strict),
+            dtype=f.close(_IGNORED, strict),
         )
-
-
-def _finish(f: ConfigReader, strict: bool) -> str:
-    dtype = f.dtype()
-    f.finish(_IGNORED, strict)
-    return dtype
 
 
 class ShortConv(nnx.Module):
