@@ -16,13 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax.errors import InvalidArgumentError
 from kvjax.hf_config import read_config
-from kvjax.models.hybrid.blocks import HybridAttention, check_chunk
+from kvjax.models.hybrid.blocks import HybridAttention, HybridLM
 from kvjax.models.hybrid.config import ConfigReader
 from kvjax.models.hybrid.conv import causal_conv1d, conv_state_zeros
 from kvjax.models.hybrid.loading import Source, heads_in, heads_out, load_into, same, transpose
-from kvjax.models.hybrid.state import ConvState, HybridState, KVState
+from kvjax.models.hybrid.state import ConvState
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
 
 MODEL_TYPE = "lfm2"
@@ -203,64 +202,19 @@ class Lfm2Layer(nnx.Module):
         return x + self.mlp(self.ffn_norm(x)), new_state
 
 
-class Lfm2(nnx.Module):
+class Lfm2(HybridLM):
     """The LFM2 causal LM. `dense_forward` (no state, the oracle) and `forward_chunk` (prefill
     chunks of any size and decode steps, carrying `HybridState`) give the same logits."""
 
+    spec: Lfm2Spec
+
     def __init__(self, spec: Lfm2Spec, *, rngs: nnx.Rngs):
-        self.spec = spec
-        dtype = jnp.dtype(spec.dtype)
-        self.dtype = dtype
-        self.embed = nnx.Param(normal_init(rngs.params(), (spec.vocab_size, spec.hidden_size), 1, dtype))  # [V, D]
-        self.layers = nnx.List([Lfm2Layer(spec, t, dtype=dtype, rngs=rngs) for t in spec.layer_types])
-        self.final_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps, dtype=dtype)  # transformers: embedding_norm
-        if spec.tie_embeddings:
-            self.lm_head: nnx.Param | None = None
-        else:
-            self.lm_head = nnx.Param(normal_init(rngs.params(), (spec.hidden_size, spec.vocab_size),
-                                                 spec.hidden_size, dtype))  # [D, V]
+        # the final norm is transformers' embedding_norm
+        super().__init__(spec, lambda kind, dtype: Lfm2Layer(spec, kind, dtype=dtype, rngs=rngs), rngs=rngs)
 
-    def init_state(self, batch: int, max_len: int) -> HybridState:
-        """A fresh state for `batch` rows of at most `max_len` tokens (the attention caches' size)."""
-        if batch < 1 or max_len < 1:
-            raise InvalidArgumentError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
+    def _recurrent_state(self, kind: str, batch: int) -> ConvState | None:
         s = self.spec
-        layers: list[Any] = []
-        for t in s.layer_types:
-            if t == "conv":
-                layers.append(ConvState(conv=conv_state_zeros(batch, s.conv_kernel, s.hidden_size, self.dtype)))
-            else:
-                shape = (batch, max_len, s.num_kv_heads, s.head_dim)  # [B, S, K, H]
-                layers.append(KVState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype)))
-        return HybridState(layers=tuple(layers), length=jnp.zeros((), jnp.int32))
-
-    def _logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
-        x = self.final_norm(x)  # [B, T, D]
-        if self.lm_head is None:
-            return einsum("btd,vd->btv", x, self.embed[...]).astype(jnp.float32)  # [B, T, V]
-        return einsum("btd,dv->btv", x, self.lm_head[...]).astype(jnp.float32)  # [B, T, V]
-
-    def dense_forward(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S V"]:
-        """float32 logits of every position, everything recomputed (the oracle)."""
-        b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, S, D]
-        for layer in self.layers:
-            x, _ = layer(x, positions, None, None)
-        return self._logits(x)
-
-    def forward_chunk(self, tokens: Int[Array, "B T"], state: HybridState
-                      ) -> tuple[Float[Array, "B T V"], HybridState]:
-        """The next T tokens of every row after `state.length` tokens: (float32 logits [B, T, V], state)."""
-        check_chunk(tokens, state, self.spec.vocab_size)
-        b, t = tokens.shape
-        positions = state.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
-        new_layers = []
-        for layer, layer_state in zip(self.layers, state.layers, strict=True):
-            x, new = layer(x, positions, layer_state, state.length)
-            new_layers.append(new)
-        return self._logits(x), HybridState(layers=tuple(new_layers), length=state.length + t)
+        return ConvState(conv=conv_state_zeros(batch, s.conv_kernel, s.hidden_size, self.dtype)) if kind == "conv" else None
 
 
 def lfm2_sources(spec: Lfm2Spec) -> tuple[list[Source], tuple[str, ...]]:
