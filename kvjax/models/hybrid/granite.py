@@ -24,11 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax.hf_config import read_config
 from kvjax.models.hybrid.blocks import HybridAttention, HybridLM
 from kvjax.models.hybrid.config import ConfigReader
 from kvjax.models.hybrid.conv import causal_conv1d, conv_state_zeros
-from kvjax.models.hybrid.loading import Source, heads_in, heads_out, load_into, rows, same, transpose
+from kvjax.models.hybrid.loading import Source, attention_sources, head_sources, load_family, rows, same, transpose
 from kvjax.models.hybrid.ssd import ssd_chunked, ssd_recurrent
 from kvjax.models.hybrid.state import MambaState
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
@@ -301,12 +300,8 @@ class Granite(HybridLM):
 
 def granite_sources(spec: GraniteSpec) -> tuple[list[Source], tuple[str, ...]]:
     """(checkpoint tensor -> parameter table, tensors a checkpoint may carry unused)."""
-    d, n, k, h, f, v = (spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size,
-                        spec.vocab_size)
-    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
-           Source("model.norm.weight", ("final_norm", "scale"), (d,), same)]
-    if not spec.tie_embeddings:
-        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    d, n, k, h, f = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size
+    out, optional = head_sources(spec, "norm")
     inner, nh, conv = spec.mamba_inner, spec.mamba_heads, spec.conv_channels
     width = inner + conv + nh
     for i, kind in enumerate(spec.layer_types):
@@ -333,25 +328,19 @@ def granite_sources(spec: GraniteSpec) -> tuple[list[Source], tuple[str, ...]]:
                         Source(mp + "out_proj.bias", m + ("out_bias",), (d,), same)]
         else:
             a, ap = lay + ("attn",), p + "self_attn."
-            out += [Source(ap + "q_proj.weight", a + ("wq",), (n * h, d), heads_in(n, h)),
-                    Source(ap + "k_proj.weight", a + ("wk",), (k * h, d), heads_in(k, h)),
-                    Source(ap + "v_proj.weight", a + ("wv",), (k * h, d), heads_in(k, h)),
-                    Source(ap + "o_proj.weight", a + ("wo",), (d, n * h), heads_out(n, h))]
+            out += attention_sources(ap, a, spec, "o_proj")
             if spec.attention_bias:
                 out += [Source(ap + "q_proj.bias", a + ("bq",), (n * h,), lambda x: x.reshape(n, h)),
                         Source(ap + "k_proj.bias", a + ("bk",), (k * h,), lambda x: x.reshape(k, h)),
                         Source(ap + "v_proj.bias", a + ("bv",), (k * h,), lambda x: x.reshape(k, h)),
                         Source(ap + "o_proj.bias", a + ("bo",), (d,), same)]
-    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+    return out, optional
 
 
 def load_granite(path: str | Path, *, dtype: Any = None, strict_config: bool = False) -> Granite:
     """A Granite-4.0-H dense checkpoint directory as a `Granite` model; `dtype` (default: the
     checkpoint's) is the weights', activations' and conv states' dtype (SSM states stay float32)."""
-    path = Path(path)
-    spec = GraniteSpec.from_hf_config(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
-                                      strict=strict_config)
-    if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
-    sources, optional = granite_sources(spec)
-    return load_into(lambda: Granite(spec, rngs=nnx.Rngs(params=0)), path, sources, spec.dtype, optional)
+    model: Granite = load_family(path, GraniteSpec.from_hf_config,
+                                 lambda spec: Granite(spec, rngs=nnx.Rngs(params=0)), granite_sources, dtype,
+                                 strict_config)
+    return model

@@ -16,11 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax.hf_config import read_config
 from kvjax.models.hybrid.blocks import HybridAttention, HybridLM
 from kvjax.models.hybrid.config import ConfigReader
 from kvjax.models.hybrid.conv import causal_conv1d, conv_state_zeros
-from kvjax.models.hybrid.loading import Source, heads_in, heads_out, load_into, same, transpose
+from kvjax.models.hybrid.loading import Source, attention_sources, head_sources, load_family, same, transpose
 from kvjax.models.hybrid.state import ConvState
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
 
@@ -219,12 +218,8 @@ class Lfm2(HybridLM):
 
 def lfm2_sources(spec: Lfm2Spec) -> tuple[list[Source], tuple[str, ...]]:
     """(checkpoint tensor -> parameter table, tensors a checkpoint may carry unused)."""
-    d, n, k, h, f, v = (spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size,
-                        spec.vocab_size)
-    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
-           Source("model.embedding_norm.weight", ("final_norm", "scale"), (d,), same)]
-    if not spec.tie_embeddings:
-        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    d, h, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    out, optional = head_sources(spec, "embedding_norm")
     kk = spec.conv_kernel
     for i, kind in enumerate(spec.layer_types):
         p = f"model.layers.{i}."
@@ -245,22 +240,15 @@ def lfm2_sources(spec: Lfm2Spec) -> tuple[list[Source], tuple[str, ...]]:
                         Source(p + "conv.out_proj.bias", c + ("out_bias",), (d,), same)]
         else:
             a = lay + ("attn",)
-            out += [Source(p + "self_attn.q_proj.weight", a + ("wq",), (n * h, d), heads_in(n, h)),
-                    Source(p + "self_attn.k_proj.weight", a + ("wk",), (k * h, d), heads_in(k, h)),
-                    Source(p + "self_attn.v_proj.weight", a + ("wv",), (k * h, d), heads_in(k, h)),
-                    Source(p + "self_attn.out_proj.weight", a + ("wo",), (d, n * h), heads_out(n, h)),
-                    Source(p + "self_attn.q_layernorm.weight", a + ("q_norm", "scale"), (h,), same),
+            out += attention_sources(p + "self_attn.", a, spec, "out_proj")
+            out += [Source(p + "self_attn.q_layernorm.weight", a + ("q_norm", "scale"), (h,), same),
                     Source(p + "self_attn.k_layernorm.weight", a + ("k_norm", "scale"), (h,), same)]
-    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+    return out, optional
 
 
 def load_lfm2(path: str | Path, *, dtype: Any = None, strict_config: bool = False) -> Lfm2:
     """An LFM2 checkpoint directory (config.json + safetensors) as an `Lfm2` model; `dtype`
     (default: the checkpoint's) is the weights', activations' and states' dtype."""
-    path = Path(path)
-    spec = Lfm2Spec.from_hf_config(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
-                                   strict=strict_config)
-    if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
-    sources, optional = lfm2_sources(spec)
-    return load_into(lambda: Lfm2(spec, rngs=nnx.Rngs(params=0)), path, sources, spec.dtype, optional)
+    model: Lfm2 = load_family(path, Lfm2Spec.from_hf_config, lambda spec: Lfm2(spec, rngs=nnx.Rngs(params=0)),
+                              lfm2_sources, dtype, strict_config)
+    return model

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax.checkpoint_files import CheckpointTensors
+from kvjax.hf_config import read_config
 from kvjax.models.layers import shapes_only
 
 
@@ -50,6 +51,26 @@ def rows(start: int, stop: int, then: Callable[[np.ndarray], np.ndarray]) -> Cal
     return lambda a: then(a[start:stop])
 
 
+def head_sources(spec: Any, final_norm: str) -> tuple[list[Source], tuple[str, ...]]:
+    """The table's rows around the layers (embedding, final norm `model.<final_norm>.weight`,
+    untied output head), and the tensors a checkpoint may carry unused (a tied head's stored copy)."""
+    d, v = spec.hidden_size, spec.vocab_size
+    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
+           Source(f"model.{final_norm}.weight", ("final_norm", "scale"), (d,), same)]
+    if not spec.tie_embeddings:
+        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+
+
+def attention_sources(prefix: str, path: tuple[Any, ...], spec: Any, out_name: str) -> list[Source]:
+    """q/k/v/out projections of a `HybridAttention` at `path` (its tensors `prefix` + name)."""
+    d, n, k, h = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    return [Source(prefix + "q_proj.weight", path + ("wq",), (n * h, d), heads_in(n, h)),
+            Source(prefix + "k_proj.weight", path + ("wk",), (k * h, d), heads_in(k, h)),
+            Source(prefix + "v_proj.weight", path + ("wv",), (k * h, d), heads_in(k, h)),
+            Source(prefix + out_name + ".weight", path + ("wo",), (d, n * h), heads_out(n, h))]
+
+
 def _node(model: Any, path: tuple[Any, ...]) -> nnx.Variable:
     node = model
     for step in path:
@@ -82,3 +103,16 @@ def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: l
     if unfilled:  # a bug in the family's table
         raise AssertionError(f"parameters without a checkpoint tensor: {unfilled}")
     return model
+
+
+def load_family(path: str | Path, read_spec: Callable[..., Any], build: Callable[[Any], nnx.Module],
+                table: Callable[[Any], tuple[list[Source], tuple[str, ...]]], dtype: Any, strict_config: bool) -> Any:
+    """A checkpoint directory as the model `build(spec)` makes, `spec` read from its config.json
+    (`read_spec`, strict or not) and `dtype` (default: the checkpoint's) replacing the spec's."""
+    path = Path(path)
+    spec = read_spec(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
+                     strict=strict_config)
+    if dtype is not None:
+        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
+    sources, optional = table(spec)
+    return load_into(lambda: build(spec), path, sources, spec.dtype, optional)
