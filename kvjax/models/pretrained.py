@@ -36,7 +36,7 @@ from kvjax.model_spec import ModelSpec
 from kvjax.models.hybrid import HybridModel, load_granite, load_lfm2
 from kvjax.models.hybrid.qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
 from kvjax.models.hybrid.qwen3_5 import load_qwen3_5
-from kvjax.models.layers import shapes_only
+from kvjax.models.layers import parameter_at, shapes_only
 from kvjax.models.parallel import (
     adopt_tensor_parallel_spec,
     mesh_size,
@@ -133,15 +133,6 @@ def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
     )
 
 
-def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
-    node: Any = model
-    for step in path:
-        node = node[step] if isinstance(step, int) else getattr(node, step)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"{path} is not a parameter")  # a bug in _targets, never user input
-    return node
-
-
 def _set(var: nnx.Variable, value: jax.Array) -> None:
     if hasattr(var, "set_value"):
         var.set_value(value)
@@ -215,7 +206,7 @@ def from_pretrained(
     for name, target in targets.items():
         by_param.setdefault(target.path, []).append((name, target))
     for param_path, sources in by_param.items():
-        var = _variable(model, param_path)
+        var = parameter_at(model, param_path)
         expected = tuple(_get(var).shape)
         host = np.empty(expected, target_dtype)
         for name, target in sources:

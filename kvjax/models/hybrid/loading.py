@@ -15,7 +15,7 @@ from flax import nnx
 
 from kvjax.checkpoint_files import CheckpointTensors
 from kvjax.hf_config import read_config
-from kvjax.models.layers import shapes_only
+from kvjax.models.layers import parameter_at, shapes_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +71,6 @@ def attention_sources(prefix: str, path: tuple[Any, ...], spec: Any, out_name: s
             Source(prefix + out_name + ".weight", path + ("wo",), (d, n * h), heads_out(n, h))]
 
 
-def _node(model: Any, path: tuple[Any, ...]) -> nnx.Variable:
-    node = model
-    for step in path:
-        node = node[step] if isinstance(step, int) else getattr(node, step)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"{path} is not a parameter")  # a bug in the family's table, never user input
-    return node
-
-
 def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: list[Source], dtype: str,
               optional: tuple[str, ...] = ()) -> Any:
     """The model `build` makes (abstractly), its parameters read from `directory`.
@@ -92,7 +83,7 @@ def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: l
     target = np.dtype(jnp.dtype(dtype))
     filled = set()
     for s in sources:
-        var = _node(model, s.path)
+        var = parameter_at(model, s.path)
         value = np.asarray(s.convert(tensors.array(s.name)), dtype=target)
         if value.shape != tuple(var.shape):  # a layout bug: names and shapes were checked above
             raise AssertionError(f"{s.name}: converted to {value.shape}, parameter {s.path} is {tuple(var.shape)}")

@@ -58,7 +58,16 @@ from kvjax.hf_config import (
     report_unknown_fields,
 )
 from kvjax.models.hybrid.deltanet import DEFAULT_CHUNK, gated_delta_rule
-from kvjax.models.layers import MLP, RMSNorm, apply_rope, einsum, normal_init, rope_frequencies, shapes_only
+from kvjax.models.layers import (
+    MLP,
+    RMSNorm,
+    apply_rope,
+    einsum,
+    normal_init,
+    parameter_at,
+    rope_frequencies,
+    shapes_only,
+)
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -666,15 +675,6 @@ def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
                           "model.language_model.embed_tokens.weight)")
 
 
-def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
-    node: Any = model
-    for step in path:
-        node = node[step] if isinstance(step, int) else getattr(node, step)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"{path} is not a parameter")  # a bug in _tensor_names, never user input
-    return node
-
-
 def load_qwen3_5(
     path: str | Path, *, dtype: Any = None, strict_config: bool = False, spec: Qwen35Spec | None = None
 ) -> Qwen35ForCausalLM:
@@ -702,7 +702,7 @@ def load_qwen3_5(
         model = nnx.eval_shape(lambda: Qwen35ForCausalLM(spec, rngs=nnx.Rngs(params=0)))
     target_dtype = np.dtype(jnp.dtype(spec.dtype))
     for name, target in targets.items():
-        var = _variable(model, target.path)
+        var = parameter_at(model, target.path)
         value = np.asarray(target.convert(tensors.array(name.split("#")[0])), target_dtype)
         expected = tuple(var.get_value().shape)
         if value.shape != expected:  # a layout bug, not a user error: names and shapes were checked
