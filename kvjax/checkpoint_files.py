@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,8 @@ RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 #: where the text model's tensors live: text-only checkpoints, multimodal Gemma 3 as published, as transformers 5 saves it
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+#: stored dtypes the loaders convert from
+LOADABLE_DTYPES = ("F32", "F16", "BF16")
 
 
 class CheckpointError(KVCacheError, ValueError):
@@ -189,6 +191,29 @@ class CheckpointTensors:
             return self.tensors[name]
         except KeyError:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is missing") from None
+
+    def check_names(self, shapes: Mapping[str, tuple[int, ...]], unused: Callable[[str], bool] = lambda name: False
+                    ) -> None:
+        """Refuse (`CheckpointError` naming the tensor) unless the checkpoint holds exactly the tensors
+        in `shapes`, with those shapes, in a dtype kvjax loads; besides them only recomputed buffers
+        and the tensors `unused` accepts (a stored copy of a tied head, a vision tower) may be stored.
+
+        One check for every loader, run on the headers before anything is allocated."""
+        missing = [name for name in shapes if name not in self.tensors]
+        if missing:
+            raise CheckpointError(f"{self.directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+        for name, shape in shapes.items():
+            info = self.tensors[name]
+            if info.shape != shape:
+                raise CheckpointError(f"{self.directory}: tensor {name!r} has shape {list(info.shape)}, config.json "
+                                      f"implies {list(shape)}")
+            if info.dtype not in LOADABLE_DTYPES:
+                raise CheckpointError(f"{self.directory}: tensor {name!r} is {info.dtype}; kvjax loads float32, "
+                                      "float16 and bfloat16 weights")
+        for name in self.tensors:
+            if name not in shapes and not name.endswith(RECOMPUTED_SUFFIXES) and not unused(name):
+                raise CheckpointError(f"{self.directory}: unexpected tensor {name!r} (kvjax would not use it; "
+                                      "refusing rather than ignore it)")
 
     def array(self, name: str) -> np.ndarray:
         """The tensor as stored (dtype and shape), backed by the file: no copy until converted.

@@ -299,7 +299,7 @@ class _Fields:
             raise self.error(field, f"expected a positive number, got {v!r}")
         return float(v)
 
-    def flag(self, field: str, default: bool) -> bool:
+    def flag(self, field: str, default: Any = ...) -> bool:
         v = self.get(field, default)
         if not isinstance(v, bool):
             raise self.error(field, f"expected true or false, got {v!r}")

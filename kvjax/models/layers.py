@@ -45,6 +45,17 @@ def shapes_only():
         _SHAPES_ONLY.reset(token)
 
 
+def parameter_at(model: Any, path: tuple[Any, ...]) -> nnx.Variable:
+    """The parameter at an attribute path (ints index lists), for the checkpoint loaders' tables;
+    a `TypeError` when the path ends elsewhere (a bug in a table, never user input)."""
+    node = model
+    for step in path:
+        node = node[step] if isinstance(step, int) else getattr(node, step)
+    if not isinstance(node, nnx.Variable):
+        raise TypeError(f"{path} is not a parameter")
+    return node
+
+
 def is_shapes_only() -> bool:
     """Whether a `shapes_only()` block is active (values will never exist)."""
     return _SHAPES_ONLY.get()

@@ -30,13 +30,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
+from kvjax.checkpoint_files import TEXT_PREFIXES, VISION_PREFIXES, CheckpointError, CheckpointTensors
 from kvjax.hf_config import read_config, spec_from_checkpoint
 from kvjax.model_spec import ModelSpec
 from kvjax.models.hybrid import HybridModel, load_granite, load_lfm2
 from kvjax.models.hybrid.qwen3_5 import MODEL_TYPES as QWEN3_5_MODEL_TYPES
 from kvjax.models.hybrid.qwen3_5 import load_qwen3_5
-from kvjax.models.layers import shapes_only
+from kvjax.models.layers import parameter_at, shapes_only
 from kvjax.models.parallel import (
     adopt_tensor_parallel_spec,
     mesh_size,
@@ -133,15 +133,6 @@ def _layout(tensors: CheckpointTensors) -> tuple[str, str]:
     )
 
 
-def _variable(model: nnx.Module, path: tuple[Any, ...]) -> nnx.Variable:
-    node: Any = model
-    for step in path:
-        node = node[step] if isinstance(step, int) else getattr(node, step)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"{path} is not a parameter")  # a bug in _targets, never user input
-    return node
-
-
 def _set(var: nnx.Variable, value: jax.Array) -> None:
     if hasattr(var, "set_value"):
         var.set_value(value)
@@ -203,9 +194,8 @@ def from_pretrained(
     tensors = CheckpointTensors(path)  # every header read and checked before any allocation
     prefix, head = _layout(tensors)
     targets = _targets(spec, prefix, head)
-    problems = _check_names(spec, tensors, targets, head)
-    if problems:
-        raise CheckpointError(f"{path}: {problems}")
+    tensors.check_names({name: t.hf_shape for name, t in targets.items()},
+                        lambda name: name.startswith(VISION_PREFIXES) or (spec.tie_embeddings and name == head))
     shardings = parameter_shardings(spec, mesh)  # checks the mesh and the split first
     tp = 1 if mesh is None else mesh_size(mesh)
 
@@ -216,7 +206,7 @@ def from_pretrained(
     for name, target in targets.items():
         by_param.setdefault(target.path, []).append((name, target))
     for param_path, sources in by_param.items():
-        var = _variable(model, param_path)
+        var = parameter_at(model, param_path)
         expected = tuple(_get(var).shape)
         host = np.empty(expected, target_dtype)
         for name, target in sources:
@@ -245,23 +235,3 @@ def _model_type(path: Path) -> Any:
     """The `model_type` of a checkpoint's config.json (None when it has none)."""
     config = read_config(path)
     return config.get("model_type") if isinstance(config, dict) else None
-
-
-def _check_names(spec: ModelSpec, tensors: CheckpointTensors, targets: dict[str, _Target], head: str) -> str:
-    """'' when the checkpoint has exactly the tensors the spec needs (with their shapes)."""
-    missing = [n for n in targets if n not in tensors]
-    if missing:
-        return f"tensor {missing[0]!r} is missing ({len(missing)} missing in all)"
-    for name, target in targets.items():
-        info = tensors.info(name)
-        if info.shape != target.hf_shape:
-            return f"tensor {name!r} has shape {list(info.shape)}, config.json implies {list(target.hf_shape)}"
-        if info.dtype not in ("F32", "F16", "BF16"):
-            return f"tensor {name!r} is {info.dtype}; kvjax loads float32, float16 and bfloat16 weights"
-    for name in tensors:
-        if name in targets or name.endswith(RECOMPUTED_SUFFIXES) or name.startswith(VISION_PREFIXES):
-            continue
-        if spec.tie_embeddings and name == head:  # tied: transformers ignores a stored copy too
-            continue
-        return f"unexpected tensor {name!r} (kvjax would not use it; refusing rather than ignore it)"
-    return ""

@@ -131,3 +131,20 @@ def test_spec_parameter_count_equals_the_checkpoints(family):
 
     spec = load_model_spec(FIXTURES / family)
     assert CheckpointTensors(FIXTURES / family).served_parameters(spec.tie_embeddings) == spec.num_parameters
+
+
+def test_check_names_refuses_the_first_problem_by_name(tmp_path):
+    arrays = {"a": np.zeros((2, 3), np.float32), "b": np.zeros((4,), ml_dtypes.bfloat16),
+              "x.rotary_emb.inv_freq": np.zeros((2,), np.float32), "head": np.zeros((2,), np.float32)}
+    write_safetensors(tmp_path / "model.safetensors", arrays)
+    t = CheckpointTensors(tmp_path)
+    t.check_names({"a": (2, 3), "b": (4,)}, lambda name: name == "head")  # recomputed buffer and `unused` pass
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'head' \(kvjax would not use it"):
+        t.check_names({"a": (2, 3), "b": (4,)})
+    with pytest.raises(CheckpointError, match=r"tensor 'c' is missing \(2 missing in all\)"):
+        t.check_names({"a": (2, 3), "c": (1,), "d": (1,)})
+    with pytest.raises(CheckpointError, match=r"tensor 'a' has shape \[2, 3\], config.json implies \[3, 2\]"):
+        t.check_names({"a": (3, 2), "b": (4,)}, lambda name: True)
+    write_safetensors(tmp_path / "model.safetensors", {"a": np.zeros((2,), np.int32)})
+    with pytest.raises(CheckpointError, match="tensor 'a' is I32; kvjax loads float32, float16 and bfloat16"):
+        CheckpointTensors(tmp_path).check_names({"a": (2,)})

@@ -89,3 +89,16 @@ def test_projection_shapes_and_mlp():
     g = xs @ gate
     expected = (g / (1 + np.exp(-g)) * (xs @ up)) @ down
     np.testing.assert_allclose(mlp(jnp.asarray(xs)), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_parameter_at_walks_a_loader_path():
+    from kvjax.models.layers import parameter_at
+
+    class Two(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([RMSNorm(4, eps=1e-6, dtype=jnp.float32), RMSNorm(4, eps=1e-6, dtype=jnp.float32)])
+
+    model = Two()
+    assert parameter_at(model, ("layers", 1, "scale")) is model.layers[1].scale
+    with pytest.raises(TypeError, match="is not a parameter"):
+        parameter_at(model, ("layers", 1))

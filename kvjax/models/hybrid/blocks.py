@@ -1,7 +1,8 @@
-"""Layers shared by the hybrid families: attention over a contiguous cache, and the chunk checks.
+"""What the hybrid families share: attention over a contiguous cache, the causal LM around the
+layers (`HybridLM`: LFM2, Granite), and the chunk checks.
 
 Letters: B batch, T new tokens, S cached positions, D model width, N query heads, K kv heads,
-H head dim.
+H head dim, V vocabulary.
 """
 from __future__ import annotations
 
@@ -76,6 +77,77 @@ class HybridAttention(nnx.Module):
         attended = grouped_attention(q, keys, values, mask, self.scale)  # [B, T, N, H]
         out = einsum("btnh,nhd->btd", attended, self.wo[...])  # [B, T, D]
         return (out if self.bo is None else out + self.bo[...]), new_cache
+
+
+class HybridLM(nnx.Module):
+    """The causal LM around a family's layers: token embedding, final RMSNorm, output head (tied to
+    the embedding or not), `init_state` and the layer loops of `dense_forward` (no state: the
+    oracle) and `forward_chunk` (chunks of any size carrying `HybridState`), which give the same
+    logits. One home for what LFM2 and Granite do alike; a family brings `make_layer(kind, dtype)`
+    (layers called as `layer(x, positions, state, start)`, `state` None in `dense_forward`),
+    `_recurrent_state`, and overrides `_embed` / `_logits` where it scales them."""
+
+    def __init__(self, spec: Any, make_layer: Callable[[str, jnp.dtype], nnx.Module], *, rngs: nnx.Rngs):
+        self.spec = spec
+        dtype = jnp.dtype(spec.dtype)
+        self.dtype = dtype
+        self.embed = nnx.Param(normal_init(rngs.params(), (spec.vocab_size, spec.hidden_size), 1, dtype))  # [V, D]
+        self.layers = nnx.List([make_layer(t, dtype) for t in spec.layer_types])
+        self.final_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps, dtype=dtype)
+        if spec.tie_embeddings:
+            self.lm_head: nnx.Param | None = None
+        else:
+            self.lm_head = nnx.Param(normal_init(rngs.params(), (spec.hidden_size, spec.vocab_size),
+                                                 spec.hidden_size, dtype))  # [D, V]
+
+    def _recurrent_state(self, kind: str, batch: int) -> Any:
+        """A fresh state of a `kind` layer for `batch` rows; None for an attention layer."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which of its layers are recurrent")
+
+    def init_state(self, batch: int, max_len: int) -> HybridState:
+        """A fresh state for `batch` rows of at most `max_len` tokens (the attention caches' size)."""
+        if batch < 1 or max_len < 1:
+            raise InvalidArgumentError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
+        s = self.spec
+        layers: list[Any] = []
+        for kind in s.layer_types:
+            state = self._recurrent_state(kind, batch)
+            if state is None:
+                shape = (batch, max_len, s.num_kv_heads, s.head_dim)  # [B, S, K, H]
+                state = KVState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
+            layers.append(state)
+        return HybridState(layers=tuple(layers), length=jnp.zeros((), jnp.int32))
+
+    def _embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+
+    def _logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        x = self.final_norm(x)  # [B, T, D]
+        if self.lm_head is None:
+            return einsum("btd,vd->btv", x, self.embed[...]).astype(jnp.float32)  # [B, T, V]
+        return einsum("btd,dv->btv", x, self.lm_head[...]).astype(jnp.float32)  # [B, T, V]
+
+    def dense_forward(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S V"]:
+        """float32 logits of every position, everything recomputed (the oracle)."""
+        b, s = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
+        x = self._embed(tokens)  # [B, S, D]
+        for layer in self.layers:
+            x, _ = layer(x, positions, None, None)
+        return self._logits(x)
+
+    def forward_chunk(self, tokens: Int[Array, "B T"], state: HybridState
+                      ) -> tuple[Float[Array, "B T V"], HybridState]:
+        """The next T tokens of every row after `state.length` tokens: (float32 logits [B, T, V], state)."""
+        check_chunk(tokens, state, self.spec.vocab_size)
+        b, t = tokens.shape
+        positions = state.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+        x = self._embed(tokens)  # [B, T, D]
+        new_layers = []
+        for layer, layer_state in zip(self.layers, state.layers, strict=True):
+            x, new = layer(x, positions, layer_state, state.length)
+            new_layers.append(new)
+        return self._logits(x), HybridState(layers=tuple(new_layers), length=state.length + t)
 
 
 def check_chunk(tokens: jax.Array, state: HybridState, vocab_size: int) -> None:

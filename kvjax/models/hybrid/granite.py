@@ -24,14 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax.errors import InvalidArgumentError
-from kvjax.hf_config import read_config
-from kvjax.models.hybrid.blocks import HybridAttention, check_chunk
+from kvjax.models.hybrid.blocks import HybridAttention, HybridLM
 from kvjax.models.hybrid.config import ConfigReader
 from kvjax.models.hybrid.conv import causal_conv1d, conv_state_zeros
-from kvjax.models.hybrid.loading import Source, heads_in, heads_out, load_into, rows, same, transpose
+from kvjax.models.hybrid.loading import Source, attention_sources, head_sources, load_family, rows, same, transpose
 from kvjax.models.hybrid.ssd import ssd_chunked, ssd_recurrent
-from kvjax.models.hybrid.state import HybridState, KVState, MambaState
+from kvjax.models.hybrid.state import MambaState
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
 
 MODEL_TYPE = "granitemoehybrid"
@@ -185,14 +183,14 @@ class GraniteSpec:
             mamba_proj_bias=f.flag("mamba_proj_bias"),
             max_seq_len=f.int("max_position_embeddings"),
             tie_embeddings=f.flag("tie_word_embeddings"),
-            dtype=_finish(f, strict),
+            dtype=f.close(_IGNORED, strict),
         )
 
 
-def _finish(f: ConfigReader, strict: bool) -> str:
-    dtype = f.dtype()
-    f.finish(_IGNORED, strict)
-    return dtype
+def mamba_zeros(spec: GraniteSpec, batch: int, dtype: jnp.dtype) -> MambaState:
+    """A Mamba2 layer's state before any token: conv inputs in `dtype`, the SSM state float32."""
+    return MambaState(conv=conv_state_zeros(batch, spec.mamba_conv, spec.conv_channels, dtype),
+                      ssm=jnp.zeros((batch, spec.mamba_heads, spec.mamba_head_dim, spec.mamba_state), jnp.float32))
 
 
 class Mamba2(nnx.Module):
@@ -266,12 +264,11 @@ class GraniteLayer(nnx.Module):
                                         bias=spec.attention_bias)
 
     def __call__(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"], state: Any,
-                 start: Int[Array, ""] | None, fresh: MambaState | None) -> tuple[Float[Array, "B T D"], Any]:
+                 start: Int[Array, ""] | None) -> tuple[Float[Array, "B T D"], Any]:
         h = self.input_norm(x)  # [B, T, D]
         new_state: Any
-        if self.mamba is not None:
-            start_state = state if state is not None else fresh
-            assert start_state is not None  # dense_forward passes `fresh`, forward_chunk the layer's state
+        if self.mamba is not None:  # dense_forward (no state) starts from zeros
+            start_state = state if state is not None else mamba_zeros(self.mamba.spec, x.shape[0], x.dtype)
             out, mamba_state = self.mamba(h, start_state)
             new_state = None if state is None else mamba_state
         else:
@@ -281,85 +278,30 @@ class GraniteLayer(nnx.Module):
         return x + self.mlp(self.post_norm(x)) * jnp.asarray(self.residual, x.dtype), new_state
 
 
-class Granite(nnx.Module):
-    """The Granite-4.0-H dense causal LM: `dense_forward` (oracle) and `forward_chunk` (with `HybridState`)."""
+class Granite(HybridLM):
+    """The Granite-4.0-H dense causal LM: `dense_forward` (oracle; chunked SSD over the whole
+    sequence) and `forward_chunk` (with `HybridState`), with Granite's embedding and logits scales."""
+
+    spec: GraniteSpec
 
     def __init__(self, spec: GraniteSpec, *, rngs: nnx.Rngs):
-        self.spec = spec
-        dtype = jnp.dtype(spec.dtype)
-        self.dtype = dtype
-        self.embed = nnx.Param(normal_init(rngs.params(), (spec.vocab_size, spec.hidden_size), 1, dtype))  # [V, D]
-        self.layers = nnx.List([GraniteLayer(spec, t, dtype=dtype, rngs=rngs) for t in spec.layer_types])
-        self.final_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps, dtype=dtype)
-        if spec.tie_embeddings:
-            self.lm_head: nnx.Param | None = None
-        else:
-            self.lm_head = nnx.Param(normal_init(rngs.params(), (spec.hidden_size, spec.vocab_size),
-                                                 spec.hidden_size, dtype))  # [D, V]
+        super().__init__(spec, lambda kind, dtype: GraniteLayer(spec, kind, dtype=dtype, rngs=rngs), rngs=rngs)
 
-    def _mamba_zeros(self, batch: int) -> MambaState:
-        s = self.spec
-        return MambaState(conv=conv_state_zeros(batch, s.mamba_conv, s.conv_channels, self.dtype),
-                          ssm=jnp.zeros((batch, s.mamba_heads, s.mamba_head_dim, s.mamba_state), jnp.float32))
-
-    def init_state(self, batch: int, max_len: int) -> HybridState:
-        """A fresh state for `batch` rows of at most `max_len` tokens (the attention caches' size)."""
-        if batch < 1 or max_len < 1:
-            raise InvalidArgumentError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
-        s = self.spec
-        layers: list[Any] = []
-        for t in s.layer_types:
-            if t == "mamba":
-                layers.append(self._mamba_zeros(batch))
-            else:
-                shape = (batch, max_len, s.num_kv_heads, s.head_dim)  # [B, S, K, H]
-                layers.append(KVState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype)))
-        return HybridState(layers=tuple(layers), length=jnp.zeros((), jnp.int32))
+    def _recurrent_state(self, kind: str, batch: int) -> MambaState | None:
+        return mamba_zeros(self.spec, batch, self.dtype) if kind == "mamba" else None
 
     def _embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        x = super()._embed(tokens)  # [B, T, D]
         return x * jnp.asarray(self.spec.embedding_multiplier, x.dtype)
 
     def _logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
-        x = self.final_norm(x)  # [B, T, D]
-        if self.lm_head is None:
-            logits = einsum("btd,vd->btv", x, self.embed[...])  # [B, T, V]
-        else:
-            logits = einsum("btd,dv->btv", x, self.lm_head[...])  # [B, T, V]
-        return logits.astype(jnp.float32) / jnp.float32(self.spec.logits_scaling)
-
-    def dense_forward(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S V"]:
-        """float32 logits of every position, everything recomputed (chunked SSD over the whole sequence)."""
-        b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
-        x = self._embed(tokens)
-        fresh = self._mamba_zeros(b)
-        for layer in self.layers:
-            x, _ = layer(x, positions, None, None, fresh)
-        return self._logits(x)
-
-    def forward_chunk(self, tokens: Int[Array, "B T"], state: HybridState
-                      ) -> tuple[Float[Array, "B T V"], HybridState]:
-        """The next T tokens of every row after `state.length` tokens: (float32 logits [B, T, V], state)."""
-        check_chunk(tokens, state, self.spec.vocab_size)
-        b, t = tokens.shape
-        positions = state.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-        x = self._embed(tokens)
-        new_layers = []
-        for layer, layer_state in zip(self.layers, state.layers, strict=True):
-            x, new = layer(x, positions, layer_state, state.length, None)
-            new_layers.append(new)
-        return self._logits(x), HybridState(layers=tuple(new_layers), length=state.length + t)
+        return super()._logits(x) / jnp.float32(self.spec.logits_scaling)  # [B, T, V]
 
 
 def granite_sources(spec: GraniteSpec) -> tuple[list[Source], tuple[str, ...]]:
     """(checkpoint tensor -> parameter table, tensors a checkpoint may carry unused)."""
-    d, n, k, h, f, v = (spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size,
-                        spec.vocab_size)
-    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
-           Source("model.norm.weight", ("final_norm", "scale"), (d,), same)]
-    if not spec.tie_embeddings:
-        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    d, n, k, h, f = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size
+    out, optional = head_sources(spec, "norm")
     inner, nh, conv = spec.mamba_inner, spec.mamba_heads, spec.conv_channels
     width = inner + conv + nh
     for i, kind in enumerate(spec.layer_types):
@@ -386,25 +328,19 @@ def granite_sources(spec: GraniteSpec) -> tuple[list[Source], tuple[str, ...]]:
                         Source(mp + "out_proj.bias", m + ("out_bias",), (d,), same)]
         else:
             a, ap = lay + ("attn",), p + "self_attn."
-            out += [Source(ap + "q_proj.weight", a + ("wq",), (n * h, d), heads_in(n, h)),
-                    Source(ap + "k_proj.weight", a + ("wk",), (k * h, d), heads_in(k, h)),
-                    Source(ap + "v_proj.weight", a + ("wv",), (k * h, d), heads_in(k, h)),
-                    Source(ap + "o_proj.weight", a + ("wo",), (d, n * h), heads_out(n, h))]
+            out += attention_sources(ap, a, spec, "o_proj")
             if spec.attention_bias:
                 out += [Source(ap + "q_proj.bias", a + ("bq",), (n * h,), lambda x: x.reshape(n, h)),
                         Source(ap + "k_proj.bias", a + ("bk",), (k * h,), lambda x: x.reshape(k, h)),
                         Source(ap + "v_proj.bias", a + ("bv",), (k * h,), lambda x: x.reshape(k, h)),
                         Source(ap + "o_proj.bias", a + ("bo",), (d,), same)]
-    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+    return out, optional
 
 
 def load_granite(path: str | Path, *, dtype: Any = None, strict_config: bool = False) -> Granite:
     """A Granite-4.0-H dense checkpoint directory as a `Granite` model; `dtype` (default: the
     checkpoint's) is the weights', activations' and conv states' dtype (SSM states stay float32)."""
-    path = Path(path)
-    spec = GraniteSpec.from_hf_config(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
-                                      strict=strict_config)
-    if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
-    sources, optional = granite_sources(spec)
-    return load_into(lambda: Granite(spec, rngs=nnx.Rngs(params=0)), path, sources, spec.dtype, optional)
+    model: Granite = load_family(path, GraniteSpec.from_hf_config,
+                                 lambda spec: Granite(spec, rngs=nnx.Rngs(params=0)), granite_sources, dtype,
+                                 strict_config)
+    return model

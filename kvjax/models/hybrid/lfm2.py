@@ -16,13 +16,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvjax.errors import InvalidArgumentError
-from kvjax.hf_config import read_config
-from kvjax.models.hybrid.blocks import HybridAttention, check_chunk
+from kvjax.models.hybrid.blocks import HybridAttention, HybridLM
 from kvjax.models.hybrid.config import ConfigReader
 from kvjax.models.hybrid.conv import causal_conv1d, conv_state_zeros
-from kvjax.models.hybrid.loading import Source, heads_in, heads_out, load_into, same, transpose
-from kvjax.models.hybrid.state import ConvState, HybridState, KVState
+from kvjax.models.hybrid.loading import Source, attention_sources, head_sources, load_family, same, transpose
+from kvjax.models.hybrid.state import ConvState
 from kvjax.models.layers import MLP, RMSNorm, einsum, normal_init
 
 MODEL_TYPE = "lfm2"
@@ -138,14 +136,8 @@ class Lfm2Spec:
             rope_theta=f.rope_theta(),
             max_seq_len=f.int("max_position_embeddings"),
             tie_embeddings=tie,
-            dtype=_finish(f, strict),
+            dtype=f.close(_IGNORED, strict),
         )
-
-
-def _finish(f: ConfigReader, strict: bool) -> str:
-    dtype = f.dtype()
-    f.finish(_IGNORED, strict)
-    return dtype
 
 
 class ShortConv(nnx.Module):
@@ -209,74 +201,25 @@ class Lfm2Layer(nnx.Module):
         return x + self.mlp(self.ffn_norm(x)), new_state
 
 
-class Lfm2(nnx.Module):
+class Lfm2(HybridLM):
     """The LFM2 causal LM. `dense_forward` (no state, the oracle) and `forward_chunk` (prefill
     chunks of any size and decode steps, carrying `HybridState`) give the same logits."""
 
+    spec: Lfm2Spec
+
     def __init__(self, spec: Lfm2Spec, *, rngs: nnx.Rngs):
-        self.spec = spec
-        dtype = jnp.dtype(spec.dtype)
-        self.dtype = dtype
-        self.embed = nnx.Param(normal_init(rngs.params(), (spec.vocab_size, spec.hidden_size), 1, dtype))  # [V, D]
-        self.layers = nnx.List([Lfm2Layer(spec, t, dtype=dtype, rngs=rngs) for t in spec.layer_types])
-        self.final_norm = RMSNorm(spec.hidden_size, eps=spec.norm_eps, dtype=dtype)  # transformers: embedding_norm
-        if spec.tie_embeddings:
-            self.lm_head: nnx.Param | None = None
-        else:
-            self.lm_head = nnx.Param(normal_init(rngs.params(), (spec.hidden_size, spec.vocab_size),
-                                                 spec.hidden_size, dtype))  # [D, V]
+        # the final norm is transformers' embedding_norm
+        super().__init__(spec, lambda kind, dtype: Lfm2Layer(spec, kind, dtype=dtype, rngs=rngs), rngs=rngs)
 
-    def init_state(self, batch: int, max_len: int) -> HybridState:
-        """A fresh state for `batch` rows of at most `max_len` tokens (the attention caches' size)."""
-        if batch < 1 or max_len < 1:
-            raise InvalidArgumentError(f"batch and max_len must be >= 1, got {batch}, {max_len}")
+    def _recurrent_state(self, kind: str, batch: int) -> ConvState | None:
         s = self.spec
-        layers: list[Any] = []
-        for t in s.layer_types:
-            if t == "conv":
-                layers.append(ConvState(conv=conv_state_zeros(batch, s.conv_kernel, s.hidden_size, self.dtype)))
-            else:
-                shape = (batch, max_len, s.num_kv_heads, s.head_dim)  # [B, S, K, H]
-                layers.append(KVState(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype)))
-        return HybridState(layers=tuple(layers), length=jnp.zeros((), jnp.int32))
-
-    def _logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
-        x = self.final_norm(x)  # [B, T, D]
-        if self.lm_head is None:
-            return einsum("btd,vd->btv", x, self.embed[...]).astype(jnp.float32)  # [B, T, V]
-        return einsum("btd,dv->btv", x, self.lm_head[...]).astype(jnp.float32)  # [B, T, V]
-
-    def dense_forward(self, tokens: Int[Array, "B S"]) -> Float[Array, "B S V"]:
-        """float32 logits of every position, everything recomputed (the oracle)."""
-        b, s = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # [B, S]
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, S, D]
-        for layer in self.layers:
-            x, _ = layer(x, positions, None, None)
-        return self._logits(x)
-
-    def forward_chunk(self, tokens: Int[Array, "B T"], state: HybridState
-                      ) -> tuple[Float[Array, "B T V"], HybridState]:
-        """The next T tokens of every row after `state.length` tokens: (float32 logits [B, T, V], state)."""
-        check_chunk(tokens, state, self.spec.vocab_size)
-        b, t = tokens.shape
-        positions = state.length + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
-        new_layers = []
-        for layer, layer_state in zip(self.layers, state.layers, strict=True):
-            x, new = layer(x, positions, layer_state, state.length)
-            new_layers.append(new)
-        return self._logits(x), HybridState(layers=tuple(new_layers), length=state.length + t)
+        return ConvState(conv=conv_state_zeros(batch, s.conv_kernel, s.hidden_size, self.dtype)) if kind == "conv" else None
 
 
 def lfm2_sources(spec: Lfm2Spec) -> tuple[list[Source], tuple[str, ...]]:
     """(checkpoint tensor -> parameter table, tensors a checkpoint may carry unused)."""
-    d, n, k, h, f, v = (spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size,
-                        spec.vocab_size)
-    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
-           Source("model.embedding_norm.weight", ("final_norm", "scale"), (d,), same)]
-    if not spec.tie_embeddings:
-        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    d, h, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    out, optional = head_sources(spec, "embedding_norm")
     kk = spec.conv_kernel
     for i, kind in enumerate(spec.layer_types):
         p = f"model.layers.{i}."
@@ -297,22 +240,15 @@ def lfm2_sources(spec: Lfm2Spec) -> tuple[list[Source], tuple[str, ...]]:
                         Source(p + "conv.out_proj.bias", c + ("out_bias",), (d,), same)]
         else:
             a = lay + ("attn",)
-            out += [Source(p + "self_attn.q_proj.weight", a + ("wq",), (n * h, d), heads_in(n, h)),
-                    Source(p + "self_attn.k_proj.weight", a + ("wk",), (k * h, d), heads_in(k, h)),
-                    Source(p + "self_attn.v_proj.weight", a + ("wv",), (k * h, d), heads_in(k, h)),
-                    Source(p + "self_attn.out_proj.weight", a + ("wo",), (d, n * h), heads_out(n, h)),
-                    Source(p + "self_attn.q_layernorm.weight", a + ("q_norm", "scale"), (h,), same),
+            out += attention_sources(p + "self_attn.", a, spec, "out_proj")
+            out += [Source(p + "self_attn.q_layernorm.weight", a + ("q_norm", "scale"), (h,), same),
                     Source(p + "self_attn.k_layernorm.weight", a + ("k_norm", "scale"), (h,), same)]
-    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+    return out, optional
 
 
 def load_lfm2(path: str | Path, *, dtype: Any = None, strict_config: bool = False) -> Lfm2:
     """An LFM2 checkpoint directory (config.json + safetensors) as an `Lfm2` model; `dtype`
     (default: the checkpoint's) is the weights', activations' and states' dtype."""
-    path = Path(path)
-    spec = Lfm2Spec.from_hf_config(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
-                                   strict=strict_config)
-    if dtype is not None:
-        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
-    sources, optional = lfm2_sources(spec)
-    return load_into(lambda: Lfm2(spec, rngs=nnx.Rngs(params=0)), path, sources, spec.dtype, optional)
+    model: Lfm2 = load_family(path, Lfm2Spec.from_hf_config, lambda spec: Lfm2(spec, rngs=nnx.Rngs(params=0)),
+                              lfm2_sources, dtype, strict_config)
+    return model

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.checkpoint_files import RECOMPUTED_SUFFIXES, CheckpointError, CheckpointTensors
-from kvjax.models.layers import shapes_only
+from kvjax.checkpoint_files import CheckpointTensors
+from kvjax.hf_config import read_config
+from kvjax.models.layers import parameter_at, shapes_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +51,24 @@ def rows(start: int, stop: int, then: Callable[[np.ndarray], np.ndarray]) -> Cal
     return lambda a: then(a[start:stop])
 
 
-def _node(model: Any, path: tuple[Any, ...]) -> nnx.Variable:
-    node = model
-    for step in path:
-        node = node[step] if isinstance(step, int) else getattr(node, step)
-    if not isinstance(node, nnx.Variable):
-        raise TypeError(f"{path} is not a parameter")  # a bug in the family's table, never user input
-    return node
+def head_sources(spec: Any, final_norm: str) -> tuple[list[Source], tuple[str, ...]]:
+    """The table's rows around the layers (embedding, final norm `model.<final_norm>.weight`,
+    untied output head), and the tensors a checkpoint may carry unused (a tied head's stored copy)."""
+    d, v = spec.hidden_size, spec.vocab_size
+    out = [Source("model.embed_tokens.weight", ("embed",), (v, d), same),
+           Source(f"model.{final_norm}.weight", ("final_norm", "scale"), (d,), same)]
+    if not spec.tie_embeddings:
+        out.append(Source("lm_head.weight", ("lm_head",), (v, d), transpose))
+    return out, (("lm_head.weight",) if spec.tie_embeddings else ())
+
+
+def attention_sources(prefix: str, path: tuple[Any, ...], spec: Any, out_name: str) -> list[Source]:
+    """q/k/v/out projections of a `HybridAttention` at `path` (its tensors `prefix` + name)."""
+    d, n, k, h = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    return [Source(prefix + "q_proj.weight", path + ("wq",), (n * h, d), heads_in(n, h)),
+            Source(prefix + "k_proj.weight", path + ("wk",), (k * h, d), heads_in(k, h)),
+            Source(prefix + "v_proj.weight", path + ("wv",), (k * h, d), heads_in(k, h)),
+            Source(prefix + out_name + ".weight", path + ("wo",), (d, n * h), heads_out(n, h))]
 
 
 def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: list[Source], dtype: str,
@@ -65,28 +77,13 @@ def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: l
 
     `optional`: tensor names a checkpoint may carry that the model does not use (a tied head)."""
     tensors = CheckpointTensors(directory)
-    wanted = {s.name for s in sources}
-    missing = sorted(wanted - set(tensors))
-    if missing:
-        raise CheckpointError(f"{directory}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
-    for s in sources:
-        info = tensors.info(s.name)
-        if info.shape != s.hf_shape:
-            raise CheckpointError(f"{directory}: tensor {s.name!r} has shape {list(info.shape)}, config.json "
-                                  f"implies {list(s.hf_shape)}")
-        if info.dtype not in ("F32", "F16", "BF16"):
-            raise CheckpointError(f"{directory}: tensor {s.name!r} is {info.dtype}; kvjax loads float32, float16 "
-                                  "and bfloat16 weights")
-    for name in tensors:
-        if name not in wanted and name not in optional and not name.endswith(RECOMPUTED_SUFFIXES):
-            raise CheckpointError(f"{directory}: unexpected tensor {name!r} (kvjax would not use it; refusing "
-                                  "rather than ignore it)")
+    tensors.check_names({s.name: s.hf_shape for s in sources}, lambda name: name in optional)
     with shapes_only():
         model = nnx.eval_shape(build)
     target = np.dtype(jnp.dtype(dtype))
     filled = set()
     for s in sources:
-        var = _node(model, s.path)
+        var = parameter_at(model, s.path)
         value = np.asarray(s.convert(tensors.array(s.name)), dtype=target)
         if value.shape != tuple(var.shape):  # a layout bug: names and shapes were checked above
             raise AssertionError(f"{s.name}: converted to {value.shape}, parameter {s.path} is {tuple(var.shape)}")
@@ -97,3 +94,16 @@ def load_into(build: Callable[[], nnx.Module], directory: str | Path, sources: l
     if unfilled:  # a bug in the family's table
         raise AssertionError(f"parameters without a checkpoint tensor: {unfilled}")
     return model
+
+
+def load_family(path: str | Path, read_spec: Callable[..., Any], build: Callable[[Any], nnx.Module],
+                table: Callable[[Any], tuple[list[Source], tuple[str, ...]]], dtype: Any, strict_config: bool) -> Any:
+    """A checkpoint directory as the model `build(spec)` makes, `spec` read from its config.json
+    (`read_spec`, strict or not) and `dtype` (default: the checkpoint's) replacing the spec's."""
+    path = Path(path)
+    spec = read_spec(read_config(path), name=path.resolve().name, source=str(path / "config.json"),
+                     strict=strict_config)
+    if dtype is not None:
+        spec = dataclasses.replace(spec, dtype=jnp.dtype(dtype).name)
+    sources, optional = table(spec)
+    return load_into(lambda: build(spec), path, sources, spec.dtype, optional)

@@ -9,9 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hybrid_helpers import FIXTURES, expected, greedy_chunked, logit_error, perturb
+from hybrid_helpers import (
+    FIXTURES,
+    assert_chunks_match_dense,
+    assert_decode_compiles_once,
+    assert_greedy_matches,
+    assert_unknown_fields_warn_or_refuse,
+    chunk_forward,
+    fixture_config,
+    logit_error,
+    perturb,
+)
 
-from kvjax.hf_config import HybridModelNotServedError, UnknownConfigFieldWarning, UnsupportedConfigError
+from kvjax.hf_config import HybridModelNotServedError, UnsupportedConfigError
 from kvjax.model_catalog import load_model_spec
 from kvjax.models import from_pretrained
 from kvjax.models.hybrid import Granite, GraniteSpec, HybridState, KVState, MambaState, jit_forward_chunk
@@ -35,11 +45,7 @@ def test_logits_match_transformers(loaded):
 def test_greedy_matches_transformers_through_the_state(loaded):
     """Prefill in chunks of 8 (the chunked SSD, across the fixture's 16-token SSD chunks), the
     remainder and the continuation token by token (the recurrent form)."""
-    family, model = loaded
-    exp = expected(family)
-    step = jit_forward_chunk(model)
-    for i, (prompt, want) in enumerate(zip(exp["prompts"], exp["greedy"], strict=True)):
-        assert greedy_chunked(model, step, prompt, len(want), chunk=8) == want, f"{family} prompt {i}"
+    assert_greedy_matches(loaded[1], loaded[0])
 
 
 def test_bfloat16_by_default():
@@ -79,21 +85,13 @@ class ChunkedEqualsDense(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_splits(self):
-        graphdef = self.graphdef
-        fwd = self.variant(lambda params, toks, state: nnx.merge(graphdef, params).forward_chunk(toks, state))
+        fwd = chunk_forward(self.variant, self.graphdef)
         for splits in [(3, 6), (6, 3)]:  # chunks inside and across the SSD chunk of 4, then decode
-            state = self.model.init_state(2, 12)
-            outs, pos = [], 0
-            for size in list(splits) + [1] * (10 - sum(splits)):
-                logits, state = fwd(self.params, self.tokens[:, pos:pos + size], state)
-                outs.append(logits)
-                pos += size
-            chex.assert_trees_all_close(jnp.concatenate(outs, axis=1), self.dense, atol=3e-5, rtol=1e-5)
+            assert_chunks_match_dense(self.model, fwd, self.params, self.tokens, self.dense, splits, max_len=12)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_state_shapes(self):
-        graphdef = self.graphdef
-        fwd = self.variant(lambda params, toks, state: nnx.merge(graphdef, params).forward_chunk(toks, state))
+        fwd = chunk_forward(self.variant, self.graphdef)
         _, state = fwd(self.params, self.tokens[:, :6], self.model.init_state(2, 12))
         assert isinstance(state, HybridState) and int(state.length) == 6
         mamba, attn = state.layers[0], state.layers[1]
@@ -105,27 +103,12 @@ class ChunkedEqualsDense(chex.TestCase):
 
 
 def test_decode_step_compiles_once():
-    model = random_model()
-    graphdef, params = nnx.split(model)
-
-    chex.clear_trace_counter()  # the counter keys on source and call stack: the other family's test shares both
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def granite_decode(params, tok, state):
-        return nnx.merge(graphdef, params).forward_chunk(tok, state)
-
-    state = model.init_state(1, 12)
-    for t in range(8):
-        _, state = granite_decode(params, jnp.asarray([[t + 3]], jnp.int32), state)
-    assert int(state.length) == 8
+    assert_decode_compiles_once(random_model(), steps=8)
 
 
 # ---------------------------------------------------------------------- config.json
 def config(**changes):
-    base = json.loads((FIXTURES / "granite" / "config.json").read_text())
-    base.update(changes)
-    return {k: v for k, v in base.items() if v is not ...}
+    return fixture_config("granite", **changes)
 
 
 def test_spec_from_the_fixture_configs():
@@ -167,10 +150,7 @@ def test_refusals_name_the_field(changes, field):
 
 
 def test_unknown_fields_warn_or_refuse():
-    with pytest.warns(UnknownConfigFieldWarning, match="'mystery'"):
-        GraniteSpec.from_hf_config(config(mystery=3))
-    with pytest.raises(UnsupportedConfigError, match="'mystery'"):
-        GraniteSpec.from_hf_config(config(mystery=3), strict=True)
+    assert_unknown_fields_warn_or_refuse(GraniteSpec.from_hf_config, config())
 
 
 def test_serving_paths_refuse_it_clearly():

@@ -10,7 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hybrid_helpers import FIXTURES, expected, greedy_chunked, logit_error, perturb, read_tensors, write_safetensors
+from hybrid_helpers import (
+    FIXTURES,
+    assert_chunks_match_dense,
+    assert_decode_compiles_once,
+    assert_greedy_matches,
+    assert_unknown_fields_warn_or_refuse,
+    chunk_forward,
+    fixture_config,
+    logit_error,
+    perturb,
+    read_tensors,
+    write_safetensors,
+)
 
 from kvjax.checkpoint_files import CheckpointError
 from kvjax.errors import InvalidArgumentError
@@ -36,11 +48,7 @@ def test_logits_match_transformers(loaded):
 
 
 def test_greedy_matches_transformers_through_the_state(loaded):
-    family, model = loaded
-    exp = expected(family)
-    step = jit_forward_chunk(model)
-    for i, (prompt, want) in enumerate(zip(exp["prompts"], exp["greedy"], strict=True)):
-        assert greedy_chunked(model, step, prompt, len(want), chunk=8) == want, f"{family} prompt {i}"
+    assert_greedy_matches(loaded[1], loaded[0])
 
 
 def test_loads_in_the_checkpoint_dtype_by_default():
@@ -73,23 +81,13 @@ class ChunkedEqualsDense(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_splits(self):
-        graphdef = self.graphdef
-        fwd = self.variant(lambda params, toks, state: nnx.merge(graphdef, params).forward_chunk(toks, state))
+        fwd = chunk_forward(self.variant, self.graphdef)
         for splits in [(2, 5), (5, 2, 2)]:  # few distinct chunk sizes (each compiles once), then decode
-            state = self.model.init_state(2, 16)
-            outs, pos = [], 0
-            for size in list(splits) + [1] * (9 - sum(splits)):  # the rest token by token (decode)
-                logits, state = fwd(self.params, self.tokens[:, pos:pos + size], state)
-                chex.assert_shape(logits, (2, size, 61))
-                outs.append(logits)
-                pos += size
-            chex.assert_trees_all_close(jnp.concatenate(outs, axis=1), self.dense, atol=3e-5, rtol=1e-5)
-            assert int(state.length) == 9
+            assert_chunks_match_dense(self.model, fwd, self.params, self.tokens, self.dense, splits, max_len=16)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_state_shapes(self):
-        graphdef = self.graphdef
-        fwd = self.variant(lambda params, toks, state: nnx.merge(graphdef, params).forward_chunk(toks, state))
+        fwd = chunk_forward(self.variant, self.graphdef)
         _, state = fwd(self.params, self.tokens[:, :5], self.model.init_state(2, 16))
         assert isinstance(state, HybridState) and len(state.layers) == 2
         for kind, layer in zip(self.model.spec.layer_types, state.layers, strict=True):
@@ -108,18 +106,7 @@ class ChunkedEqualsDense(chex.TestCase):
 
 def test_decode_step_compiles_once():
     model = random_model()
-    graphdef, params = nnx.split(model)
-
-    chex.clear_trace_counter()  # the counter keys on source and call stack: the other family's test shares both
-
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def lfm2_decode(params, tok, state):
-        return nnx.merge(graphdef, params).forward_chunk(tok, state)
-
-    state = model.init_state(1, 12)
-    for t in range(10):
-        _, state = lfm2_decode(params, jnp.asarray([[t + 3]], jnp.int32), state)
+    assert_decode_compiles_once(model, steps=10)
     step = jit_forward_chunk(model)
     state = model.init_state(1, 12)
     for t in range(10):
@@ -146,9 +133,7 @@ def test_chunks_that_do_not_fit_are_refused():
 
 # ---------------------------------------------------------------------- config.json
 def config(**changes):
-    base = json.loads((FIXTURES / "lfm2" / "config.json").read_text())
-    base.update(changes)
-    return {k: v for k, v in base.items() if v is not ...}
+    return fixture_config("lfm2", **changes)
 
 
 def test_spec_from_the_fixture_config():
@@ -193,10 +178,7 @@ def test_refusals_name_the_field(changes, field):
 
 
 def test_unknown_fields_warn_or_refuse():
-    with pytest.warns(UnknownConfigFieldWarning, match="'mystery'"):
-        Lfm2Spec.from_hf_config(config(mystery=3))
-    with pytest.raises(UnsupportedConfigError, match="'mystery'"):
-        Lfm2Spec.from_hf_config(config(mystery=3), strict=True)
+    assert_unknown_fields_warn_or_refuse(Lfm2Spec.from_hf_config, config())
 
 
 # ---------------------------------------------------------------------- loading and serving paths
