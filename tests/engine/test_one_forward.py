@@ -6,9 +6,9 @@ sampled positions only."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_helpers import assert_same_tokens, cache
+from engine_helpers import assert_same_tokens, cache, engine_config
 
-from kvjax.engine import WorkItem, forward_shapes, padding_step
+from kvjax.engine import Engine, ModelRunner, WorkItem, forward_shapes, padding_step
 from kvjax.engine.batching import StepExtras
 from kvjax.models import dense_greedy
 
@@ -17,10 +17,10 @@ from kvjax.models import dense_greedy
 def served_run(micro):
     """Drive a core step by step: arrivals at random steps, random prompt and output lengths."""
     rng = np.random.default_rng(11)
-    engine = micro.engine()
+    runner = ModelRunner(micro.model)  # its own: the shared runner's counts include other files' programs
+    engine = Engine(micro.model, engine_config(), runner=runner)
     cc = cache(micro.model)
     core = engine.core(cc)
-    runner = micro.runner
     vocab = micro.model.spec.vocab_size
     arrivals = sorted(int(a) for a in rng.integers(0, 12, 9))
     items = [WorkItem(f"r{i}", tuple(rng.integers(1, vocab, int(rng.integers(3, 70))).tolist()),
@@ -60,7 +60,7 @@ def test_greedy_tokens_equal_the_dense_oracle(served_run, micro):
 
 def test_compiles_stay_within_the_documented_shapes(served_run, micro):
     engine, cc, core, _, _, _, shapes0, traces0 = served_run
-    runner = micro.runner
+    runner = engine.runner
     allowed = set(forward_shapes(engine.config, cc))
     assert core.forward_shapes == sorted(allowed)
     assert runner.shapes <= allowed
@@ -71,7 +71,7 @@ def test_a_padding_step_runs_the_same_program(served_run, micro):
     """Warmup: a padding batch of a shape a real step compiled compiles nothing new and
     writes nothing; a padding batch of a new shape compiles it once."""
     engine, cc, _, _, _, _, _, _ = served_run
-    runner = micro.runner
+    runner = engine.runner
     pools = runner.allocate_pools(cc)
     seen = sorted(runner.shapes)[0]
     traces = runner.num_traces
@@ -81,17 +81,18 @@ def test_a_padding_step_runs_the_same_program(served_run, micro):
     assert runner.num_traces == traces and out.tokens.shape == (0,)
     for a, b in zip(before, pools.primary, strict=True):
         np.testing.assert_array_equal(a, np.asarray(jnp.copy(b)))
-    new = next(s for s in forward_shapes(engine.config, cc) if s not in runner.shapes)
+    fresh = ModelRunner(micro.model)  # every shape is new to it
+    new = forward_shapes(engine.config, cc)[-1]
     for _ in range(2):
-        _, pools = runner.run(pools, padding_step(new, cc), z.astype(np.float32), z.astype(np.float32), z, z)
-    assert runner.num_traces == traces + 1 and new in runner.shapes
+        _, pools = fresh.run(pools, padding_step(new, cc), z.astype(np.float32), z.astype(np.float32), z, z)
+    assert fresh.num_traces == 1 and fresh.shapes == {new}
 
 
 def test_lm_head_runs_on_the_sampled_positions_only(served_run, micro):
     """The step's program multiplies by the LM head only the rows' last positions; a prefill
     row that scores its prompt needs every position's logits (the check can fail)."""
     engine, cc, _, _, _, _, _, _ = served_run
-    runner = micro.runner
+    runner = engine.runner
     pools = runner.allocate_pools(cc)
     v = micro.model.spec.vocab_size
     shape = next(s for s in forward_shapes(engine.config, cc) if s.decode_rows and s.prefill_rows and s.chunk >= 32)

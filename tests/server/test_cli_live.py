@@ -82,7 +82,11 @@ def test_serve_auth_names_limits_and_log_lines(tmp_path):
     assert proc.returncode in (0, -signal.SIGTERM), text[-3000:]  # uvicorn re-raises the signal it handled
     assert "max model len 256, max num seqs 4, max num batched tokens 64, prefix caching on" in text
     assert "KV cache (window 256, float32): primary 64 blocks = 512 tokens" in text
-    assert re.search(r"compiled the forward for \[B=1, T=64, blocks=32\] in [0-9.]+ s", text), text[-3000:]
+    # the default --warmup compiled the prefill-chunk and decode programs before the server listened
+    assert re.search(r"compiled the forward for StepShape\(decode_rows=0, prefill_rows=1, chunk=64, blocks=32\) "
+                     r"in [0-9.]+ s", text), text[-3000:]
+    assert "warmup (common) done: 2 of 3 step shapes, 2 programs traced" in text
+    assert text.index("warmup (common) done") < text.index("Uvicorn running on")
     assert re.search(rf"DEBUG .* request {rid}: 3 prompt tokens, max_tokens 1, finished \(length\) with 1 tokens, "
                      r"TTFT [0-9.]+ s, e2e [0-9.]+ s", text), text[-3000:]
     assert re.search(r"INFO .* Avg prompt throughput: [0-9.]+ tokens/s, Avg generation throughput: [0-9.]+ tokens/s, "
