@@ -85,7 +85,7 @@ def test_serve_kv_events_flags(monkeypatch, capsys):
     monkeypatch.setattr(kvjax.server, "serve", fake_serve)
     code = main(["serve", MODEL, "--tokens-per-block", "8", "--max-seq-len", "128", "--primary-blocks", "16",
                  "--kv-events-endpoint", ANY, "--kv-events-replay-endpoint", ANY, "--kv-events-topic", "t",
-                 "--data-parallel-rank", "2", "--option", 'event_hash="trtllm64"'])
+                 "--data-parallel-rank", "2", "--option", 'event_hash="trtllm64"', "--warmup", "none"])
     assert code == 0, capsys.readouterr().err
     info = seen["engine"].kv_events_info()
     assert info["endpoint"].startswith("tcp://127.0.0.1:") and info["topic"] == "t" and info["data_parallel_rank"] == 2
