@@ -16,8 +16,15 @@ The path loops over steps of table columns (online softmax), so
    from the pool, written once as the dot's operand (a copy the size of one step: cache-resident
    at 1 MiB, but the model cannot see caches) and read by the dot, so an honest per-step count
    is ~3x the step's live bytes (FP8: 1 + 2 + 2 bytes per value, its pages entering the dots as
-   bfloat16). The XLA CPU path cannot reach ~1.5x with dots: that needs the page read fused into
-   the dot (the Pallas kernel), or scores as fused multiply-reduces, which measured 2.4x slower."""
+   bfloat16). `benchmarks/attention_bytes.py` counts it op by op (`hlo_bytes`), and
+   `test_the_op_by_op_count` holds the path to it. The XLA CPU path cannot reach ~1.5x: XLA CPU
+   runs every dot and reduction as a library kernel (YNNPACK) on a materialised operand, fusing
+   no gather or convert into it (a multiply-reduce becomes a dot, or a reduction of a
+   materialised product), and converts float8 dot operands to float32 first. That needs the
+   page read fused into the dot: the Pallas kernel."""
+import functools
+import importlib.util
+import os
 from unittest import mock
 
 import jax
@@ -37,7 +44,12 @@ def live_bytes(dtype: str, m: int = M) -> int:
 
 
 def compiled(dtype: str, m: int = M, reference: bool = False):
-    """The program, with the CPU step budget on any backend."""
+    """The program, with the CPU step budget on any backend (compiled once per module)."""
+    return _compiled(dtype, m, reference)
+
+
+@functools.cache
+def _compiled(dtype: str, m: int, reference: bool):
     cfg = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=K, head_dim=H, max_seq_len=m * TPB,
                       primary_blocks=B * m, secondary_blocks=0, dtype=dtype)
     pools = jax.eval_shape(lambda: allocate_pools(cfg))
@@ -84,3 +96,35 @@ def test_bytes_accessed_by_the_cost_model():
 def test_the_xla_path_moves_less_than_the_reference_gather(dtype):
     """The per-position oracle gathers dense float32 copies: the XLA path stays well below it."""
     assert units(dtype) < 0.6 * units(dtype, reference=True), (units(dtype), units(dtype, reference=True))
+
+
+def _bench():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention_bytes.py")
+    spec = importlib.util.spec_from_file_location("attention_bytes", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_op_by_op_count():
+    """Counted op by op, each loop step once per trip: the pages are read once, copied once in
+    the dots' dtype (bfloat16 for FP8) and read again, the floor of any dot formulation on XLA
+    CPU (1 + 2 * dot_itemsize / pool_itemsize). If a step ever reads the pool straight from a dot
+    (`copy` ~0), the XLA path got cheaper than docs/device.md says: update it and these bounds."""
+    bench = _bench()
+    assert bench.SHAPES["decode"] == (B, M, 1) and (bench.TPB, bench.KV_HEADS, bench.GROUP, bench.HEAD_DIM) == (TPB, K, G, H)
+    # measured: 3.43 / 3.82 / 6.67 (f32 / bf16 / fp8) = pages 1.00 + copies 1.00 / 1.00 / 2.01 + the rest
+    high = {"float32": 3.7, "bfloat16": 4.1, "float8_e4m3fn": 7.2}
+    for dtype in DTYPES:
+        trips = bench.xla_steps(dtype, B, M, 1, chunk_bytes=attention.CHUNK_BYTES)
+        counted = {k: n / live_bytes(dtype) for k, n in bench.hlo_bytes(compiled(dtype).as_text(), trips).items()}
+        copy = (4 if dtype == "float32" else 2) / ITEM[dtype]
+        assert abs(counted["read"] - 1) < 0.02 and abs(counted["copy"] - copy) < 0.02, (dtype, counted)
+        assert 1 + 2 * copy <= sum(counted.values()) <= high[dtype], (dtype, counted)
+
+
+def test_float8_dot_operands_are_converted_to_float32():
+    """Why FP8 pages enter the dots as bfloat16: fed as float8, XLA CPU converts them to float32
+    in a fusion of its own (~9 page bytes moved against ~5)."""
+    probe = _bench().fp8_dot_probe()
+    assert probe["float8_convert"] == "f32" and probe["float8_bytes"] > 1.5 * probe["bfloat16_bytes"], probe
