@@ -62,7 +62,7 @@ def step_until(engine, cond, deadline=10.0):
 @pytest.fixture(scope="module")
 def pd(micro):
     """One producer and one consumer (recompute policy) for the module; closed at the end."""
-    p, d = make(micro, "kv_producer"), make(micro, "kv_consumer", "recompute", pull_timeout=10)
+    p, d = make(micro, "kv_producer"), make(micro, "kv_consumer", "recompute", pull_timeout=10, side_channel_timeout=1)
     yield p, d
     d.close()
     p.close()
@@ -119,7 +119,7 @@ def test_failed_pull_recomputes_or_fails_and_bad_geometry_is_refused(micro, pd):
         d.add_request("x", pr, SamplingParams(max_tokens=4), kv_transfer_params={**params, "geometry_digest": "0" * 64})
     assert d.get_num_unfinished_requests() == 0
     # the producer is gone before the pull (closed: its offers end): recompute gives the same tokens
-    dead = make(micro, "kv_producer")
+    dead = make(micro, "kv_producer", side_channel_timeout=1)
     gone = prefill(dead, "x", pr).kv_transfer_params
     dead.close()
     computed = d.core.counters.computed_prompt_tokens
@@ -128,7 +128,7 @@ def test_failed_pull_recomputes_or_fails_and_bad_geometry_is_refused(micro, pd):
     assert d.core.counters.computed_prompt_tokens - computed == len(pr)  # nothing arrived: all computed
     assert d.core.remote_kv.counters.recomputed >= 1
     # the same with kv_load_failure_policy=fail: the request ends with "error"
-    strict = make(micro, "kv_consumer", "fail", pull_timeout=5)
+    strict = make(micro, "kv_consumer", "fail", pull_timeout=5, side_channel_timeout=1)
     try:
         strict.add_request("x", pr, SamplingParams(max_tokens=4), kv_transfer_params=gone)
         out = run(strict)["x"]
