@@ -140,7 +140,7 @@ class EngineLoop:
             return self._accepting and self.error is None
 
     def submit(self, request_id: str, prompt: str | None, prompt_ids: Sequence[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop) -> OutputStream:
+               loop: asyncio.AbstractEventLoop, *, kv_transfer_params: dict | None = None) -> OutputStream:
         """Hand a checked request to the engine thread; its outputs arrive on the returned stream."""
         with self._lock:
             if not self._accepting or self.error is not None:
@@ -149,7 +149,7 @@ class EngineLoop:
                 raise QueueFull(f"the server is at its limit of {self.max_pending} requests; retry later")
             self._pending += 1
         stream = OutputStream(request_id, loop)
-        self._commands.put(("add", stream, prompt, list(prompt_ids), params))
+        self._commands.put(("add", stream, prompt, list(prompt_ids), params, kv_transfer_params))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -212,6 +212,8 @@ class EngineLoop:
                 idle = not eng.has_unfinished_requests()
                 if not self._drain(block=idle):
                     break
+                elif (remote := getattr(getattr(eng, "core", None), "remote_kv", None)) is not None:
+                    remote.poll([])  # idle: offers still end (unpinned) between requests
                 if eng.has_unfinished_requests():
                     outputs = eng.step()
                     now = time.perf_counter()
@@ -297,10 +299,11 @@ class EngineLoop:
                 self._abort_all()
                 return False
 
-    def _add(self, stream: OutputStream, prompt, prompt_ids, params) -> None:
+    def _add(self, stream: OutputStream, prompt, prompt_ids, params, kv_transfer_params=None) -> None:
         try:
+            extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
             self.engine.add_request(stream.request_id, prompt if prompt is not None else prompt_ids, params,
-                                    prompt_token_ids=prompt_ids)
+                                    prompt_token_ids=prompt_ids, **extra)
         except Exception as e:  # checked by the handler already; a race or a bug ends up here
             self._release()
             stream._deliver(None, e)
