@@ -291,8 +291,14 @@ class RemoteKV:
         return bool(self._pulls or self._not_started)
 
     def close(self) -> None:
+        """Abandon pulls (their connections poisoned and threads joined, bounded), free the
+        sequences of aborted ones, end every offer (its pins dropped)."""
         if self.consumer is not None:
             self.consumer.close()
+            for rid in sorted(self.draining):
+                self.core.ledger.remove_sequence(rid, store_for_reuse=False)
+            self.draining.clear()
+            self._pulls.clear()
         if self.producer is not None:
             self.producer.close()
 
