@@ -1,7 +1,9 @@
 """Disaggregated prefill/decode end to end, as three processes on 127.0.0.1: a producer
 `kvjax serve --kv-transfer-config` (P), a consumer one (D) and `kvjax router --prefill-replica
-P --decode-replica D`. Greedy tokens through the router equal an aggregated engine's (P's
-own answer to the plain request), and D's /metrics count the prompt tokens it received."""
+P --decode-replica D`. Greedy tokens through the router (completions and chat) equal an
+aggregated engine's (P's own answer to the plain request), D's /metrics count the prompt tokens
+it received, bad kv_transfer_params are 400s, and both servers stop with an empty ledger (P's
+unpulled offer is released at shutdown)."""
 import json
 import os
 import re
@@ -93,10 +95,18 @@ def test_pd_through_the_router_matches_aggregated(tmp_path):
             got = http.post(url["r"] + "/v1/chat/completions", json=chat)
             assert got.status_code == want.status_code == 200, (got.text, want.text)
             assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+            # refused as 400s naming the field: a producer's request on the consumer, a foreign geometry
+            bad = {"model": "micro", "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+            r = http.post(url["d"] + "/v1/completions", json=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+            params = http.post(url["p"] + "/v1/completions", json={**bad, "prompt": prompts[0]}).json()["kv_transfer_params"]
+            r = http.post(url["d"] + "/v1/completions", json={**bad, "prompt": prompts[0],
+                                                              "kv_transfer_params": {**params, "geometry_digest": "0" * 64}})
+            assert r.status_code == 400 and "GeometryMismatchError" in r.json()["error"]["message"], r.text
             d_metrics = http.get(url["d"] + "/metrics").text
             assert counter(d_metrics, "kvjax_kv_transfer_tokens_received") > received  # the chat's too
             assert counter(d_metrics, "kvjax_kv_transfer_pull_failures") == 0
-            assert counter(http.get(url["p"] + "/metrics").text, "kvjax_kv_transfer_offers") == 3
+            assert counter(http.get(url["p"] + "/metrics").text, "kvjax_kv_transfer_offers") == 4
             assert "kvjax_router_pd_prefills_total{outcome=\"with_kv\"} 3.0" in http.get(url["r"] + "/metrics").text
     finally:
         for k in ("r", "d", "p"):
