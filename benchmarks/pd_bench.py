@@ -94,6 +94,9 @@ class Recorder:
                 self.finish[out.request_id] = now
                 self.tokens[out.request_id] = list(out.outputs[0].token_ids)
 
+    def by_index(self) -> dict[int, list[int]]:
+        return {int(k.rpartition("-")[2]): v for k, v in self.tokens.items()}
+
     def summary(self, wall: float) -> dict:
         ids = sorted(self.arrival)
         ttft = np.array([self.first[i] - self.arrival[i] for i in ids])
@@ -110,13 +113,13 @@ def make_engine(args, role: str | None) -> LLMEngine:
                                   min_batch_bucket=8, min_chunk_bucket=args.chunk, min_blocks_bucket=32, prefill_rows=1)
 
 
-def drive(args, prompts, submit, rec: Recorder, done) -> float:
+def drive(args, prompts, tag: str, submit, rec: Recorder, done) -> float:
     """Submit the requests at `--interval`, wait until all finished; returns the wall time."""
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         target = start + i * args.interval
         time.sleep(max(0.0, target - time.perf_counter()))
-        rid = f"r{i}"
+        rid = f"{tag}-{i}"
         with rec.lock:
             rec.arrival[rid] = time.perf_counter()
         submit(rid, p)
@@ -128,71 +131,83 @@ def drive(args, prompts, submit, rec: Recorder, done) -> float:
     return time.perf_counter() - start
 
 
-def run_aggregated(args, prompts) -> tuple[dict, dict, int]:
-    eng = make_engine(args, None)
-    eng.core.warm_up("all")
-    rec = Recorder()
-    loop = Loop(eng, rec.seen)
-    loop.start()
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    computed0 = eng.core.counters.computed_prompt_tokens
-    wall = drive(args, prompts, lambda rid, p: loop.submit(rid, p, params), rec,
-                 lambda: len(rec.finish) == len(prompts) or loop.error is not None)
-    loop.stopping.set()
-    loop.join()
-    if loop.error:
-        raise loop.error
-    return rec.summary(wall), rec.tokens, eng.core.counters.computed_prompt_tokens - computed0
+class Aggregated:
+    """One engine on its own thread."""
+
+    name = "aggregated"
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.engine = make_engine(args, None)
+        self.engine.core.warm_up("all")
+        self.rec = Recorder()
+        self.loop = Loop(self.engine, lambda out: self.rec.seen(out))
+        self.loop.start()
+
+    def measure(self, prompts, tag: str) -> tuple[dict, dict, int, int]:
+        """(summary, tokens by prompt index, prompt tokens computed, received) of one round."""
+        self.rec = rec = Recorder()
+        params = SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True)
+        computed0 = self.engine.core.counters.computed_prompt_tokens
+        wall = drive(self.args, prompts, tag, lambda rid, p: self.loop.submit(rid, p, params), rec,
+                     lambda: len(rec.finish) == len(prompts) or self.loop.error is not None)
+        if self.loop.error:
+            raise self.loop.error
+        return rec.summary(wall), rec.by_index(), self.engine.core.counters.computed_prompt_tokens - computed0, 0
+
+    def close(self) -> None:
+        self.loop.stopping.set()
+        self.loop.join()
+        self.engine.close()
 
 
-def run_pd(args, prompts, warm_prompt) -> tuple[dict, dict, int, int]:
-    p_eng, d_eng = make_engine(args, "kv_producer"), make_engine(args, "kv_consumer")
-    for e in (p_eng, d_eng):
-        e.core.warm_up("all")
-    rec = Recorder()
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    prompt_of: dict[str, list[int]] = {}
-    d_loop = Loop(d_eng, rec.seen)
+class Disaggregated:
+    """A producer and a consumer engine, each on its own thread, linked as vLLM's proxy links them."""
 
-    def prefilled(out) -> None:  # the proxy's second step: the decode request, with P's params
+    name = "P/D"
+
+    def __init__(self, args, warm_prompt) -> None:
+        self.args = args
+        self.p, self.d = make_engine(args, "kv_producer"), make_engine(args, "kv_consumer")
+        for e in (self.p, self.d):
+            e.core.warm_up("all")
+        self.rec = Recorder()
+        self.prompt_of: dict[str, list[int]] = {}
+        self.params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        self.d_loop = Loop(self.d, lambda out: self.rec.seen(out))
+        self.p_loop = Loop(self.p, self._prefilled)
+        self.p_loop.start()
+        self.d_loop.start()
+        self.measure([warm_prompt], "warm")  # connections, gather / scatter programs
+
+    def _prefilled(self, out) -> None:  # the proxy's second step: the decode request, with P's params
         if out.finished:
-            d_loop.submit(out.request_id, prompt_of[out.request_id], params, out.kv_transfer_params)
+            self.d_loop.submit(out.request_id, self.prompt_of[out.request_id], self.params, out.kv_transfer_params)
 
-    p_loop = Loop(p_eng, prefilled)
-    p_loop.start()
-    d_loop.start()
-    first = SamplingParams(max_tokens=1)
+    def _submit(self, rid: str, prompt: list[int]) -> None:
+        self.prompt_of[rid] = prompt
+        self.p_loop.submit(rid, prompt, SamplingParams(max_tokens=1), {"do_remote_decode": True})
 
-    def submit(rid: str, p: list[int]) -> None:
-        prompt_of[rid] = p
-        p_loop.submit(rid, p, first, {"do_remote_decode": True})
+    def measure(self, prompts, tag: str) -> tuple[dict, dict, int, int]:
+        self.rec = rec = Recorder()
+        core = self.d.core
+        computed0, received0 = core.counters.computed_prompt_tokens, core.remote_kv.counters.transferred_tokens
+        wall = drive(self.args, prompts, tag, self._submit, rec, lambda: len(rec.finish) == len(prompts) or (
+            self.p_loop.error or self.d_loop.error) is not None)
+        if self.p_loop.error or self.d_loop.error:
+            raise self.p_loop.error or self.d_loop.error  # type: ignore[misc]
+        return (rec.summary(wall), rec.by_index(), core.counters.computed_prompt_tokens - computed0,
+                core.remote_kv.counters.transferred_tokens - received0)
 
-    # warm the transfer path (connections, gather / scatter programs) with one request
-    warm = Recorder()
-    warm_loop_seen, d_loop.on_output = d_loop.on_output, warm.seen
-    with warm.lock:
-        warm.arrival["warm"] = time.perf_counter()
-    submit("warm", warm_prompt)
-    deadline = time.perf_counter() + args.timeout
-    while "warm" not in warm.finish:
-        if time.perf_counter() > deadline or p_loop.error or d_loop.error:
-            raise SystemExit(f"the warm-up request did not finish: {p_loop.error or d_loop.error}")
-        time.sleep(0.005)
-    d_loop.on_output = warm_loop_seen
-    computed0 = d_eng.core.counters.computed_prompt_tokens
-    received0 = d_eng.core.remote_kv.counters.transferred_tokens
-    wall = drive(args, prompts, submit, rec,
-                 lambda: len(rec.finish) == len(prompts) or p_loop.error is not None or d_loop.error is not None)
-    for loop in (p_loop, d_loop):
-        loop.stopping.set()
-        loop.join()
-        if loop.error:
-            raise loop.error
-    computed = d_eng.core.counters.computed_prompt_tokens - computed0
-    received = d_eng.core.remote_kv.counters.transferred_tokens - received0
-    d_eng.close()
-    p_eng.close()
-    return rec.summary(wall), rec.tokens, computed, received
+    def close(self) -> None:
+        for loop in (self.p_loop, self.d_loop):
+            loop.stopping.set()
+            loop.join()
+        rc = self.d.core.remote_kv.counters
+        print(f"P/D: {rc.pulls} pulls, {rc.pull_seconds / max(rc.pulls, 1) * 1e3:.1f} ms each from start to arrival "
+              f"(mean), {rc.pull_failures} failed")
+        self.d.close()
+        self.p.close()
 
 
 def main() -> None:
@@ -202,30 +217,43 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--interval", type=float, default=0.05, help="seconds between arrivals")
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds per setup, alternating (medians shown)")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (token budget per step)")
-    ap.add_argument("--primary-blocks", type=int, default=512)
+    ap.add_argument("--primary-blocks", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    probe = make_engine(args, None)
-    vocab = probe.engine.model.spec.vocab_size
-    del probe
-    prompts = [rng.integers(1, vocab, args.prompt_tokens).tolist() for _ in range(args.requests + 1)]
-    warm_prompt, prompts = prompts[0], prompts[1:]
-    agg, agg_tokens, agg_computed = run_aggregated(args, prompts)
-    pd, pd_tokens, pd_computed, pd_received = run_pd(args, prompts, warm_prompt)
-    same = sum(agg_tokens[k] == pd_tokens[k] for k in agg_tokens)
+    agg = Aggregated(args)
+    vocab = agg.engine.engine.model.spec.vocab_size
+    pd = Disaggregated(args, rng.integers(1, vocab, args.prompt_tokens).tolist())
+    rows: dict[str, list[dict]] = {agg.name: [], pd.name: []}
+    computed = {agg.name: 0, pd.name: 0}
+    received = same = total = 0
+    for k in range(args.rounds):  # fresh prompts per round (no prefix hits), both setups on the same ones
+        prompts = [rng.integers(1, vocab, args.prompt_tokens).tolist() for _ in range(args.requests)]
+        results = {}
+        for setup in (agg, pd) if k % 2 == 0 else (pd, agg):
+            summary, tokens, c, r = setup.measure(prompts, f"{k}")
+            rows[setup.name].append(summary)
+            computed[setup.name] += c
+            received += r
+            results[setup.name] = tokens
+        same += sum(results[agg.name][i] == results[pd.name][i] for i in results[agg.name])
+        total += len(prompts)
+    agg.close()
+    pd.close()
+    med = {name: {key: float(np.median([r[key] for r in rs])) for key in rs[0]} for name, rs in rows.items()}
     print(f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens, one every "
-          f"{args.interval} s, model {args.model!r}")
+          f"{args.interval} s, model {args.model!r}; medians of {args.rounds} rounds")
     print(f"{'':12}{'TTFT p50':>10}{'TTFT mean':>11}{'ITL mean':>10}{'tok/s':>9}{'prompt computed':>17}")
-    for name, s, computed in (("aggregated", agg, agg_computed), ("P/D", pd, pd_computed)):
+    for name, s in med.items():
         print(f"{name:12}{s['ttft_p50'] * 1e3:>8.1f}ms{s['ttft_mean'] * 1e3:>9.1f}ms{s['itl_mean'] * 1e3:>8.2f}ms"
-              f"{s['tokens_per_s']:>9.1f}{computed:>17}")
-    print(f"P/D decode side received {pd_received} prompt tokens' KV; greedy outputs identical for {same}/{len(prompts)}")
-    print(f"ratios P/D / aggregated: TTFT p50 {pd['ttft_p50'] / agg['ttft_p50']:.2f}, "
-          f"ITL {pd['itl_mean'] / agg['itl_mean']:.2f}, throughput {pd['tokens_per_s'] / agg['tokens_per_s']:.2f}")
-
+              f"{s['tokens_per_s']:>9.1f}{computed[name]:>17}")
+    a, p = med[agg.name], med[pd.name]
+    print(f"P/D decode side received {received} prompt tokens' KV; greedy outputs identical for {same}/{total}")
+    print(f"ratios P/D / aggregated: TTFT p50 {p['ttft_p50'] / a['ttft_p50']:.2f}, "
+          f"ITL {p['itl_mean'] / a['itl_mean']:.2f}, throughput {p['tokens_per_s'] / a['tokens_per_s']:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import jax
@@ -62,6 +63,7 @@ class RemoteKVCounters:
     pulled_blocks: int = 0  # blocks the transport moved (the local prefix hit's included)
     transferred_tokens: int = 0  # prompt tokens whose KV came from the producer (never computed here)
     pull_failures: int = 0
+    pull_seconds: float = 0.0  # summed over reported pulls: from start_pull to the step that saw the result
     recomputed: int = 0  # failed pulls whose requests prefilled locally instead
     failed: int = 0  # failed pulls whose requests ended with "error"
 
@@ -71,6 +73,7 @@ class _Pull:
     request: LiveRequest
     start: int  # the local prefix hit: the context position at admission
     end: int  # the context position once the pulled blocks are in
+    started: float = 0.0  # time.perf_counter() at start_pull
 
 
 class RemoteKV:
@@ -171,7 +174,7 @@ class RemoteKV:
                 continue
             self.counters.pulls += 1
             r.awaiting_kv = True
-            self._pulls[r.request_id] = _Pull(r, start, max(start, end))
+            self._pulls[r.request_id] = _Pull(r, start, max(start, end), time.perf_counter())
 
     def _specs(self, n: int) -> list[jax.ShapeDtypeStruct]:
         """The offered arrays' shapes for `n` blocks, landing on the pools' device."""
@@ -276,6 +279,7 @@ class RemoteKV:
                 held.remote_prefill = None
                 self._pull_failed(held, _error(res.value), outputs)
                 continue
+            self.counters.pull_seconds += time.perf_counter() - pull.started
             r = pull.request
             r.awaiting_kv = False
             if r.phase is not Phase.CONTEXT:
