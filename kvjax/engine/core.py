@@ -243,7 +243,7 @@ class EngineCore:
         (its blocks are salted), it is queued at once and computes its own prompt."""
         prompt = list(item.tokens if prompt is None else prompt)
         rid = item.request_id
-        if rid in self._live:
+        if rid in self._live or (self.remote_kv is not None and rid in self.remote_kv.draining):
             raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
         self.validate(item, prompt)
         remote = None

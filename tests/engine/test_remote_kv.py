@@ -13,6 +13,7 @@ from engine_helpers import cache
 from kvjax.disagg import GeometryMismatchError, KVTransferConfig
 from kvjax.engine import LLMEngine
 from kvjax.engine.sampling import SamplingParams
+from kvjax.errors import DuplicateRequestError
 
 TPB = 8
 
@@ -154,6 +155,8 @@ def test_abort_mid_pull_frees_blocks_after_the_pull(micro, pd):
     assert out is not None and out.outputs[0].finish_reason == "abort"
     assert len(d.core.ledger) == 1  # the pull may still write into its slots: still held
     assert d.has_unfinished_requests()
+    with pytest.raises(DuplicateRequestError):  # its id is still held by the pull
+        d.add_request("y", pr, SamplingParams(max_tokens=4))
     run(d)  # the pull reports: only now the sequence leaves the ledger
     assert len(d.core.ledger) == 0
     d.core.verify_idle()
