@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from engine_helpers import cache
+from engine_helpers import cache, engine_config
 
 from kvjax.disagg import GeometryMismatchError, KVTransferConfig
-from kvjax.engine import LLMEngine
+from kvjax.engine import Engine, LLMEngine
 from kvjax.engine.sampling import SamplingParams
 from kvjax.errors import DuplicateRequestError
 
@@ -23,9 +23,10 @@ def transfer_config(role, policy="fail", **extra):
                                    "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
 
 
-def make(served, role=None, policy="fail", **extra):
+def make(served, role=None, policy="fail", overlap=False, **extra):
     kv = None if role is None else transfer_config(role, policy, **extra)
-    return LLMEngine(served.engine(), cache(served.model), kv_transfer=kv)
+    engine = Engine(served.model, dataclasses.replace(engine_config(), async_scheduling=overlap), runner=served.runner)
+    return LLMEngine(engine, cache(served.model), kv_transfer=kv)
 
 
 def run(engine, deadline=60.0):
@@ -171,4 +172,31 @@ def test_lease_expiry_unpins(micro):
         step_until(p, lambda: p.core.remote_kv.counters.released.get("expired", 0) == 1)
         p.core.verify_idle()
     finally:
+        p.close()
+
+
+def test_pd_with_overlapped_steps(micro):
+    """With async scheduling on both sides (the offer is gathered while a later step is in
+    flight; the scatter lands between dispatched steps) the tokens are still the aggregated ones."""
+    p, d = make(micro, "kv_producer", overlap=True), make(micro, "kv_consumer", overlap=True)
+    try:
+        prs = prompts(micro.model.spec.vocab_size, [35, 50], seed=17)
+        agg = make(micro, overlap=True)
+        for i, pr in enumerate(prs):
+            agg.add_request(f"o{i}", pr, SamplingParams(max_tokens=5, ignore_eos=True))
+        want = {rid: o.outputs[0].token_ids for rid, o in run(agg).items()}
+        for i, pr in enumerate(prs):  # both prefills together, then both decodes together
+            p.add_request(f"o{i}", pr, SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True})
+        outs = run(p)
+        for i, pr in enumerate(prs):
+            d.add_request(f"o{i}", pr, SamplingParams(max_tokens=5, ignore_eos=True),
+                          kv_transfer_params=outs[f"o{i}"].kv_transfer_params)
+        got = {rid: o.outputs[0].token_ids for rid, o in run(d).items()}
+        assert got == want
+        assert d.core.remote_kv.counters.transferred_tokens == 32 + 48
+        step_until(p, lambda: p.core.remote_kv.counters.released.get("pulled", 0) == 2)
+        p.core.verify_idle()
+        d.core.verify_idle()
+    finally:
+        d.close()
         p.close()
