@@ -193,6 +193,9 @@ class RemoteKV:
         """Scatter the blocks beyond the local hit into the request's reserved slots."""
         core, r = self.core, pull.request
         tpb = core.cache_config.tokens_per_block
+        # a failed host-tier onboard may have cut the local hit back meanwhile (transfers_failed):
+        # the offer covers the prompt from its start, so it fills that gap too
+        pull.start = min(pull.start, r.context_pos)
         first, last = pull.start // tpb, -(-pull.end // tpb)
         self.counters.pulled_blocks += int(arrays[0].shape[0])
         if last > first:
