@@ -122,3 +122,11 @@ def test_pd_through_the_router_matches_aggregated(tmp_path):
         text = logs[k].read_text()
         assert procs[k].returncode in (0, -signal.SIGTERM), text[-3000:]
         assert "engine stopped: ledger empty, integrity holds" in text, text[-3000:]
+
+
+def test_serve_refuses_a_bad_kv_transfer_config_before_loading(capsys):
+    from kvjax.cli import main
+
+    assert main(["serve", "micro", "--kv-transfer-config", '{"kv_connector": "Nixl", "kv_role": "kv_producer"}']) == 2
+    assert "kv_connector must be 'JaxTransferConnector'" in capsys.readouterr().err
+    assert main(["serve", "micro", "--kv-transfer-config", "{not json"]) == 2
