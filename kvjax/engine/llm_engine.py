@@ -289,7 +289,7 @@ class LLMEngine:
         completions = []
         for i, r in enumerate(group.children):
             if r.finish_reason == "error":
-                completions.append(CompletionOutput(i, "", list(r.output), "error", None))
+                completions.append(CompletionOutput(i, "", list(r.output), "error", r.kv_error))  # why, if a KV pull failed
                 continue
             text = group.texts[i]
             done = r.finish_reason is not None

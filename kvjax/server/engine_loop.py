@@ -253,7 +253,10 @@ class EngineLoop:
         rid = out.request_id
         error: Exception | None = None
         if out.finished and out.outputs[0].finish_reason == "error":  # LLMEngine ended it (and logged why)
-            error = RequestFailed("this request failed inside the server (an internal error, logged)")
+            why = out.outputs[0].stop_reason  # a failed KV pull says why (kvjax.engine.remote_kv); else a bug
+            error = RequestFailed(f"the prompt's KV could not be pulled from the prefill engine "
+                                  f"(kv_load_failure_policy=fail): {why}" if isinstance(why, str) else
+                                  "this request failed inside the server (an internal error, logged)")
         else:
             try:
                 self._deliver(out, now)

@@ -135,6 +135,7 @@ def test_failed_pull_recomputes_or_fails_and_bad_geometry_is_refused(micro, pd):
         strict.add_request("x", pr, SamplingParams(max_tokens=4), kv_transfer_params=gone)
         out = run(strict)["x"]
         assert out.outputs[0].finish_reason == "error"
+        assert "Error" in out.outputs[0].stop_reason  # why: the pull's error
         assert strict.core.remote_kv.counters.failed == 1
         strict.core.verify_idle()
     finally:
