@@ -46,7 +46,7 @@ from kvjax.disagg import (
     scatter_blocks,
 )
 from kvjax.engine.request_state import LiveRequest, Phase
-from kvjax.errors import KVCacheError
+from kvjax.errors import DuplicateRequestError, KVCacheError
 
 log = logging.getLogger("kvjax.engine.remote_kv")
 
@@ -108,8 +108,6 @@ class RemoteKV:
         """Check a request's `kv_transfer_params` before it is queued (nothing changes on error):
         (offer its prompt?, the producer's params to pull)."""
         if request_id in self.draining:
-            from kvjax.errors import DuplicateRequestError
-
             raise DuplicateRequestError(f"request id {request_id!r} is still draining an aborted pull")
         if isinstance(params, dict) and params.get("do_remote_prefill") is True:
             if self.consumer is None:
@@ -144,8 +142,10 @@ class RemoteKV:
             self.consumer.drop(r.request_id)
 
     def hold_for_pull(self, r: LiveRequest) -> bool:
-        """A running request is aborted: if its pull is in flight, keep its ledger sequence
-        (the pull still writes into its slots) until the pull reports. True: held."""
+        """A running request is aborted: if its pull is in flight, keep its ledger sequence (its
+        slots reserved) until the pull reports, so no slot is handed out again while bytes meant
+        for it are in flight (the pulled arrays reach the slots only through the scatter here,
+        so this order is the conservative one). True: held."""
         if r.request_id not in self._pulls:
             return False
         self.draining.add(r.request_id)

@@ -155,7 +155,7 @@ def test_abort_mid_pull_frees_blocks_after_the_pull(micro, pd):
     assert d.core.running["y"].awaiting_kv
     out = d.abort_request("y")
     assert out is not None and out.outputs[0].finish_reason == "abort"
-    assert len(d.core.ledger) == 1  # the pull may still write into its slots: still held
+    assert len(d.core.ledger) == 1  # bytes for its slots may still be in flight: still held
     assert d.has_unfinished_requests()
     with pytest.raises(DuplicateRequestError):  # its id is still held by the pull
         d.add_request("y", pr, SamplingParams(max_tokens=4))
