@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-events-replay-endpoint", metavar="tcp://HOST:PORT",
                     help="bind a ZeroMQ ROUTER socket here that replays event batches a subscriber missed")
     sv.add_argument("--kv-events-topic", default="", help="topic prefixed to every KV-event message (default none)")
+    sv.add_argument("--kv-transfer-config", metavar="JSON",
+                    help="disaggregated prefill/decode: vLLM's KVTransferConfig JSON with kv_connector "
+                         "JaxTransferConnector and kv_role kv_producer | kv_consumer | kv_both (docs/disaggregation.md)")
     sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
                     help="data-parallel rank written into the KV-event batches (default 0)")
     sv.add_argument("--warmup", choices=["none", "common", "all"], default="common",
@@ -643,8 +646,13 @@ def _router_parser(sub) -> None:
     from kvjax.router.policy import POLICIES
 
     r = sub.add_parser("router", help="KV-aware router in front of kvjax serve replicas (OpenAI-compatible)")
-    r.add_argument("--replica", action="append", required=True, metavar="URL",
+    r.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a kvjax serve replica, e.g. http://10.0.0.5:8000 (repeat for each)")
+    r.add_argument("--prefill-replica", action="append", default=[], metavar="URL",
+                   help="disaggregated prefill/decode: a kvjax serve --kv-transfer-config kv_producer replica "
+                        "(repeat; needs --decode-replica; instead of --replica)")
+    r.add_argument("--decode-replica", action="append", default=[], metavar="URL",
+                   help="disaggregated prefill/decode: a kv_consumer replica (repeat; needs --prefill-replica)")
     r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     r.add_argument("--port", type=_int_at_least(0), default=8000)
     r.add_argument("--policy", choices=sorted(POLICIES), default="kv-aware", help="routing policy (default kv-aware)")
@@ -664,7 +672,8 @@ def router_config(args):
     if options and args.policy != "kv-aware":
         raise ValueError("--alpha and --imbalance-cap apply to --policy kv-aware only")
     return RouterConfig(tuple(args.replica), policy=args.policy, policy_options=options, tokenizer=args.tokenizer,
-                        health_interval=args.health_interval, request_timeout=args.request_timeout)
+                        health_interval=args.health_interval, request_timeout=args.request_timeout,
+                        prefill_replicas=tuple(args.prefill_replica), decode_replicas=tuple(args.decode_replica))
 
 
 def cmd_router(args) -> int:
@@ -678,8 +687,9 @@ def cmd_router(args) -> int:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(args.log_level.upper())
-    print(f"kvjax router: {args.policy} over {len(config.replicas)} replicas on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    mode = (f"prefill {len(config.prefill_replicas)} + decode {len(config.decode_replicas)}" if config.disaggregated
+            else f"{len(config.replicas)}")
+    print(f"kvjax router: {args.policy} over {mode} replicas on http://{args.host}:{args.port}", file=sys.stderr)
     serve_router(config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

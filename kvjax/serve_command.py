@@ -115,6 +115,17 @@ def _serve_model(args, mesh):
     return from_pretrained(path, spec=spec, dtype=args.dtype, mesh=mesh), Tokenizer.from_pretrained(path)
 
 
+def kv_transfer_config(args):
+    """The `KVTransferConfig` of --kv-transfer-config (None without it); bad JSON or keys raise
+    `TransferConfigError` (a ValueError) before the model loads."""
+    raw = getattr(args, "kv_transfer_config", None)
+    if raw is None:
+        return None
+    from kvjax.disagg import KVTransferConfig
+
+    return KVTransferConfig.parse(raw)
+
+
 def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
     """(LLMEngine, how its KV cache was sized or None) for `kvjax serve`: the model on `mesh`, the
     engine (which shards it), then the cache: --primary-blocks if given, else sized from memory
@@ -144,7 +155,8 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
         sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block)
         geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
     C.check_max_seq_len_fits(geometry)
-    return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events), sizing
+    return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events,
+                     kv_transfer=kv_transfer_config(args)), sizing
 
 
 def serve_config(args, engine):
@@ -168,6 +180,7 @@ def cmd_serve(args) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     kv_events = kv_events_config(args)
+    kv_transfer_config(args)  # bad JSON fails before the model loads
     from kvjax.server.auth import api_keys
 
     api_keys(args.api_key)  # an empty key fails before the model loads
@@ -227,6 +240,11 @@ def _run_server(args, options, kv_events) -> None:
         where = "" if events is None else f"; KV events on {events['endpoint']}" + (
             f" (replay {events['replay_endpoint']})" if events["replay_endpoint"] else "")
         auth = "; an API key is required on /v1" if config.api_keys else ""
+        remote = engine.core.remote_kv
+        if remote is not None:
+            side = remote.producer
+            where += f"; KV transfer {remote.config.kv_role}" + (
+                "" if side is None else f" (side channel {side.host}:{side.port})")
         print(f"kvjax serve: model {config.model_name!r} on http://{args.host}:{args.port} (max_model_len "
               f"{engine.max_seq_len}, {engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} "
               f"primary blocks{where}{auth})", file=sys.stderr)

@@ -136,7 +136,7 @@ class EngineCore:
     on its engine thread)."""
 
     def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | None = None, kv_transfer=None) -> None:
         from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.engine.scheduler import CapacityScheduler
         from kvjax.ledger import KVCacheManager
@@ -183,6 +183,12 @@ class EngineCore:
         self._sync_live = 0
         self.overlap = (self.cfg.async_scheduling and self.rank_digest is None
                         and callable(getattr(engine.runner, "dispatch", None)))
+        # disaggregated prefill/decode (kvjax.engine.remote_kv): a KVTransferConfig's producer / consumer
+        self.remote_kv = None
+        if kv_transfer is not None:
+            from kvjax.engine.remote_kv import RemoteKV
+
+            self.remote_kv = RemoteKV(self, kv_transfer)
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -225,6 +231,7 @@ class EngineCore:
         stop_token_ids: frozenset[int] = frozenset(),
         eos_token_ids: frozenset[int] = frozenset(),
         after: LiveRequest | None = None,
+        kv_transfer_params=None,
     ) -> LiveRequest:
         """Queue a request (it is admitted by a later `step`). `item` describes it (id,
         max_new_tokens, LoRA id, cache salt, retention, sampling, eos_id); `prompt` defaults
@@ -236,9 +243,15 @@ class EngineCore:
         (its blocks are salted), it is queued at once and computes its own prompt."""
         prompt = list(item.tokens if prompt is None else prompt)
         rid = item.request_id
-        if rid in self._live:
+        if rid in self._live or (self.remote_kv is not None and rid in self.remote_kv.draining):
             raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
         self.validate(item, prompt)
+        remote = None
+        if kv_transfer_params is not None:  # disaggregated prefill/decode (remote_kv.RemoteKV.prepare)
+            if self.remote_kv is None:
+                raise InvalidRequestError(f"request {rid!r} carries kv_transfer_params but this engine has no "
+                                          "--kv-transfer-config")
+            remote = self.remote_kv.prepare(rid, kv_transfer_params, len(prompt))
         r = LiveRequest(item, [int(t) for t in prompt], self.step_index, self.clock.now(), seed, order=-1,
                         stop_ids=frozenset(stop_token_ids), eos_ids=frozenset(eos_token_ids))
         if (after is not None and after.phase in (Phase.WAITING, Phase.CONTEXT) and after.prompt_logprobs is None
@@ -248,6 +261,8 @@ class EngineCore:
         else:
             self.waiting.append(r)
         self._live[rid] = r
+        if remote is not None and self.remote_kv is not None:
+            self.remote_kv.attach(r, *remote)
         if needs_sync(item):
             self._sync_live += 1
         return r
@@ -270,10 +285,13 @@ class EngineCore:
             return None
         if request_id in self.running:
             self._forget_unread_chunk(r)
-            self.ledger.remove_sequence(request_id, store_for_reuse=True)
+            if self.remote_kv is None or not self.remote_kv.hold_for_pull(r):  # a pull in flight frees it later
+                self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
             self._publish_events()
         else:
+            if self.remote_kv is not None:
+                self.remote_kv.forget(r)
             self.waiting = collections.deque(x for x in self.waiting if x is not r)
             self.held = [x for x in self.held if x is not r]
         self._retire(r, reason, stop_reason)
@@ -281,7 +299,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or (overlap) a dispatched step still to be read."""
-        return bool(self._live) or self._inflight is not None
+        return bool(self._live) or self._inflight is not None or (self.remote_kv is not None and self.remote_kv.busy)
 
     @property
     def num_running(self) -> int:
@@ -322,6 +340,8 @@ class EngineCore:
         """Stop publishing KV events (idempotent). The ledger and pools stay readable."""
         if self.events is not None:
             self.events.close()
+        if self.remote_kv is not None:
+            self.remote_kv.close()
 
     def _publish_events(self) -> None:
         if self.events is not None:
@@ -332,6 +352,8 @@ class EngineCore:
         """Run one iteration; returns one output per request that produced a token or finished."""
         outputs: list[CoreOutput] = []
         try:
+            if self.remote_kv is not None:  # ended offers unpinned, arrived KV scattered (before scheduling)
+                self.remote_kv.poll(outputs)
             if not self.overlap:
                 self._step(outputs)
             elif self._sync_live:  # synchronous steps: first read the step in flight, if any
@@ -469,7 +491,7 @@ class EngineCore:
         self.ledger.set_context_position(r.request_id, r.context_pos)
         if r.context_pos < len(r.context):
             return False, False
-        if adm.computed + adm.reused != adm.prompt_len:
+        if adm.computed + adm.reused + adm.transferred != adm.prompt_len:
             raise EngineInvariantError(
                 f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
         if r.remaining_new_tokens <= 0:
@@ -578,6 +600,8 @@ class EngineCore:
         budget = self.cfg.scheduler.max_num_tokens - num_decode
         prefill: list[tuple[LiveRequest, int]] = []
         for r in sorted(candidates, key=lambda r: r.order):
+            if r.awaiting_kv:  # its prompt's KV is being pulled (remote_kv)
+                continue
             if budget <= 0 or len(prefill) == self.cfg.buckets.prefill_rows:  # the one forward's prefill rows
                 break
             n = min(r.context_remaining, budget)
@@ -625,7 +649,7 @@ class EngineCore:
         led.set_context_position(r.request_id, r.context_pos)
         if r.context_pos < len(r.context):
             return
-        if adm.computed + adm.reused != adm.prompt_len:
+        if adm.computed + adm.reused + adm.transferred != adm.prompt_len:
             raise EngineInvariantError(
                 f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
         led.store_context_blocks(r.request_id)
@@ -754,6 +778,8 @@ class EngineCore:
             self.running[r.request_id] = r
             c.admitted_prompt_tokens += len(r.context)
             c.reused_prompt_tokens += p
+        if self.remote_kv is not None:  # requests waiting for remote KV start their pulls
+            self.remote_kv.admitted(chosen)
         return chosen
 
     def _pause(self, r: LiveRequest) -> None:
@@ -898,6 +924,8 @@ class EngineCore:
         return CoreOutput(r, (token,), False)
 
     def _finish(self, r: LiveRequest, reason: str) -> None:
+        if r.remote_decode and self.remote_kv is not None:  # offer the prompt's blocks (pinned) to a decode engine
+            self.remote_kv.finishing(r)
         self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
         del self.running[r.request_id]
         self._retire(r, reason, r.stop_reason)

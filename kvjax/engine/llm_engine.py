@@ -58,8 +58,10 @@ class LLMEngine:
     """Add requests at any time, step, abort; see the module docstring. One thread drives it."""
 
     def __init__(self, engine: Engine, cache_config: CacheConfig, *, tokenizer=None, seed: int = 0, clock=None,
-                 kv_events: KVEventsConfig | None = None) -> None:
-        """`kv_events`: publish the cache's KV events on ZeroMQ in vLLM's format (docs/kv_events.md)."""
+                 kv_events: KVEventsConfig | None = None, kv_transfer=None) -> None:
+        """`kv_events`: publish the cache's KV events on ZeroMQ in vLLM's format (docs/kv_events.md).
+        `kv_transfer`: a `kvjax.disagg.KVTransferConfig`: this engine is a prefill producer and/or
+        a decode consumer of remote KV (docs/disaggregation.md)."""
         if tokenizer is not None and tokenizer.vocab_size > engine.model.spec.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {engine.model.spec.vocab_size}"
@@ -67,13 +69,13 @@ class LLMEngine:
         self.engine = engine
         self.tokenizer = tokenizer
         self.seed = seed
-        self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events)
+        self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer)
         self._groups: dict[str, _Group] = {}  # live requests only, by the caller's id
         self._child: dict[str, tuple[_Group, int]] = {}  # core request id -> (group, completion index)
 
     @classmethod
     def from_options(cls, model, *, tokenizer=None, seed: int = 0, runner=None, clock=None,
-                     kv_events: KVEventsConfig | None = None, mesh=None, **options) -> LLMEngine:
+                     kv_events: KVEventsConfig | None = None, mesh=None, kv_transfer=None, **options) -> LLMEngine:
         """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.models.loading.load_model`
         takes: a built-in model name or a checkpoint directory) with `options` (see above);
         `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""
@@ -86,7 +88,7 @@ class LLMEngine:
         config = EngineConfig.from_dict(engine_values, "options")
         engine = Engine(model, config, runner=runner, mesh=mesh)  # first: sharding may replicate KV heads (model.spec)
         cc = cache_config(model.spec, cache_values, max_num_tokens=config.scheduler.max_num_tokens, source="options")
-        return cls(engine, cc, tokenizer=tokenizer, seed=seed, clock=clock, kv_events=kv_events)
+        return cls(engine, cc, tokenizer=tokenizer, seed=seed, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer)
 
     def close(self) -> None:
         """Stop publishing KV events (idempotent); the engine must not step afterwards."""
@@ -142,6 +144,7 @@ class LLMEngine:
         lora_task_id: int | None = None,
         cache_salt: str | None = None,
         retention=None,
+        kv_transfer_params=None,
     ) -> None:
         """Queue a request (admitted by a later `step`). `prompt` is text or token ids; pass
         `prompt_token_ids` too when the text is already tokenised (the text is then only
@@ -150,12 +153,19 @@ class LLMEngine:
         With `n > 1` the engine runs n child requests (ids `f"{i}_{request_id}"`, as vLLM):
         the first computes the prompt, the others wait until its blocks are cached and reuse
         them (without prefix caching each computes its own prompt); each has its own key
-        stream (with a seed, child i uses seed + i)."""
+        stream (with a seed, child i uses seed + i).
+
+        `kv_transfer_params` (vLLM's, docs/disaggregation.md): `{"do_remote_decode": true}` on a
+        producer engine offers the prompt's KV when the request finishes (the final output's
+        `kv_transfer_params` say where); a producer's params on a consumer engine pull that KV
+        instead of computing it. Only with n = 1."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         ids = self.tokenize(prompt) if prompt_token_ids is None else self.tokenize(list(prompt_token_ids))
         self.check_request(request_id, ids, params)
+        if kv_transfer_params is not None and params.n != 1:
+            raise ValueError(f"kv_transfer_params need n = 1, got n = {params.n}")
         rid = str(request_id)
         if rid in self._groups:
             raise DuplicateRequestError(f"request id {rid!r} is already queued or running")
@@ -168,7 +178,8 @@ class LLMEngine:
                 item = self._work_item(cid, ids, child, lora_task_id, cache_salt, retention)
                 r = self.core.add_request(item, ids, seed=key_seed(child, self.seed, cid),
                                           stop_token_ids=frozenset(child.stop_token_ids), eos_token_ids=eos,
-                                          after=group.children[0] if group.children else None)
+                                          after=group.children[0] if group.children else None,
+                                          kv_transfer_params=kv_transfer_params)
                 added.append(cid)
                 detok = None if self.tokenizer is None else self.tokenizer.detokenizer(ids, params.skip_special_tokens)
                 group.children.append(r)
@@ -278,7 +289,7 @@ class LLMEngine:
         completions = []
         for i, r in enumerate(group.children):
             if r.finish_reason == "error":
-                completions.append(CompletionOutput(i, "", list(r.output), "error", None))
+                completions.append(CompletionOutput(i, "", list(r.output), "error", r.kv_error))  # why, if a KV pull failed
                 continue
             text = group.texts[i]
             done = r.finish_reason is not None
@@ -308,7 +319,7 @@ class LLMEngine:
                                  first.finish_time if finishing else None)
         cached = first.admissions[0].reused if first.admissions else 0
         return RequestOutput(group.request_id, group.prompt, first.prompt, completions, finishing, cached, metrics,
-                             prompt_logprobs)  # prompt ids: read-only
+                             prompt_logprobs, first.kv_transfer_params if finishing else None)  # prompt ids: read-only
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

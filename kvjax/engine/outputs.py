@@ -68,6 +68,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token (the first: None), when asked
+    kv_transfer_params: dict | None = None  # a producer's offer of the prompt's KV (final output; docs/disaggregation.md)
 
 
 class OutputText:

@@ -42,6 +42,7 @@ class Admission:
     reused: int
     resumed: bool
     computed: int = 0
+    transferred: int = 0  # prompt tokens whose KV a producer engine sent (kvjax.engine.remote_kv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,12 @@ class LiveRequest:
     after: LiveRequest | None = None  # held back until this request's prompt is cached (n > 1)
     logprobs: list[TokenLogprobs] | None = None  # per output token, when sampling.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when sampling.prompt_logprobs is set
+    # disaggregated prefill/decode (kvjax.engine.remote_kv)
+    remote_decode: bool = False  # producer: offer the prompt's blocks when the request finishes
+    remote_prefill: Any = None  # consumer: the producer's RemotePrefillParams, until the pull starts
+    awaiting_kv: bool = False  # consumer: admitted, its pull in flight (no prefill chunk is cut)
+    kv_transfer_params: dict | None = None  # producer: the offer's params, for the response
+    kv_error: str | None = None  # consumer: why the pull failed (kv_load_failure_policy=fail)
     _prompt_mask: Any = None  # bool [V] of the prompt's tokens, for the repetition penalty
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ from kvjax.router.config import REPLICA_HEADER
 from kvjax.router.forwarding import Retry, forward
 from kvjax.router.front_state import RouterState
 from kvjax.router.http_errors import error_response
+from kvjax.router.pd_flow import two_steps
 from kvjax.router.prompt_tokens import prompt_token_ids
 from kvjax.server.protocol import APIError, parse_body, parse_chat, parse_completion
 
@@ -40,8 +41,21 @@ async def proxy(front: RouterState, request: Request, path: str, chat: bool) -> 
     except APIError as e:
         return error_response(e)
     ids = await anyio.to_thread.run_sync(prompt_token_ids, parsed, front.replicas.tokenizer, front.max_seq_len())
+
+    async def place(body: bytes, stream: bool, exclude) -> Response:
+        return await _place(front, request, path, body, ids, stream, exclude)
+
+    if config.disaggregated:  # vLLM's prefill-then-decode flow (pd_flow.py)
+        return await two_steps(front, request, path, body, ids, parsed.stream, place)
+    return await place(body, parsed.stream, ())
+
+
+async def _place(front: RouterState, request: Request, path: str, body: bytes, ids: list[int] | None, stream: bool,
+                 exclude) -> Response:
+    """Route the request (never to a replica in `exclude`) and forward it, trying the next best
+    replica while none took it."""
     router, metrics = front.router, front.metrics
-    tried: list[str] = []
+    tried: list[str] = list(exclude)
     last: Retry | None = None
     while True:
         try:
@@ -52,7 +66,7 @@ async def proxy(front: RouterState, request: Request, path: str, chat: bool) -> 
         url = cast(str, decision.replica)  # the front's router is built on replica URLs
         tpb = router.tokens_per_block or 0
         metrics.request_routed(url, len(ids or ()), decision.match.blocks * tpb)
-        out = await forward(front, request, url, path, body, parsed.stream)
+        out = await forward(front, request, url, path, body, stream)
         if not isinstance(out, Retry):
             return out
         metrics.retried.labels(url, out.reason).inc()

@@ -66,10 +66,14 @@ class RouterMetrics:
                                "take them (nothing had been streamed yet)", ["replica", "reason"], registry=r)
         self.failed = Counter("kvjax_router_requests_failed", "Requests the router could not place or finish",
                               ["reason"], registry=r)
+        self.pd_prefills = Counter("kvjax_router_pd_prefills", "P/D mode: prefill steps answered, with or without "
+                                   "kv_transfer_params for the decode step", ["outcome"], registry=r)
         r.register(_ReplicaCollector(replicas))
         for url in replicas.replicas:
             for c in (self.routed, self.prompt_tokens, self.predicted):
                 c.labels(url)
+        for outcome in ("with_kv", "without_kv"):
+            self.pd_prefills.labels(outcome)
         for reason in ("no_replica", "stream_broken", "timeout"):
             self.failed.labels(reason)
 

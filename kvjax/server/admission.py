@@ -11,6 +11,7 @@ import anyio.to_thread
 from starlette.requests import Request
 
 from kvjax._math import ceil_div
+from kvjax.errors import KVCacheError
 from kvjax.server.engine_loop import OutputStream, QueueFull, ShuttingDown
 from kvjax.server.protocol import APIError, Parsed, bad, parse_body
 from kvjax.server.state import ServerState
@@ -97,11 +98,27 @@ def check_request(server: ServerState, rid: str, ids: list[int], params, param: 
         raise bad(str(e), param=param) from None
 
 
-def submit(server: ServerState, rid: str, text: str | None, ids: list[int], params) -> OutputStream:
+def check_kv_transfer(server: ServerState, rid: str, ids: list[int], kv_transfer_params: dict | None) -> None:
+    """A request's `kv_transfer_params` against this engine's --kv-transfer-config (role,
+    geometry digest, offered blocks vs prompt), as a 400; reads configuration only."""
+    if kv_transfer_params is None:
+        return
+    remote = server.engine.core.remote_kv
+    if remote is None:
+        raise bad("kv_transfer_params need a server started with --kv-transfer-config", param="kv_transfer_params")
+    try:
+        remote.prepare(rid, kv_transfer_params, len(ids))
+    except (ValueError, KVCacheError) as e:
+        raise bad(f"{type(e).__name__}: {e}", param="kv_transfer_params") from None
+
+
+def submit(server: ServerState, rid: str, text: str | None, ids: list[int], params,
+           kv_transfer_params: dict | None = None) -> OutputStream:
     """Hand the checked request to the engine thread: 429 when the queue is full, 503 while
     shutting down (both counted as rejections)."""
     try:
-        return server.engine_loop.submit(rid, text, ids, params, asyncio.get_running_loop())
+        return server.engine_loop.submit(rid, text, ids, params, asyncio.get_running_loop(),
+                                         kv_transfer_params=kv_transfer_params)
     except QueueFull as e:
         server.metrics.request_rejected("queue_full")
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None

@@ -11,7 +11,16 @@ import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.server.admission import check_fits, check_model, check_request, encode_prompt, read_request, render_chat, submit
+from kvjax.server.admission import (
+    check_fits,
+    check_kv_transfer,
+    check_model,
+    check_request,
+    encode_prompt,
+    read_request,
+    render_chat,
+    submit,
+)
 from kvjax.server.choices import ChoiceFormat, StreamChoices
 from kvjax.server.engine_loop import EngineFailed, OutputStream, RequestFailed, ShuttingDown
 from kvjax.server.http_errors import error_response, request_error
@@ -52,7 +61,7 @@ async def respond(server: ServerState, request: Request, parsed: Parsed, rid: st
     (499 if the client left first)."""
     loop_ = server.engine_loop
     tokenizer = server.tokenizer
-    stream = submit(server, rid, text, ids, params)
+    stream = submit(server, rid, text, ids, params, parsed.kv_transfer_params)
     created = int(time.time())
     model = server.config.model_name
     fmt = ChoiceFormat(parsed, chat, "" if not parsed.echo else text if text is not None else
@@ -70,8 +79,10 @@ async def respond(server: ServerState, request: Request, parsed: Parsed, rid: st
     if out is None:
         return Response(status_code=499)  # nobody is listening
     obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": model, "choices": fmt.choices(out),
-                         "usage": usage(out)})
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": fmt.choices(out), "usage": usage(out)}
+    if parsed.kv_transfer_params is not None:  # disaggregated prefill/decode: where the prompt's KV is offered
+        body["kv_transfer_params"] = out.kv_transfer_params
+    return JSONResponse(body)
 
 
 async def completions(server: ServerState, request: Request):
@@ -122,6 +133,7 @@ async def _answer(server: ServerState, request: Request, parsed: Parsed, text: s
     params = parsed.sampling_params(max_tokens)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     check_request(server, rid, ids, params, param)
+    check_kv_transfer(server, rid, ids, parsed.kv_transfer_params)
     return await respond(server, request, parsed, rid, text, ids, params, chat=chat)
 
 

@@ -140,7 +140,7 @@ class EngineLoop:
             return self._accepting and self.error is None
 
     def submit(self, request_id: str, prompt: str | None, prompt_ids: Sequence[int], params: SamplingParams,
-               loop: asyncio.AbstractEventLoop) -> OutputStream:
+               loop: asyncio.AbstractEventLoop, *, kv_transfer_params: dict | None = None) -> OutputStream:
         """Hand a checked request to the engine thread; its outputs arrive on the returned stream."""
         with self._lock:
             if not self._accepting or self.error is not None:
@@ -149,7 +149,7 @@ class EngineLoop:
                 raise QueueFull(f"the server is at its limit of {self.max_pending} requests; retry later")
             self._pending += 1
         stream = OutputStream(request_id, loop)
-        self._commands.put(("add", stream, prompt, list(prompt_ids), params))
+        self._commands.put(("add", stream, prompt, list(prompt_ids), params, kv_transfer_params))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -212,6 +212,8 @@ class EngineLoop:
                 idle = not eng.has_unfinished_requests()
                 if not self._drain(block=idle):
                     break
+                elif (remote := getattr(getattr(eng, "core", None), "remote_kv", None)) is not None:
+                    remote.poll([])  # idle: offers still end (unpinned) between requests
                 if eng.has_unfinished_requests():
                     outputs = eng.step()
                     now = time.perf_counter()
@@ -251,7 +253,10 @@ class EngineLoop:
         rid = out.request_id
         error: Exception | None = None
         if out.finished and out.outputs[0].finish_reason == "error":  # LLMEngine ended it (and logged why)
-            error = RequestFailed("this request failed inside the server (an internal error, logged)")
+            why = out.outputs[0].stop_reason  # a failed KV pull says why (kvjax.engine.remote_kv); else a bug
+            error = RequestFailed(f"the prompt's KV could not be pulled from the prefill engine "
+                                  f"(kv_load_failure_policy=fail): {why}" if isinstance(why, str) else
+                                  "this request failed inside the server (an internal error, logged)")
         else:
             try:
                 self._deliver(out, now)
@@ -297,10 +302,11 @@ class EngineLoop:
                 self._abort_all()
                 return False
 
-    def _add(self, stream: OutputStream, prompt, prompt_ids, params) -> None:
+    def _add(self, stream: OutputStream, prompt, prompt_ids, params, kv_transfer_params=None) -> None:
         try:
+            extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
             self.engine.add_request(stream.request_id, prompt if prompt is not None else prompt_ids, params,
-                                    prompt_token_ids=prompt_ids)
+                                    prompt_token_ids=prompt_ids, **extra)
         except Exception as e:  # checked by the handler already; a race or a bug ends up here
             self._release()
             stream._deliver(None, e)

@@ -53,6 +53,11 @@ class ServerMetrics:
         self.finished = counter("kvjax_requests_finished", "Requests finished, by finish reason", ("finish_reason",))
         self.rejected = counter("kvjax_requests_rejected", "Requests refused before reaching the engine", ("reason",))
         self.resets = counter("kvjax_prefix_cache_resets", "Prefix cache resets")
+        # disaggregated prefill/decode (kvjax.engine.remote_kv); 0 without --kv-transfer-config
+        self.kv_received = counter("kvjax_kv_transfer_tokens_received",
+                                   "Prompt tokens whose KV was pulled from a prefill engine (never computed here)")
+        self.kv_offers = counter("kvjax_kv_transfer_offers", "Prompts whose KV this prefill engine offered")
+        self.kv_pull_failures = counter("kvjax_kv_transfer_pull_failures", "KV pulls that failed or missed their deadline")
         self.ttft = Histogram("kvjax_time_to_first_token_seconds", "From the request's arrival at the server to its first token",
                               labels, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvjax_inter_token_latency_seconds", "Time between two tokens of a request", labels,
@@ -61,7 +66,8 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self._last: dict[str, int] = {}
         for metric in (self.running, self.waiting, self.hit_rate, self.block_hit_rate, self.reused, self.computed,
-                       self.generated, self.offloaded, self.onboarded, self.evicted, self.resets, self.ttft, self.itl, self.e2e):
+                       self.generated, self.offloaded, self.onboarded, self.evicted, self.resets, self.ttft, self.itl, self.e2e,
+                       self.kv_received, self.kv_offers, self.kv_pull_failures):
             metric.labels(model_name)  # every series exists (at 0) from the start
         for tier in ("primary", "secondary"):
             self.blocks_used.labels(model_name, tier)
@@ -96,6 +102,12 @@ class ServerMetrics:
         self._inc(self.offloaded, "offloaded", st.offloaded_blocks)
         self._inc(self.onboarded, "onboarded", st.onboarded_blocks)
         self._inc(self.evicted, "evicted", st.evicted_blocks)
+        remote = getattr(core, "remote_kv", None)
+        if remote is not None:
+            rc = remote.counters
+            self._inc(self.kv_received, "kv_received", rc.transferred_tokens)
+            self._inc(self.kv_offers, "kv_offers", rc.offers)
+            self._inc(self.kv_pull_failures, "kv_pull_failures", rc.pull_failures)
 
     def request_tokens(self, first: bool, since_last: float, new_tokens: int) -> None:
         """A request produced `new_tokens` tokens `since_last` seconds after its arrival

@@ -188,7 +188,7 @@ class _Fields:
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
     "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "skip_special_tokens",
-    "return_token_ids", "min_tokens", "repetition_penalty",
+    "return_token_ids", "min_tokens", "repetition_penalty", "kv_transfer_params",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "response_format",
@@ -216,6 +216,7 @@ class Parsed:
     return_token_ids: bool = False
     echo: bool = False  # completions: the prompt text (and its logprobs) come first
     top_logprobs: int | None = None  # the top tokens per position to show; None: no logprobs
+    kv_transfer_params: dict | None = None  # disaggregated prefill/decode (vLLM's; checked by the engine)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
@@ -258,6 +259,11 @@ def _common(f: _Fields) -> dict:
         repetition_penalty=_repetition(f),
         min_tokens=f.int_("min_tokens", lo=0, hi=INT32_MAX, default=0),
     )
+
+
+def _kv_transfer_params(f: _Fields) -> dict | None:
+    """An object or null here; its keys are the engine's to check (`RemoteKV.prepare`)."""
+    return f.get("kv_transfer_params", lambda v: isinstance(v, dict), "an object", None)
 
 
 def _repetition(f: _Fields) -> float:
@@ -312,7 +318,8 @@ def parse_completion(body: Any) -> Parsed:
     max_tokens = f.int_("max_tokens", lo=1, hi=INT32_MAX)
     _check_min_tokens(sampling, max_tokens if max_tokens is not None else 16)
     return Parsed(model, prompt, None, sampling, max_tokens, stream, _stream_options(f, stream),
-                  return_token_ids=f.bool_("return_token_ids", default=False), echo=echo, top_logprobs=logprobs)
+                  return_token_ids=f.bool_("return_token_ids", default=False), echo=echo, top_logprobs=logprobs,
+                  kv_transfer_params=_kv_transfer_params(f))
 
 
 def _message_content(m: Mapping, i: int) -> str:
@@ -376,4 +383,5 @@ def parse_chat(body: Any) -> Parsed:
                   "add_generation_prompt as a request field)", param="chat_template_kwargs")
     return Parsed(model, None, clean, sampling, max_tokens if max_tokens is not None else mct, stream,
                   _stream_options(f, stream), f.bool_("add_generation_prompt", default=True), dict(kwargs),
-                  f.bool_("return_token_ids", default=False), top_logprobs=sampling["logprobs"])
+                  f.bool_("return_token_ids", default=False), top_logprobs=sampling["logprobs"],
+                  kv_transfer_params=_kv_transfer_params(f))
