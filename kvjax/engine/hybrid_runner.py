@@ -10,7 +10,9 @@ What differs from the Transformer runner:
 - the batch: `build_step` over the attention window only, plus per row the state slots of the
   ledger's `begin_recurrent_step` (called here, once per forward, with each row's chunk end:
   the read slot holds the state at the chunk's start, the write slot gets the state after it)
-  and the row's real token count (`HybridStepBatch.states`, int32 [R, 3]);
+  and the row's real token count (`HybridStepBatch.states`, int32 [R, 3]); beginning a step
+  may evict a cached snapshot to the host tier, so the ledger's transfers taken then travel
+  with the batch and run before its forward (`HybridStepBatch.plan`);
 - the forward: `kvjax.models.hybrid.paged.paged_hidden`.
 
 Not supported (refused with `HybridServingError`): tensor parallelism (a mesh) and the
@@ -74,6 +76,7 @@ class HybridStepBatch:
 
     step: StepBatch
     states: np.ndarray
+    plan: Any = None  # the ledger's transfers that beginning the steps decided (applied first)
 
     @property
     def shape(self) -> StepShape:
@@ -168,7 +171,10 @@ class HybridRunner(ModelRunner):
         states[place, ST_READ] = rec.read_slots
         states[place, ST_WRITE] = rec.write_slots
         states[place, ST_LEN] = [len(r.tokens) for r in rows]
-        return HybridStepBatch(step, states)
+        # a fresh write block may evict a cached snapshot (offloaded to the host tier): that copy
+        # must run before this forward writes the slot, so it travels with the batch
+        plan = ledger.take_transfers()
+        return HybridStepBatch(step, states, plan if len(plan) else None)
 
     def allocate_pools(self, config):
         """Zero KV pools of the attention layers and state pools of the recurrent ones."""
@@ -197,6 +203,8 @@ class HybridRunner(ModelRunner):
         if feed is not None:
             raise HybridServingError("hybrid models are not served with async_scheduling (no token feed)")
         step = batch.step
+        if batch.plan is not None:
+            pools = self.apply_transfers(pools, batch.plan)
         self.shapes.add(step.shape)
         args, static = self.step_inputs(step, temperature, top_p, seed, index, top_k, extras)
         self.num_forwards += 1
