@@ -35,9 +35,9 @@ from kvjax.config import RECURRENT_STATES, CacheConfig
 from kvjax.device.state_pools import StateField, StateGeometry, StatePools, read_states, write_states
 from kvjax.errors import InvalidArgumentError
 from kvjax.models.hybrid.deltanet import DEFAULT_CHUNK
-from kvjax.models.hybrid.granite import Granite
-from kvjax.models.hybrid.lfm2 import Lfm2
-from kvjax.models.hybrid.qwen3_5 import LINEAR, DeltaNetState, Qwen35ForCausalLM
+from kvjax.models.hybrid.granite import GraniteSpec
+from kvjax.models.hybrid.lfm2 import Lfm2Spec
+from kvjax.models.hybrid.qwen3_5 import LINEAR, DeltaNetState, Qwen35ForCausalLM, Qwen35Spec
 from kvjax.models.hybrid.state import MambaState
 from kvjax.transfer_plan import TransferPlan
 
@@ -66,24 +66,31 @@ class HybridLayout:
         return tuple(RECURRENT_STATES if r else max_seq_len for r in self.recurrent)
 
 
+def is_hybrid_spec(spec: Any) -> bool:
+    """The spec of a hybrid family (`Lfm2Spec`, `GraniteSpec`, `Qwen35Spec`)."""
+    return isinstance(spec, (Lfm2Spec, GraniteSpec, Qwen35Spec))
+
+
 def hybrid_layout(model: Any) -> HybridLayout:
-    """The layout of an `Lfm2`, a `Granite` or a `Qwen35ForCausalLM` (`InvalidArgumentError` else)."""
-    s = model.spec
-    dtype = jnp.dtype(model.dtype).name
-    if isinstance(model, Lfm2):
+    """The layout of an `Lfm2`, a `Granite` or a `Qwen35ForCausalLM`, or of its spec (states in
+    the spec's dtype) (`InvalidArgumentError` else)."""
+    s = getattr(model, "spec", model)
+    dtype = jnp.dtype(getattr(model, "dtype", None) or s.dtype).name
+    if isinstance(s, Lfm2Spec):
         rec = tuple(t == "conv" for t in s.layer_types)
         fields: tuple[StateField, ...] = (StateField("conv", (s.conv_kernel - 1, s.hidden_size), dtype),)
-    elif isinstance(model, Granite):
+    elif isinstance(s, GraniteSpec):
         rec = tuple(t == "mamba" for t in s.layer_types)
         fields = (StateField("conv", (s.mamba_conv - 1, s.conv_channels), dtype),
                   StateField("ssm", (s.mamba_heads, s.mamba_head_dim, s.mamba_state), "float32"))
-    elif isinstance(model, Qwen35ForCausalLM):
+    elif isinstance(s, Qwen35Spec):
         rec = tuple(t == LINEAR for t in s.layer_types)
         fields = (StateField("conv", (s.conv_kernel - 1, s.conv_channels), dtype),
                   StateField("recurrent", (s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim),
                              "float32"))
     else:
-        raise InvalidArgumentError(f"{type(model).__name__} is not a hybrid model (Lfm2, Granite, Qwen35ForCausalLM)")
+        raise InvalidArgumentError(f"{type(model).__name__} is not a hybrid model (Lfm2, Granite, Qwen35ForCausalLM) "
+                                   "or its spec")
     if all(rec) or not any(rec):
         raise InvalidArgumentError(f"{s.name}: a served hybrid model needs both recurrent and attention layers, "
                                    f"got {list(s.layer_types)}")
@@ -92,7 +99,7 @@ def hybrid_layout(model: Any) -> HybridLayout:
 
 def hybrid_cache_config(model: Any, *, tokens_per_block: int, max_seq_len: int, primary_blocks: int, state_blocks: int,
                         secondary_blocks: int = 0, secondary_state_blocks: int = 0, **kwargs: Any) -> CacheConfig:
-    """The `CacheConfig` of a hybrid model: its attention layers in one full-attention window of
+    """The `CacheConfig` of a hybrid model (or its spec): its attention layers in one full-attention window of
     `primary_blocks` KV blocks (`secondary_blocks` on the host), its recurrent layers in the
     `RECURRENT_STATES` window of `state_blocks` state blocks (`secondary_state_blocks`); other
     `CacheConfig` fields (`snapshot_interval`, `enable_block_reuse`, ...) as keywords."""
