@@ -123,3 +123,32 @@ def test_hybrid_refusals_are_typed(lfm2):
     wrong = cache(model)
     with pytest.raises(InvalidArgumentError, match="recurrent_state_bytes"):
         engine.core(dataclasses.replace(wrong, recurrent_state_bytes=wrong.recurrent_state_bytes + 4))
+
+
+def test_kvjax_serve_answers_an_openai_completion(monkeypatch, capsys):
+    """`kvjax serve` on the LFM2 checkpoint (no tokenizer: token-id prompts), the engine it
+    builds behind the OpenAI server on 127.0.0.1: a completion gives transformers' tokens, and
+    the same prompt again reports its cached tokens."""
+    import httpx
+
+    import kvjax.server
+    from kvjax.cli import main
+    from kvjax.server import ServerThread
+
+    seen = {}
+    monkeypatch.setattr(kvjax.server, "serve", lambda engine, config, **kw: seen.update(engine=engine, config=config))
+    argv = ["serve", str(FIXTURES / "lfm2"), "--dtype", "float32", "--max-batch-size", "4", "--max-num-tokens", "16",
+            "--primary-blocks", "16", "--secondary-blocks", "24", "--tokens-per-block", "8", "--max-seq-len", "128",
+            "--warmup", "none", "--option", "min_batch_bucket=4", "--option", "min_chunk_bucket=16",
+            "--option", "min_blocks_bucket=16", "--option", "prefill_rows=1"]
+    assert main(argv) == 0, capsys.readouterr().err
+    exp = expected("lfm2")
+    with ServerThread(seen["engine"], seen["config"]) as srv, httpx.Client(timeout=120) as http:
+        body = {"model": seen["config"].model_name, "prompt": exp["prompts"][0], "max_tokens": 12, "temperature": 0}
+        first = http.post(srv.url + "/v1/completions", json=body).json()
+        again = http.post(srv.url + "/v1/completions", json=body).json()
+    for answer in (first, again):
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]) == (31, 12)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 24  # the prompt's last snapshot
