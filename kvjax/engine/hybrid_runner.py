@@ -197,7 +197,7 @@ class HybridRunner(ModelRunner):
         kv = apply_transfers(pools.kv, kv_plan(rest, geo.plan_pool)) if len(rest) else pools.kv
         return HybridPools(kv, states)
 
-    def dispatch(self, pools, batch, temperature, top_p, seed, index, top_k=None,  # type: ignore[override]
+    def dispatch(self, pools, batch, temperature, top_p, seed, index, top_k=None,
                  extras: StepExtras | None = None, feed: TokenFeed | None = None) -> tuple[PendingStep, Any]:
         """`ModelRunner.dispatch` for a `HybridStepBatch` (no token feed: no overlap)."""
         if feed is not None:

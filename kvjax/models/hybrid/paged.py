@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvjax.config import RECURRENT_STATES, CacheConfig
@@ -225,21 +224,20 @@ def _mixer(layer: Any, h: Float[Array, "R T D"], state: dict[str, jax.Array], le
 def _parts(layer: Any) -> tuple[Any, Any, Any]:
     """(input norm, attention module or None, `finish(x, out)`) of a layer of any family."""
     if hasattr(layer, "operator_norm"):  # LFM2
-        def finish(x, out):
-            x = x + out
-            return x + layer.mlp(layer.ffn_norm(x))
-        return layer.operator_norm, layer.attn, finish
+        return layer.operator_norm, layer.attn, lambda x, out: _residual(layer.mlp, layer.ffn_norm, x, out, None)
     if hasattr(layer, "input_norm"):  # Granite: residual multiplier on both branches
-        def finish(x, out):
-            r = jnp.asarray(layer.residual, x.dtype)
-            x = x + out * r
-            return x + layer.mlp(layer.post_norm(x)) * r
-        return layer.input_norm, layer.attn, finish
+        return layer.input_norm, layer.attn, lambda x, out: _residual(layer.mlp, layer.post_norm, x, out, layer.residual)
+    return layer.mixer_norm, layer.self_attn, lambda x, out: _residual(layer.mlp, layer.mlp_norm, x, out, None)  # Qwen3.5
 
-    def finish(x, out):  # Qwen3.5
+
+def _residual(mlp: Any, norm: Any, x: jax.Array, out: jax.Array, scale: float | None) -> jax.Array:
+    """`x + out`, then `+ mlp(norm(.))`, both branches scaled by `scale` (Granite's residual multiplier)."""
+    if scale is None:
         x = x + out
-        return x + layer.mlp(layer.mlp_norm(x))
-    return layer.mixer_norm, layer.self_attn, finish
+        return x + mlp(norm(x))
+    r = jnp.asarray(scale, x.dtype)
+    x = x + out * r
+    return x + mlp(norm(x)) * r
 
 
 def paged_hidden(
