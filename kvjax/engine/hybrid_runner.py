@@ -91,6 +91,24 @@ class HybridStepBatch:
         return self.step.real_rows
 
 
+def padding_batch(batch: StepBatch, null_slot: int) -> HybridStepBatch:
+    """A `padding_step` batch (every window's columns, no real row) as the hybrid step's:
+    the attention window's table and slot columns only, every row reading the null state slot
+    and writing none. It compiles and runs the program a real step of its shape does."""
+    if batch.num_rows:
+        raise HybridStateError(f"a plain StepBatch with {batch.num_rows} real rows: hybrid steps come from "
+                               "HybridRunner.batch")
+    windows = batch.windows
+    (i,) = [k for k, w in enumerate(windows) if w >= 0]
+    m = batch.shape.blocks
+    rows = np.concatenate([batch.rows[:, :ROW_TABLES], batch.rows[:, ROW_TABLES + i * m:ROW_TABLES + (i + 1) * m]], 1)
+    tokens = np.concatenate([batch.tokens[:, :TOK_SLOTS], batch.tokens[:, TOK_SLOTS + i:TOK_SLOTS + i + 1]], 1)
+    step = StepBatch(batch.shape, (windows[i],), rows, tokens, 0, 0)
+    states = np.zeros((batch.shape.rows, 3), np.int32)  # [R, 3]
+    states[:, ST_READ], states[:, ST_WRITE] = null_slot, -1
+    return HybridStepBatch(step, states)
+
+
 class HybridRunner(ModelRunner):
     """`ModelRunner` for a hybrid model (module docstring)."""
 
@@ -202,6 +220,8 @@ class HybridRunner(ModelRunner):
         """`ModelRunner.dispatch` for a `HybridStepBatch` (no token feed: no overlap)."""
         if feed is not None:
             raise HybridServingError("hybrid models are not served with async_scheduling (no token feed)")
+        if isinstance(batch, StepBatch):  # an all-padding batch of the cache's windows (a warmup)
+            batch = padding_batch(batch, pools.states.geometry.null_slot)
         step = batch.step
         if batch.plan is not None:
             pools = self.apply_transfers(pools, batch.plan)

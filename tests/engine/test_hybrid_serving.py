@@ -153,9 +153,9 @@ def test_llm_reports_num_cached_tokens_from_the_snapshot():
 
 
 def test_kvjax_serve_answers_an_openai_completion(monkeypatch):
-    """`kvjax serve` on the LFM2 checkpoint (no tokenizer: token-id prompts), the engine it
-    builds behind the OpenAI server on 127.0.0.1: a completion gives transformers' tokens, and
-    the same prompt again reports its cached tokens."""
+    """`kvjax serve` on the LFM2 checkpoint (no tokenizer: token-id prompts; the default warmup
+    compiles its decode and prefill programs), the engine it builds behind the OpenAI server on
+    127.0.0.1: a completion of 12 tokens, and the same prompt again reports its cached tokens."""
     import httpx
 
     import kvjax.server
@@ -166,9 +166,11 @@ def test_kvjax_serve_answers_an_openai_completion(monkeypatch):
     monkeypatch.setattr(kvjax.server, "serve", lambda engine, config, **kw: seen.update(engine=engine, config=config))
     argv = ["serve", str(FIXTURES / "lfm2"), "--dtype", "float32", "--max-batch-size", "4", "--max-num-tokens", "16",
             "--primary-blocks", "16", "--secondary-blocks", "24", "--tokens-per-block", "8", "--max-seq-len", "128",
-            "--warmup", "none", "--option", "min_batch_bucket=4", "--option", "min_chunk_bucket=16",
+            "--option", "min_batch_bucket=4", "--option", "min_chunk_bucket=16",
             "--option", "min_blocks_bucket=16", "--option", "prefill_rows=1"]
     assert main(argv) == 0
+    runner = seen["engine"].engine.runner
+    assert runner.shapes == {(4, 0, 0, 16), (0, 1, 16, 16)}  # the default warmup ("common") ran both programs
     exp = expected("lfm2")
     with ServerThread(seen["engine"], seen["config"]) as srv, httpx.Client(timeout=120) as http:
         body = {"model": seen["config"].model_name, "prompt": exp["prompts"][0], "max_tokens": 12, "temperature": 0}
