@@ -194,14 +194,14 @@ class HybridGroup:
     lens: jax.Array
 
 
-def _to_right(x: Float[Array, "R T ..."], lens: Int[Array, " R"]) -> Float[Array, "R T ..."]:
+def to_right_padding(x: Float[Array, "R T ..."], lens: Int[Array, " R"]) -> Float[Array, "R T ..."]:
     """Left-padded rows (real tokens last) -> right-padded (real tokens first)."""
     t = x.shape[1]
     idx = (jnp.arange(t)[None, :] + (t - lens)[:, None]) % t  # [R, T]
     return jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def _to_left(x: Float[Array, "R T ..."], lens: Int[Array, " R"]) -> Float[Array, "R T ..."]:
+def to_left_padding(x: Float[Array, "R T ..."], lens: Int[Array, " R"]) -> Float[Array, "R T ..."]:
     t = x.shape[1]
     idx = (jnp.arange(t)[None, :] - (t - lens)[:, None]) % t  # [R, T]
     return jnp.take_along_axis(x, idx.reshape(*idx.shape, *([1] * (x.ndim - 2))), axis=1)
@@ -283,11 +283,11 @@ def paged_hidden(
         else:
             for g in groups:  # the recurrence per group: row states from the pool, right-padded rows
                 size = g.rows * g.q_len
-                hg = _to_right(h[0, start:start + size].reshape(g.rows, g.q_len, -1), g.lens)  # [rows, q_len, D]
+                hg = to_right_padding(h[0, start:start + size].reshape(g.rows, g.q_len, -1), g.lens)  # [rows, q_len, D]
                 state = read_states(states, r_idx, g.read_slots)  # {field: [rows, ...]}
                 out, new = _mixer(layer, hg, state, g.lens)  # [rows, q_len, D]
                 states = write_states(states, r_idx, g.write_slots, new)
-                parts.append(_to_left(out, g.lens).reshape(size, -1))  # [size, D]
+                parts.append(to_left_padding(out, g.lens).reshape(size, -1))  # [size, D]
                 start += size
             mixed = jnp.concatenate(parts, axis=0)[None]  # [1, N, D]
             r_idx += 1
