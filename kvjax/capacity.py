@@ -523,12 +523,14 @@ def check_max_seq_len_fits(config: CacheConfig) -> None:
     n = config.max_seq_len
     short = []
     for w in config.windows:
+        if w == RECURRENT_STATES:  # state blocks: a hybrid request's own are checked at admission (its snapshots)
+            continue
         need = max(ceil_div(n, tpb), max_block_requirements(n, 0, config.sink_token_length, w, 1, tpb))
         have = config.primary_blocks_for(w)
         if have < need:
             short.append(f"window {w}: {have} blocks of {tpb} tokens, {need} needed")
     if short:
-        fits = min(config.primary_blocks_for(w) for w in config.windows) * tpb
+        fits = min(config.primary_blocks_for(w) for w in config.windows if w != RECURRENT_STATES) * tpb
         raise ValueError(
             f"the KV cache cannot hold one request of the maximum length {n} (--max-model-len) ({'; '.join(short)}): "
             f"lower --max-model-len (to at most {fits}) or give the cache more memory (--gpu-memory-utilization, "

@@ -635,8 +635,8 @@ def spec_from_hf_config(
     if model_type in HYBRID_MODEL_TYPES:
         raise HybridModelNotServedError(
             f"{source}: model_type {model_type!r} is a hybrid model ({HYBRID_MODEL_TYPES[model_type]}: recurrent and "
-            "attention layers); kvjax.models.from_pretrained loads it as a standalone model (dense_forward, forward_chunk) "
-            "but the engine does not serve hybrid models yet"
+            "attention layers) and has no ModelSpec: kvjax.models.from_pretrained loads it, kvjax.LLM, Engine and "
+            "`kvjax serve` serve it (docs/models.md, 'Serving hybrid models')"
         )
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(

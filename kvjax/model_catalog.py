@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvjax.hf_config import spec_from_checkpoint
+from kvjax.hf_config import HYBRID_MODEL_TYPES, read_config, spec_from_checkpoint
 from kvjax.model_spec import MODELS_DIR, ModelSpec, available_models, checkpoint_dir
 
 __all__ = ["load_model_spec", "servable_model"]
@@ -29,6 +29,17 @@ def load_model_spec(name_or_path: str | Path, *, strict_config: bool = False) ->
     if not candidate.is_file():
         raise ValueError(f"unknown model {text!r}; known models: {', '.join(available_models()) or 'none'}")
     return ModelSpec.from_toml(candidate)
+
+
+def hybrid_checkpoint(name_or_path: str | Path) -> Path | None:
+    """The checkpoint directory `name_or_path` names if it holds a hybrid model (its
+    `config.json`'s model_type in `HYBRID_MODEL_TYPES`: loaded by `from_pretrained`, served by
+    the engine's `HybridRunner`, no `ModelSpec`), else None."""
+    path = checkpoint_dir(name_or_path)
+    if path is None or not (path / "config.json").is_file():
+        return None
+    config = read_config(path)
+    return path if isinstance(config, dict) and config.get("model_type") in HYBRID_MODEL_TYPES else None
 
 
 def servable_model(name_or_path: str | Path, *, strict_config: bool = False) -> tuple[ModelSpec, Path | None]:

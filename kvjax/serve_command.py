@@ -99,9 +99,15 @@ def _device_memory_stats(mesh) -> dict | None:
 
 def _serve_model(args, mesh):
     """(model, tokenizer) of `kvjax serve`'s MODEL, with --dtype, --model-seed, --strict-config."""
-    from kvjax.model_catalog import servable_model
+    from kvjax.model_catalog import hybrid_checkpoint, servable_model
     from kvjax.tokenizer import Tokenizer
 
+    hybrid = hybrid_checkpoint(args.model)
+    if hybrid is not None:  # LFM2, Granite-4.0-H, Qwen3.5: their own loader (and config checks)
+        from kvjax.models import from_pretrained
+
+        tokenizer = Tokenizer.from_pretrained(hybrid) if (hybrid / "tokenizer.json").is_file() else None
+        return from_pretrained(hybrid, dtype=args.dtype, mesh=mesh, strict_config=args.strict_config), tokenizer
     spec, path = servable_model(args.model, strict_config=args.strict_config)
     if path is None:
         if args.strict_config:
@@ -147,6 +153,9 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
     engine = Engine(model, engine_config, mesh=mesh)  # shards the weights over the mesh
     geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
     sizing = None
+    if "primary_blocks" not in cache_values and getattr(geometry, "has_recurrent", False):
+        raise ValueError("kvjax serve: a hybrid model's cache is not sized from memory yet: give --primary-blocks "
+                         "(KV blocks; as many recurrent-state blocks are kept)")
     if "primary_blocks" not in cache_values:
         reserve = C.activation_reserve_bytes(model.spec, max(max_num_tokens, engine_config.scheduler.max_batch_size))
         total, sizing = C.serving_kv_cache_bytes(

@@ -293,11 +293,13 @@ def _group_positions(seq_lens: np.ndarray, shape: StepShape) -> np.ndarray:
     return np.concatenate([decode, prefill.reshape(-1)]).astype(np.int32)
 
 
-def build_step(ledger, decode: Sequence[Row], prefill: Sequence[Row], buckets: Buckets) -> StepBatch:
+def build_step(ledger, decode: Sequence[Row], prefill: Sequence[Row], buckets: Buckets,
+               windows: Sequence[int] | None = None) -> StepBatch:
     """The one forward of a step: `decode` rows (one token each) and `prefill` chunks (at
     most `buckets.prefill_rows`), bucketed (see the module docstring). Every request's blocks
     must already be allocated. Raises ValueError for rows the step cannot hold and
-    RuntimeError when a new token has no block."""
+    RuntimeError when a new token has no block. `windows` (default: the ledger's): the
+    attention windows to lay out (a hybrid model's recurrent window has no tables or slots)."""
     nd, npf = len(decode), len(prefill)
     if nd + npf == 0:
         raise ValueError("build_step needs at least one row")
@@ -316,7 +318,7 @@ def build_step(ledger, decode: Sequence[Row], prefill: Sequence[Row], buckets: B
     t = bucket(int(lens[nd:].max()), buckets.min_chunk) if npf else 0
     m = bucket(ceil_div(int(seq.max()), tpb), buckets.min_blocks)
     shape = StepShape(bd, bp, t, m)
-    windows = tuple(ledger.windows)
+    windows = tuple(ledger.windows if windows is None else windows)
     place = np.concatenate([np.arange(nd), bd + np.arange(npf)])  # [n] each real row's row
     seq_lens = np.zeros(shape.rows, np.int32)  # [R]
     seq_lens[place] = seq

@@ -129,6 +129,17 @@ def cache_config(
         raise ValueError(f"{source}: [cache] max_seq_len={v['max_seq_len']} exceeds the model's {model_len} "
                          f"(its max_position_embeddings); use max_seq_len <= {model_len} "
                          f"(--max-seq-len / --max-model-len on the command line)")
+    from kvjax.models.hybrid.paged import hybrid_cache_config, is_hybrid_spec
+
+    if is_hybrid_spec(model_spec):  # as many state blocks as KV blocks (a snapshot per block at most)
+        if v["kv_cache_dtype"] != "auto":
+            raise ValueError(f"{source}: [cache] kv_cache_dtype must be 'auto' for a hybrid model")
+        return hybrid_cache_config(
+            model_spec, tokens_per_block=v["tokens_per_block"], max_seq_len=v["max_seq_len"] or model_spec.max_seq_len,
+            primary_blocks=v["primary_blocks"], state_blocks=v["primary_blocks"],
+            secondary_blocks=v["secondary_blocks"], secondary_state_blocks=v["secondary_blocks"],
+            **{k: v[k] for k in ("enable_block_reuse", "onboard_blocks", "secondary_offload_min_priority",
+                                 "event_buffer_max_size", "event_hash")}, max_num_tokens=max_num_tokens)
     try:
         return model_spec.cache_config(
             primary_blocks=v["primary_blocks"],

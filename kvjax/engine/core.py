@@ -141,7 +141,7 @@ class EngineCore:
         from kvjax.engine.scheduler import CapacityScheduler
         from kvjax.ledger import KVCacheManager
 
-        engine.model.check_cache(cache_config)
+        (getattr(engine.runner, "check_cache", None) or engine.model.check_cache)(cache_config)  # hybrids: the runner's
         enable_compilation_cache()  # the runner's programs persist across processes (kvjax.compilation_cache)
         if kv_events is not None:
             cache_config = with_events(cache_config)
@@ -214,8 +214,11 @@ class EngineCore:
         tpb = cfg.tokens_per_block
         for w in cfg.windows:
             # SWA windows hold the whole prompt until decoding starts releasing front blocks
-            need = max(ceil_div(len(prompt), tpb),
-                       max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb))
+            if w < 0:  # recurrent states: a snapshot per interval (reuse on), plus the live and write blocks
+                need = ceil_div(total, cfg.snapshot_interval or tpb) + 2 if cfg.enable_block_reuse else 1
+            else:
+                need = max(ceil_div(len(prompt), tpb),
+                           max_block_requirements(len(prompt), item.max_new_tokens, cfg.sink_token_length, w, 1, tpb))
             have = cfg.primary_blocks_for(w)
             if need > have:
                 raise InvalidRequestError(
@@ -605,6 +608,8 @@ class EngineCore:
             if budget <= 0 or len(prefill) == self.cfg.buckets.prefill_rows:  # the one forward's prefill rows
                 break
             n = min(r.context_remaining, budget)
+            if self.cache_config.has_recurrent:  # hybrids: chunks end at snapshot points (the states reuse needs)
+                n = min(n, self.ledger.recurrent_next_chunk_end(r.request_id) - r.context_pos)
             if n > 0:
                 prefill.append((r, n))
                 budget -= n

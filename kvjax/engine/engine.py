@@ -18,6 +18,7 @@ from typing import Any
 from kvjax.config import CacheConfig
 from kvjax.engine.config import EngineConfig
 from kvjax.engine.core import EngineCore, EngineInvariantError
+from kvjax.engine.hybrid_runner import HybridRunner, HybridServingError, is_hybrid
 from kvjax.engine.metrics import RequestRecord, RunMetrics
 from kvjax.engine.request_state import LiveRequest
 from kvjax.engine.runner import ModelRunner
@@ -60,6 +61,10 @@ class Engine:
             raise ValueError("runner runs on a different mesh")
         self.model = model
         self.config = config
+        if runner is None and is_hybrid(model):  # LFM2, Granite-4.0-H, Qwen3.5: KV + state pools
+            if config.async_scheduling:
+                raise HybridServingError(f"{type(model).__name__}: hybrid models are not served with async_scheduling")
+            runner = HybridRunner(model, impl=impl, mesh=mesh)
         self.runner = ModelRunner(model, impl=impl, mesh=mesh) if runner is None else runner  # engines may share one
 
     @property

@@ -115,8 +115,8 @@ class ModelRunner:
         spec = getattr(model, "spec", None)
         if spec is not None and not isinstance(spec, ModelSpec):  # a hybrid model: no paged forward, no KV-only cache
             raise HybridModelNotServedError(
-                f"{type(model).__name__} ({getattr(spec, 'name', '?')}) is a hybrid model: kvjax computes it standalone "
-                "(dense_forward, forward_chunk) but the engine does not serve hybrid models yet"
+                f"{type(model).__name__} ({getattr(spec, 'name', '?')}) is a hybrid model: its runner is "
+                "kvjax.engine.hybrid_runner.HybridRunner (Engine(model) picks it)"
             )
         if mesh is not None:
             from kvjax.models.parallel import shard_model

@@ -333,8 +333,11 @@ class RecurrentStatesWindow(WindowBlockManager):
 
     @staticmethod
     def _materialised(seq: TrackedSequence) -> int:
+        """Tokens whose KV exists: the context position during the prompt and right at its end
+        (the prompt's last chunk ran: storing its blocks then keeps its step), then all but
+        the newest token (added for the next forward)."""
         cp = seq.context_position
-        return cp if cp < seq.prompt_len else seq.num_tokens - 1
+        return cp if cp < seq.prompt_len or seq.num_tokens == seq.prompt_len else seq.num_tokens - 1
 
     def committing(self, seq: TrackedSequence, cur: RecurrentCursor) -> bool:
         """Did the begun step take effect (the KV of every token it covered exists)?"""
@@ -444,10 +447,14 @@ class RecurrentStatesWindow(WindowBlockManager):
 
     def store(self, seq: TrackedSequence, sw: SequenceWindow, num_tokens: int, allow_partial: bool) -> int:
         """Store the snapshots of the first `num_tokens` tokens (whole blocks up to the last
-        snapshot point the live state reached; placeholders attach nowhere)."""
-        self.settle(seq, sw)
+        snapshot point the live state reached; placeholders attach nowhere). A begun step
+        that took effect is settled first; one whose newest token's KV the ledger cannot know
+        yet (a store right after a decode forward, before the next token is added) stays begun
+        for the next `begin_recurrent_step` to judge, never dropped here."""
         cur = sw.state
         assert cur is not None
+        if cur.end and self.committing(seq, cur):
+            self.settle(seq, sw)
         limit = self.last_snapshot_point(seq, min(num_tokens, cur.pos))
         return super().store(seq, sw, limit, False) if limit > 0 else 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvjax.model_catalog import servable_model
+from kvjax.model_catalog import hybrid_checkpoint, servable_model
 from kvjax.tokenizer import Tokenizer
 
 
@@ -20,6 +20,12 @@ def load_model(model: Any, *, seed: int = 0, dtype: Any = None, mesh: Any = None
         if not hasattr(model, "spec"):
             raise TypeError(f"model must be a name, a path or a kvjax model with .spec, got {type(model).__name__}")
         return model, None
+    hybrid = hybrid_checkpoint(os.fspath(model))
+    if hybrid is not None:  # LFM2, Granite-4.0-H, Qwen3.5: no ModelSpec; their own loader
+        from kvjax.models.pretrained import from_pretrained
+
+        tokenizer = Tokenizer.from_pretrained(hybrid) if (hybrid / "tokenizer.json").is_file() else None
+        return from_pretrained(hybrid, dtype=dtype, mesh=mesh), tokenizer
     spec, path = servable_model(os.fspath(model))
     if path is not None:
         from kvjax.models.pretrained import from_pretrained

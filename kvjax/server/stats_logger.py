@@ -64,7 +64,8 @@ def log_startup(engine, *, model_name: str, model_arg: str, sizing: str | None =
     tpb = cc.tokens_per_block
     dtype = getattr(getattr(model, "dtype", None), "name", None) or spec.dtype
     lg.info("model %r (%s): %s, %s parameters, %d layers, dtype %s, tensor parallel %d", model_name, model_arg,
-            spec.name, f"{spec.num_parameters:,}", spec.num_layers, dtype, mesh_size)
+            spec.name, f"{getattr(spec, 'num_parameters', '?'):,}" if hasattr(spec, "num_parameters") else "?",
+            spec.num_layers, dtype, mesh_size)  # (a hybrid model's spec does not count its parameters)
     for w in cc.windows:
         p, s = cc.primary_blocks_for(w), cc.secondary_blocks_for(w)
         lg.info("KV cache (window %d, %s): primary %d blocks = %d tokens, secondary (host) %d blocks = %d tokens, "

@@ -156,6 +156,30 @@ def test_chunks_end_at_snapshot_points_and_the_chain_holds_placeholders_between(
     m.verify_integrity()
 
 
+def test_storing_the_prompt_right_after_its_last_chunk_keeps_that_step():
+    """The engine stores a prompt's blocks as soon as its last chunk ran, before the first
+    generated token is added: that store settles the last step, which must take effect (its
+    state is the one decoding reads), not be dropped as if its KV were missing."""
+    m = hybrid()
+    m.add_sequence(Request("a", list(range(23)), max_new_tokens=8))
+    prefill(m, "a")
+    m.store_context_blocks("a")
+    assert m.recurrent_state_position("a") == 23
+    m.add_token("a", 100)
+    s = m.begin_recurrent_step(["a"])
+    assert int(s.starts[0]) == 23 and s.has_initial_state.tolist() == [True]
+    assert len(m.inspector.cached_block_ids(R)) == 3  # S(8), S(16), S(20)
+    m.verify_integrity()
+    # decoding: the engine stores the blocks a decode step completed right after its forward,
+    # before the next token is added; the step stays begun and the next one starts after it
+    for t in range(24, 34):
+        m.store_new_blocks(["a"])
+        m.add_token("a", t)
+        s = m.begin_recurrent_step(["a"])
+        assert int(s.starts[0]) == t and int(s.ends[0]) == t + 1
+        m.verify_integrity()
+
+
 def test_a_step_never_writes_the_slot_it_reads_nor_a_snapshot():
     m = hybrid()
     m.add_sequence(Request("a", list(range(10)), max_new_tokens=40))

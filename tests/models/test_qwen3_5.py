@@ -19,6 +19,8 @@ from hf_helpers import read_all, rewrite_single_file
 
 from kvjax.checkpoint_files import CheckpointError
 from kvjax.engine.engine import Engine
+from kvjax.engine.hybrid_runner import HybridRunner
+from kvjax.engine.runner import ModelRunner
 from kvjax.errors import InvalidArgumentError
 from kvjax.hf_config import HybridModelNotServedError, UnknownConfigFieldWarning, UnsupportedConfigError, spec_from_checkpoint
 from kvjax.model_catalog import servable_model
@@ -278,13 +280,14 @@ def test_from_pretrained_routes_qwen3_5(model):
     chex.assert_trees_all_equal(nnx.state(loaded, nnx.Param), nnx.state(model, nnx.Param))
 
 
-def test_the_engine_refuses_hybrid_models_clearly(model):
-    with pytest.raises(HybridModelNotServedError, match="not serve hybrid models yet"):
+def test_spec_readers_and_the_transformer_runner_refuse_hybrid_models_clearly(model):
+    with pytest.raises(HybridModelNotServedError, match="has no ModelSpec"):
         spec_from_checkpoint(FIXTURE)
-    with pytest.raises(HybridModelNotServedError, match="not serve hybrid models yet"):
+    with pytest.raises(HybridModelNotServedError, match="has no ModelSpec"):
         servable_model(str(FIXTURE))
     with pytest.raises(HybridModelNotServedError, match="Qwen35ForCausalLM .* is a hybrid model"):
-        Engine(model)
+        ModelRunner(model)
+    assert isinstance(Engine(model).runner, HybridRunner)  # served (tests/engine/test_hybrid_serving.py)
 
 
 @pytest.mark.parametrize("argv", [["capacity", "--model", str(FIXTURE), "--gpu-memory", "80GiB"],
@@ -294,7 +297,10 @@ def test_the_command_line_says_not_served_yet(capsys, argv):
 
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "'qwen3_5_text' is a hybrid model" in err and "does not serve hybrid models yet" in err
+    if argv[0] == "serve":  # served, but its cache is not sized from memory yet
+        assert "a hybrid model's cache is not sized from memory yet: give --primary-blocks" in err
+    else:
+        assert "'qwen3_5_text' is a hybrid model" in err and "has no ModelSpec" in err
 
 
 def _multimodal_copy(tmp_path: Path, extra: dict[str, np.ndarray]) -> Path:

@@ -52,16 +52,7 @@ class HybridAttention(nnx.Module):
                  cache: KVState | None, start: Int[Array, ""] | None) -> tuple[Float[Array, "B T D"], KVState | None]:
         """Without `cache`: causal attention within `x` (the dense oracle). With it: write this
         chunk's keys / values at `[start, start + T)` and attend to positions `<= ` each query's."""
-        q = einsum("btd,dnh->btnh", x, self.wq[...])  # [B, T, N, H]
-        k = einsum("btd,dkh->btkh", x, self.wk[...])  # [B, T, K, H]
-        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
-        if self.bq is not None and self.bk is not None and self.bv is not None:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            inv_freq = rope_frequencies(self.head_dim, self.rope_theta)  # [H/2]
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k, v = self.project(x, positions)  # [B, T, N, H], [B, T, K, H] x2
         b, t = x.shape[:2]
         if cache is None:
             keys, values, k_pos = k, v, positions  # [B, T, K, H] x2, [B, T]
@@ -75,8 +66,28 @@ class HybridAttention(nnx.Module):
             new_cache = KVState(k=keys, v=values)
         mask = k_pos[:, None, :] <= positions[:, :, None]  # [B, T, S]: causal, unwritten slots lie beyond
         attended = grouped_attention(q, keys, values, mask, self.scale)  # [B, T, N, H]
+        return self.output(attended), new_cache
+
+    def project(self, x: Float[Array, "B T D"], positions: Int[Array, "B T"]
+                ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
+        """Queries, keys and values of `x` at `positions` (biases, q/k norms and RoPE applied):
+        what a paged cache stores (keys, values) and attends with (queries)."""
+        q = einsum("btd,dnh->btnh", x, self.wq[...])  # [B, T, N, H]
+        k = einsum("btd,dkh->btkh", x, self.wk[...])  # [B, T, K, H]
+        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
+        if self.bq is not None and self.bk is not None and self.bv is not None:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_theta is not None:
+            inv_freq = rope_frequencies(self.head_dim, self.rope_theta)  # [H/2]
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        return q, k, v
+
+    def output(self, attended: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
+        """The output projection of the attended values."""
         out = einsum("btnh,nhd->btd", attended, self.wo[...])  # [B, T, D]
-        return (out if self.bo is None else out + self.bo[...]), new_cache
+        return out if self.bo is None else out + self.bo[...]
 
 
 class HybridLM(nnx.Module):
@@ -120,6 +131,14 @@ class HybridLM(nnx.Module):
 
     def _embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+
+    def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """The family's (scaled) token embedding: the paged engine's forward starts here."""
+        return self._embed(tokens)
+
+    def logits(self, hidden: Float[Array, "R D"]) -> Float[Array, "R V"]:
+        """Final norm and head (the family's scaling) of chosen hidden states: float32 [R, V]."""
+        return self._logits(hidden[None])[0]
 
     def _logits(self, x: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         x = self.final_norm(x)  # [B, T, D]

@@ -9,7 +9,7 @@ K-wide window); the oldest of them never reaches an output, so K-1 suffice.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 
 def causal_conv1d(
@@ -17,9 +17,12 @@ def causal_conv1d(
     weight: Float[Array, "K C"],
     bias: Float[Array, " C"] | None,
     state: Float[Array, "B Km1 C"],
+    lens: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B T C"], Float[Array, "B Km1 C"]]:
     """(y, new state): `y[t, c] = bias[c] + sum_k weight[k, c] * window[t + k, c]` over the window
     `state ++ x` (weight[K-1] multiplies the current token, as torch's `conv1d` with K-1 left padding).
+    `lens` (the paged engine's right-padded rows): row b holds `lens[b]` real tokens, then
+    padding; its new state is the K-1 inputs before position `lens[b]` (padding never enters it).
 
     Computed in float32 (as transformers' conv runs in float32 for float32 and upcast models) and
     returned in `x`'s dtype; the state keeps `x`'s dtype.
@@ -35,7 +38,16 @@ def causal_conv1d(
     if bias is not None:
         y = y + bias.astype(jnp.float32)[None, None, :]
     new_state = window[:, t:, :] if k > 1 else window[:, :0, :]  # [B, K-1, C]: the last K-1 inputs
+    if lens is not None:
+        new_state = state_after(window, lens, k - 1)
     return jnp.asarray(y).astype(x.dtype), new_state
+
+
+def state_after(window: Float[Array, "B W C"], lens: Int[Array, " B"], keep: int) -> Float[Array, "B Km1 C"]:
+    """Per row b, `window[b, lens[b] : lens[b] + keep]`: the last `keep` inputs of `state ++ x`
+    when only the first `lens[b]` tokens of x are real (`window = state ++ x`)."""
+    idx = lens[:, None].astype(jnp.int32) + jnp.arange(keep, dtype=jnp.int32)[None, :]  # [B, keep]
+    return jnp.take_along_axis(window, idx[:, :, None], axis=1)  # [B, keep, C]
 
 
 def conv_state_zeros(batch: int, kernel: int, channels: int, dtype: jnp.dtype) -> Float[Array, "B Km1 C"]:
@@ -43,4 +55,4 @@ def conv_state_zeros(batch: int, kernel: int, channels: int, dtype: jnp.dtype) -
     return jnp.zeros((batch, kernel - 1, channels), dtype)
 
 
-__all__ = ["causal_conv1d", "conv_state_zeros"]
+__all__ = ["causal_conv1d", "conv_state_zeros", "state_after"]

@@ -215,7 +215,10 @@ class Mamba2(nnx.Module):
         else:
             self.in_bias = self.out_bias = None
 
-    def __call__(self, h: Float[Array, "B T D"], state: MambaState) -> tuple[Float[Array, "B T D"], MambaState]:
+    def __call__(self, h: Float[Array, "B T D"], state: MambaState, lens: Int[Array, " B"] | None = None
+                 ) -> tuple[Float[Array, "B T D"], MambaState]:
+        """`lens`: right-padded rows of `lens[b]` real tokens (the paged engine): padding gets
+        dt = 0 (no decay, no input) and stays out of the conv state, so the state is the real tokens'."""
         s = self.spec
         b, t, _ = h.shape
         inner, nh, p, g, n = s.mamba_inner, s.mamba_heads, s.mamba_head_dim, s.mamba_groups, s.mamba_state
@@ -224,12 +227,14 @@ class Mamba2(nnx.Module):
             proj = proj + self.in_bias[...]
         z, xbc, dt = proj[..., :inner], proj[..., inner:inner + s.conv_channels], proj[..., inner + s.conv_channels:]
         conv_b = None if self.conv_b is None else self.conv_b[...]
-        xbc, conv_state = causal_conv1d(xbc, self.conv_w[...], conv_b, state.conv)  # [B, T, C], [B, K-1, C]
+        xbc, conv_state = causal_conv1d(xbc, self.conv_w[...], conv_b, state.conv, lens)  # [B, T, C], [B, K-1, C]
         xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [B, T, C]
         x = xbc[..., :inner].reshape(b, t, nh, p)  # [B, T, NH, P]
         bm = xbc[..., inner:inner + g * n].reshape(b, t, g, n)  # [B, T, G, N]
         cm = xbc[..., inner + g * n:].reshape(b, t, g, n)  # [B, T, G, N]
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))  # [B, T, NH]
+        if lens is not None:
+            dt = jnp.where(jnp.arange(t)[None, :, None] < lens[:, None, None], dt, 0.0)  # [B, T, NH]
         a = -jnp.exp(self.a_log[...].astype(jnp.float32))  # [NH]
         if t == 1:
             y, ssm = ssd_recurrent(x, dt, a, bm, cm, self.d[...], state.ssm)  # [B, 1, NH, P], [B, NH, P, N]

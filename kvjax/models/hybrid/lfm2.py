@@ -154,14 +154,15 @@ class ShortConv(nnx.Module):
         else:
             self.in_bias = self.conv_b = self.out_bias = None
 
-    def __call__(self, h: Float[Array, "B T D"], state: Float[Array, "B Km1 D"]
+    def __call__(self, h: Float[Array, "B T D"], state: Float[Array, "B Km1 D"], lens: Int[Array, " B"] | None = None
                  ) -> tuple[Float[Array, "B T D"], Float[Array, "B Km1 D"]]:
+        """`lens`: right-padded rows of `lens[b]` real tokens (the paged engine); the state skips the padding."""
         bcx = einsum("btd,de->bte", h, self.in_proj[...])  # [B, T, 3D]
         if self.in_bias is not None:
             bcx = bcx + self.in_bias[...]
         b, c, x = jnp.split(bcx, 3, axis=-1)  # [B, T, D] each
         conv_b = None if self.conv_b is None else self.conv_b[...]
-        y, new_state = causal_conv1d(b * x, self.conv_w[...], conv_b, state)  # [B, T, D], [B, K-1, D]
+        y, new_state = causal_conv1d(b * x, self.conv_w[...], conv_b, state, lens)  # [B, T, D], [B, K-1, D]
         out = einsum("btd,de->bte", c * y, self.out_proj[...])  # [B, T, D]
         if self.out_bias is not None:
             out = out + self.out_bias[...]

@@ -57,6 +57,7 @@ from kvjax.hf_config import (
     read_config,
     report_unknown_fields,
 )
+from kvjax.models.hybrid.conv import state_after
 from kvjax.models.hybrid.deltanet import DEFAULT_CHUNK, gated_delta_rule
 from kvjax.models.layers import (
     MLP,
@@ -321,16 +322,19 @@ class Qwen35State(NamedTuple):
 
 # ---------------------------------------------------------------------- layers
 def causal_conv(
-    x: Float[Array, "b t c"], weight: Float[Array, "w c"], state: Float[Array, "b w1 c"]
+    x: Float[Array, "b t c"], weight: Float[Array, "w c"], state: Float[Array, "b w1 c"],
+    lens: Int[Array, " b"] | None = None,
 ) -> tuple[Float[Array, "b t c"], Float[Array, "b w1 c"]]:
     """Depthwise causal convolution with silu (torch's `conv1d` taps: `weight[-1]` on the newest
-    input), continuing from `state` (the W - 1 inputs before x); returns (outputs, next state)."""
+    input), continuing from `state` (the W - 1 inputs before x); returns (outputs, next state).
+    `lens`: right-padded rows of `lens[b]` real tokens; the next state skips the padding."""
     w = weight.shape[0]
     t = x.shape[1]
     xs = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, C]
     f32 = jnp.float32
     out = sum(xs[:, j:j + t].astype(f32) * weight[j].astype(f32) for j in range(w))  # [B, T, C]
-    return jax.nn.silu(out).astype(x.dtype), xs[:, t:]  # [B, T, C], [B, W - 1, C]
+    after = xs[:, t:] if lens is None else state_after(xs, lens, w - 1)  # [B, W - 1, C]
+    return jax.nn.silu(out).astype(x.dtype), after
 
 
 class GatedRMSNorm(nnx.Module):
@@ -366,10 +370,12 @@ class GatedDeltaNet(nnx.Module):
         self.out = nnx.Param(normal_init(rngs.params(), (self.hv * self.dv, d), self.hv * self.dv, dtype))  # [Hv Dv, D]
 
     def __call__(
-        self, x: Float[Array, "b t d"], state: DeltaNetState, chunk_size: int | None
+        self, x: Float[Array, "b t d"], state: DeltaNetState, chunk_size: int | None, lens: Int[Array, " b"] | None = None
     ) -> tuple[Float[Array, "b t d"], DeltaNetState]:
+        """`lens`: right-padded rows of `lens[b]` real tokens (the paged engine): padding gets
+        g = 0 and beta = 0 (no decay, no write) and stays out of the conv state."""
         b, t, _ = x.shape
-        mixed, conv = causal_conv(einsum("btd,dc->btc", x, self.in_qkv[...]), self.conv[...], state.conv)  # [B, T, C]
+        mixed, conv = causal_conv(einsum("btd,dc->btc", x, self.in_qkv[...]), self.conv[...], state.conv, lens)  # [B, T, C]
         kd = self.hk * self.dk
         q = mixed[..., :kd].reshape(b, t, self.hk, self.dk)  # [B, T, Hk, Dk]
         k = mixed[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)  # [B, T, Hk, Dk]
@@ -377,6 +383,9 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(einsum("btd,dh->bth", x, self.in_b[...]))  # [B, T, Hv]
         a = einsum("btd,dh->bth", x, self.in_a[...]).astype(jnp.float32)  # [B, T, Hv]
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
+        if lens is not None:
+            valid = jnp.arange(t)[None, :, None] < lens[:, None, None]  # [B, T, 1]
+            g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
         core, recurrent = gated_delta_rule(q, k, v, g, beta, state.recurrent, chunk_size=chunk_size)  # [B, T, Hv, Dv]
         z = einsum("btd,de->bte", x, self.in_z[...]).reshape(b, t, self.hv, self.dv)  # [B, T, Hv, Dv]
         gated = self.norm(core, z).reshape(b, t, self.hv * self.dv)  # [B, T, Hv Dv]
@@ -417,9 +426,7 @@ class GatedAttention(nnx.Module):
     ) -> tuple[Float[Array, "b t d"], AttentionKV | None]:
         """With `cache` (keys of positions [0, S)), the T new keys go to `positions` and the
         queries see every cached key at or before their position; without, they see each other."""
-        q = self._rope(self.q_norm(einsum("btd,dnh->btnh", x, self.wq[...])), positions)  # [B, T, N, H]
-        k = self._rope(self.k_norm(einsum("btd,dkh->btkh", x, self.wk[...])), positions)  # [B, T, K, H]
-        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
+        q, k, v = self.project(x, positions)  # [B, T, N, H], [B, T, K, H] x2
         if cache is None:
             keys, values, k_positions = k, v, positions  # [B, T, K, H] x2, [B, T]
         else:
@@ -431,9 +438,21 @@ class GatedAttention(nnx.Module):
             cache = AttentionKV(keys, values)
         mask = k_positions[:, None, :] <= positions[:, :, None]  # [B, T, S]
         attended = grouped_attention(q, keys, values, mask, self.scale)  # [B, T, N, H]
+        return self.output(x, attended), cache
+
+    def project(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"]
+                ) -> tuple[Float[Array, "b t n h"], Float[Array, "b t k h"], Float[Array, "b t k h"]]:
+        """Queries, keys (q/k norm, partial RoPE) and values of `x` at `positions`."""
+        q = self._rope(self.q_norm(einsum("btd,dnh->btnh", x, self.wq[...])), positions)  # [B, T, N, H]
+        k = self._rope(self.k_norm(einsum("btd,dkh->btkh", x, self.wk[...])), positions)  # [B, T, K, H]
+        v = einsum("btd,dkh->btkh", x, self.wv[...])  # [B, T, K, H]
+        return q, k, v
+
+    def output(self, x: Float[Array, "b t d"], attended: Float[Array, "b t n h"]) -> Float[Array, "b t d"]:
+        """The attended values gated per head by `sigmoid(x wgate)`, then `o_proj`."""
         gate = jax.nn.sigmoid(einsum("btd,dnh->btnh", x, self.wgate[...]).astype(jnp.float32))  # [B, T, N, H]
         gated = (attended.astype(jnp.float32) * gate).astype(x.dtype)  # [B, T, N, H]
-        return einsum("btnh,nhd->btd", gated, self.wo[...]), cache
+        return einsum("btnh,nhd->btd", gated, self.wo[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -484,6 +503,14 @@ class Qwen35ForCausalLM(nnx.Module):
         else:
             logits = einsum("btd,dv->btv", x, self.lm_head[...])
         return logits.astype(jnp.float32)  # [B, T, V]
+
+    def embed_tokens(self, tokens: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+        """The token embedding: the paged engine's forward starts here."""
+        return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+
+    def logits(self, hidden: Float[Array, "r d"]) -> Float[Array, "r v"]:
+        """Final norm and head of chosen hidden states: float32 [R, V]."""
+        return self._logits(hidden[None])[0]
 
     def _check_tokens(self, tokens: Any) -> None:
         if tokens.ndim != 2 or tokens.shape[1] < 1:

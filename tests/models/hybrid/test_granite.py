@@ -154,5 +154,5 @@ def test_unknown_fields_warn_or_refuse():
 
 
 def test_serving_paths_refuse_it_clearly():
-    with pytest.raises(HybridModelNotServedError, match="'granitemoehybrid'.*not serve hybrid models yet"):
+    with pytest.raises(HybridModelNotServedError, match="'granitemoehybrid'.*has no ModelSpec"):
         load_model_spec(FIXTURES / "granite")

@@ -204,14 +204,18 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
 
 
 def test_serving_paths_refuse_hybrids_clearly():
-    """The engine does not serve hybrid models yet: spec readers and the runner say so, by name."""
-    with pytest.raises(HybridModelNotServedError, match="'lfm2'.*not serve hybrid models yet"):
+    """A hybrid has no ModelSpec and no Transformer runner: spec readers and `ModelRunner` say so,
+    by name; `Engine` serves it with its own runner (tests/engine/test_hybrid_serving.py)."""
+    with pytest.raises(HybridModelNotServedError, match="'lfm2'.*has no ModelSpec"):
         load_model_spec(FIXTURES / "lfm2")
     from kvjax.engine.engine import Engine
+    from kvjax.engine.hybrid_runner import HybridRunner
+    from kvjax.engine.runner import ModelRunner
 
     model = random_model()
-    with pytest.raises(HybridModelNotServedError, match="not serve hybrid models yet"):
-        Engine(model)
+    with pytest.raises(HybridModelNotServedError, match="HybridRunner"):
+        ModelRunner(model)
+    assert isinstance(Engine(model).runner, HybridRunner)
     with pytest.raises(ValueError, match="tensor parallelism"):
         from_pretrained(FIXTURES / "lfm2", mesh=jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,)))
 
