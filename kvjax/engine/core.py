@@ -70,6 +70,7 @@ from kvjax.engine.overlap import Forward, InFlight, needs_sync
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
+from kvjax.engine.store_tier_driver import KVStoreConfig, StoreTierDriver
 from kvjax.engine.workloads import WorkItem
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
@@ -136,7 +137,7 @@ class EngineCore:
     on its engine thread)."""
 
     def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
-                 kv_events: KVEventsConfig | None = None) -> None:
+                 kv_events: KVEventsConfig | None = None, kv_store: KVStoreConfig | None = None) -> None:
         from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.engine.scheduler import CapacityScheduler
         from kvjax.ledger import KVCacheManager
@@ -183,6 +184,8 @@ class EngineCore:
         self._sync_live = 0
         self.overlap = (self.cfg.async_scheduling and self.rank_digest is None
                         and callable(getattr(engine.runner, "dispatch", None)))
+        # the third tier (a disk / Redis / memory store under the host tier; store_tier_driver.py)
+        self.store_tier = None if kv_store is None else StoreTierDriver(kv_store, self)
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -273,7 +276,7 @@ class EngineCore:
             self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
             self._publish_events()
-        else:
+        elif self.store_tier is None or not self.store_tier.drop(request_id):  # (parked: waiting on the store)
             self.waiting = collections.deque(x for x in self.waiting if x is not r)
             self.held = [x for x in self.held if x is not r]
         self._retire(r, reason, stop_reason)
@@ -289,7 +292,7 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.held)
+        return len(self.waiting) + len(self.held) + (0 if self.store_tier is None else self.store_tier.num_parked)
 
     def warm_up(self, level: str, progress=None):
         """Compile (or load from the persistent cache) the step programs of `level` ("none",
@@ -322,6 +325,8 @@ class EngineCore:
         """Stop publishing KV events (idempotent). The ledger and pools stay readable."""
         if self.events is not None:
             self.events.close()
+        if self.store_tier is not None:
+            self.store_tier.close()
 
     def _publish_events(self) -> None:
         if self.events is not None:
@@ -331,6 +336,8 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """Run one iteration; returns one output per request that produced a token or finished."""
         outputs: list[CoreOutput] = []
+        if self.store_tier is not None:  # poll the store; requests whose blocks it restored queue again
+            self.store_tier.before_step()
         try:
             if not self.overlap:
                 self._step(outputs)
@@ -665,7 +672,12 @@ class EngineCore:
         the prefill of the requests it cut back is redone. Returns this step's prefill and the
         number of blocks onboarded."""
         plan = self.ledger.take_transfers()
+        tier = self.store_tier
+        if tier is not None:  # stage the host blocks this plan may overwrite that the store wants
+            tier.before_transfers(self.pools)
         if not len(plan):
+            if tier is not None:
+                tier.after_transfers(self.pools, True)
             return prefill, 0
         if self.rank_digest is not None:
             self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
@@ -680,7 +692,11 @@ class EngineCore:
                 if e.op_indices is not None:
                     applied[list(e.op_indices)] = False
                 prefill = self._transfers_failed(self.ledger.transfers_failed(plan, e.op_indices), prefill)
+                if tier is not None:
+                    tier.after_transfers(self.pools, False)
                 return prefill, int((onboard & applied).sum())
+        if tier is not None:  # offloaded blocks are in their host slots now
+            tier.after_transfers(self.pools, True)
         return prefill, int(onboard.sum())
 
     def _transfers_failed(self, failure, prefill: list[tuple[LiveRequest, int]]) -> list[tuple[LiveRequest, int]]:
