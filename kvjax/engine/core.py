@@ -331,6 +331,8 @@ class EngineCore:
     def _publish_events(self) -> None:
         if self.events is not None:
             self.events.publish(self.ledger)
+            if self.store_tier is not None:  # tier-3 blocks (medium "STORAGE")
+                self.events.publish_wire(self.store_tier.take_events())
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[CoreOutput]:

@@ -169,6 +169,8 @@ class StoreTierDriver:
         self._post: list[HostNotice] = []  # STORED notices staged once their plan is applied
         self._core = core
         self._closed = False
+        # tier-3 KV events (medium "STORAGE"), collected only when the engine publishes events
+        self._events: list[Any] | None = [] if core.events is not None else None
         core.ledger.enable_host_notices()
 
     # ------------------------------------------------------------------ host blocks
@@ -226,6 +228,8 @@ class StoreTierDriver:
         st = self.tier.step()
         self.counters.failed_puts += len(st.failed_puts)
         self.counters.errors += len(st.errors)
+        if self._events is not None:
+            self._storage_events(st.stored, st.failed_gets)
         for rid, found in st.lookups_done.items():
             p = self.parked.get(rid)
             if p is None:
@@ -325,6 +329,31 @@ class StoreTierDriver:
         del self.parked[p.request.request_id]
         waiting = self._core.waiting
         waiting.insert(sum(1 for x in waiting if x.admissions), p.request)
+
+    # ------------------------------------------------------------------ events
+    def _hash_of(self, key: str) -> bytes | int:
+        digits = key[key.rindex("-") + 1:]  # keys end in the block hash's hex (kvjax.kv_store.keys)
+        return bytes.fromhex(digits) if self.hash_kind == "sha256" else int(digits, 16)
+
+    def _storage_events(self, stored: list[str], missing: list[str]) -> None:
+        """`BlockStored` / `BlockRemoved` with medium "STORAGE" (vLLM's offloading tiers' form:
+        hashes only, no parent or tokens) for acknowledged puts and gets that found nothing."""
+        from kvjax.kv_events.wire import MEDIUM_STORAGE, BlockRemoved, BlockStored
+
+        assert self._events is not None
+        if stored:
+            self._events.append(BlockStored(block_hashes=[self._hash_of(k) for k in stored], parent_block_hash=None,
+                                            token_ids=[], block_size=self.tokens_per_block, lora_id=None,
+                                            medium=MEDIUM_STORAGE, lora_name=None))
+        if missing:
+            self._events.append(BlockRemoved(block_hashes=[self._hash_of(k) for k in missing], medium=MEDIUM_STORAGE))
+
+    def take_events(self) -> list[Any]:
+        """The tier-3 wire events since the last call (empty unless the engine publishes events)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
 
     # ------------------------------------------------------------------ requests and shutdown
     def drop(self, request_id: Hashable) -> bool:
