@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import TIGHT, cache, engine_config
+from engine_helpers import ROOMY, cache, engine_config
 
 from kvjax import SamplingParams
 from kvjax.engine import Engine, LLMEngine
@@ -21,13 +21,13 @@ MODEL_ID = "micro@seed0"
 
 
 def store_engine(micro, store=None, *, secondary=32, **kw) -> LLMEngine:
-    """An engine on the shared runner (TIGHT primary blocks: prompts reach the host tier fast)."""
+    """An engine on the shared runner and the engine tests' ROOMY geometry (their compiled shapes)."""
     kv = None
     if store is not None:
         kv = KVStoreConfig(store=store, close_store=False, model_id=MODEL_ID,
                            **{"prefetch_policy": "wait_complete", "prefetch_min_tokens": 16, **kw})
     return LLMEngine(Engine(micro.model, engine_config(), runner=micro.runner),
-                     cache(micro.model, primary=TIGHT, secondary=secondary), kv_store=kv)
+                     cache(micro.model, primary=ROOMY, secondary=secondary), kv_store=kv)
 
 
 def serve(eng: LLMEngine, prompts, tag: str, max_tokens: int = 4) -> dict:
@@ -59,7 +59,7 @@ def tokens(outs: dict) -> list:
 
 RNG = np.random.default_rng(7)
 TARGET = RNG.integers(1, 500, 100).tolist()  # 12 reusable blocks of 8 tokens
-FILLERS = [RNG.integers(1, 500, 90).tolist() for _ in range(4)]  # push TARGET out of the 24 primary blocks
+FILLERS = [RNG.integers(1, 500, 90).tolist() for _ in range(9)]  # push TARGET out of the 96 primary blocks
 
 
 def test_restart_finds_blocks_in_file_store(micro, tmp_path):
@@ -141,12 +141,12 @@ def test_write_policies_on_one_trace(micro, policy):
     eng = store_engine(micro, store, write_policy=policy, prefetch_min_tokens=10_000)  # writes only
     seen = record_notices(eng)
     serve(eng, [TARGET], "t")
-    serve(eng, FILLERS[:3], "f")  # TARGET to host
+    serve(eng, FILLERS, "f")  # TARGET to host
     serve(eng, [TARGET], "h")  # host hits: onboarded
     serve(eng, FILLERS + [f[::-1] for f in FILLERS], "g")  # the 32 host blocks overflow: evictions
     eng.close()  # waits for the puts
     counts = {k: len(v) for k, v in seen.items()}
-    assert counts == {"STORED": 134, "HIT": 37, "EVICTING": 65}  # the same under every policy
+    assert counts == {"STORED": 231, "HIT": 69, "EVICTING": 130}  # the same under every policy
     tier = eng.core.store_tier.tier
     keys = {kind: set(tier.keys([h for h in hashes if h is not None])) for kind, hashes in seen.items()}
     in_store = {k for k in keys["STORED"] | keys["HIT"] | keys["EVICTING"] if store.batch_exists([k])}
