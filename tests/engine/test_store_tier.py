@@ -188,6 +188,23 @@ def test_a_store_needs_host_blocks(micro):
         KVStoreConfig(url="memory://", model_id="")
 
 
+def test_options_build_the_tier(micro):
+    """`kv_store*` keyword options (what `kvjax.LLM` passes on) reach the engine's tier; a model
+    object has no name to key the store by, so it needs `kv_store_model_id`."""
+    opts = dict(tokens_per_block=8, max_seq_len=256, primary_blocks=ROOMY, secondary_blocks=32)
+    eng = LLMEngine.from_options(micro.model, runner=micro.runner, kv_store="memory://?max_bytes=1MiB",
+                                 kv_store_model_id="micro@seed0", kv_store_write_policy="write_back",
+                                 kv_store_prefetch_policy="best_effort", kv_store_prefetch_min_tokens=32, **opts)
+    cfg = eng.core.store_tier.config
+    assert (cfg.url, cfg.write_policy, cfg.prefetch_policy, cfg.prefetch_min_tokens) == (
+        "memory://?max_bytes=1MiB", "write_back", "best_effort", 32)
+    eng.close()
+    with pytest.raises(InvalidArgumentError, match="kv_store_model_id"):
+        LLMEngine.from_options(micro.model, runner=micro.runner, kv_store="memory://", **opts)
+    with pytest.raises(InvalidArgumentError, match="needs kv_store"):
+        LLMEngine.from_options(micro.model, runner=micro.runner, kv_store_write_policy="write_back", **opts)
+
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kv_store"))  # the redis-server helper
 
 

@@ -79,3 +79,22 @@ def test_serve_restart_finds_blocks_in_file_store(tmp_path):
     assert 'kvjax_kv_store_blocks_total{event="restored",model_name="micro"}' in metrics
     restored = [ln for ln in metrics.splitlines() if ln.startswith('kvjax_kv_store_blocks_total{event="restored"')]
     assert float(restored[0].split()[-1]) > 0
+
+
+def test_kv_store_flags():
+    """The --kv-store flags become a `KVStoreConfig` (no model loads); the others alone are refused."""
+    import pytest
+
+    from kvjax.cli import build_parser
+    from kvjax.serve_command import kv_store_config
+
+    args = build_parser().parse_args(["serve", "micro", "--kv-store", "memory://", "--kv-store-write-policy", "write_back",
+                                      "--kv-store-prefetch-policy", "best_effort", "--kv-store-prefetch-min-tokens", "64",
+                                      "--kv-store-prefetch-timeout", "0.25", "--kv-store-threads", "3", "--model-seed", "2"])
+    kv = kv_store_config(args)
+    assert (kv.url, kv.write_policy, kv.prefetch_policy, kv.prefetch_min_tokens, kv.prefetch_timeout_s, kv.threads) == (
+        "memory://", "write_back", "best_effort", 64, 0.25, 3)
+    assert kv.model_id == "micro@seed2@None"  # another seed, other weights: other keys
+    assert kv_store_config(build_parser().parse_args(["serve", "micro"])) is None
+    with pytest.raises(ValueError, match="need --kv-store"):
+        kv_store_config(build_parser().parse_args(["serve", "micro", "--kv-store-write-policy", "write_back"]))
