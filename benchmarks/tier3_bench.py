@@ -81,51 +81,52 @@ def main() -> None:
     runner = ModelRunner(model)
     rng = np.random.default_rng(0)
     vocab = model.spec.vocab_size
-    prompts = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
-    fillers = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.primary_blocks * TPB // args.prompt_len + 2)]
-    warm = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(2)]
 
+    def draw(n):
+        return [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(n)]
+
+    num_fillers = args.primary_blocks * TPB // args.prompt_len + 2
     with tempfile.TemporaryDirectory() as tmp:
-        def open_store():
-            return FileStore(os.path.join(tmp, "kv"), 1 << 34) if args.store == "file" else mem
+        trial(model, runner, args, draw(args.prompts), draw(num_fillers), os.path.join(tmp, "warm"))  # compiles everything
+        out = trial(model, runner, args, draw(args.prompts), draw(num_fillers), os.path.join(tmp, "kv"))
+    print(json.dumps(out, indent=1))
 
-        mem = MemoryStore(1 << 34)
-        # warm-up: compile every shape both runs use (with a store: host-block copies too)
-        w = make(model, runner, args, MemoryStore(1 << 30))
-        serve_one_by_one(w, warm + fillers, "w")
-        serve_one_by_one(w, warm, "w2")
-        w.close()
 
-        store = open_store()
-        a = make(model, runner, args, store)
-        t0 = time.perf_counter()
-        serve_one_by_one(a, prompts, "a")
-        serve_one_by_one(a, fillers, "f")
-        a.close()
-        fill_s = time.perf_counter() - t0
-        stats_a = a.core.store_tier.stats()
-        if args.store == "file":
-            store.close()
+def trial(model, runner, args, prompts, fillers, path: str) -> dict:
+    """First engine (writes the store), then a restart with the store and one without."""
+    mem = MemoryStore(1 << 34)
 
-        results = {}
-        for label, st in (("with_store", open_store()), ("without_store", None)):
-            e = make(model, runner, args, st)
-            ttft, toks = serve_one_by_one(e, prompts, label)
-            results[label] = {"hit_rate": round(hit_rate(e), 4), "ttft_mean_ms": round(1e3 * float(np.mean(ttft)), 2),
-                              "ttft_p50_ms": round(1e3 * float(np.median(ttft)), 2), "tokens": toks}
-            if st is not None:
-                results[label]["store"] = e.core.store_tier.stats()
-            e.close()
-            if st is not None and args.store == "file":
-                st.close()
+    def open_store():
+        return FileStore(path, 1 << 34) if args.store == "file" else mem
 
+    store = open_store()
+    a = make(model, runner, args, store)
+    t0 = time.perf_counter()
+    serve_one_by_one(a, prompts, "a")
+    serve_one_by_one(a, fillers, "f")
+    a.close()
+    fill_s = time.perf_counter() - t0
+    stats_a = a.core.store_tier.stats()
+    if args.store == "file":
+        store.close()
+    results: dict = {}
+    for label, st in (("with_store", open_store()), ("without_store", None)):
+        e = make(model, runner, args, st)
+        ttft, toks = serve_one_by_one(e, prompts, label)
+        results[label] = {"hit_rate": round(hit_rate(e), 4), "ttft_mean_ms": round(1e3 * float(np.mean(ttft)), 2),
+                          "ttft_p50_ms": round(1e3 * float(np.median(ttft)), 2), "tokens": toks}
+        if st is not None:
+            results[label]["store"] = e.core.store_tier.stats()
+        e.close()
+        if st is not None and args.store == "file":
+            st.close()
     same = results["with_store"].pop("tokens") == results["without_store"].pop("tokens")
-    w_, wo = results["with_store"], results["without_store"]
-    print(json.dumps({"model": args.model, "store": args.store, "prompts": args.prompts, "prompt_len": args.prompt_len,
-                      "first_engine_s": round(fill_s, 2), "blocks_written": stats_a.get("store_puts"),
-                      **results, "same_tokens": same,
-                      "hit_rate_with_minus_without": round(w_["hit_rate"] - wo["hit_rate"], 4),
-                      "ttft_ratio_with_over_without": round(w_["ttft_mean_ms"] / wo["ttft_mean_ms"], 3)}, indent=1))
+    w, wo = results["with_store"], results["without_store"]
+    return {"model": args.model, "store": args.store, "prompts": args.prompts, "prompt_len": args.prompt_len,
+            "first_engine_s": round(fill_s, 2), "blocks_written": stats_a.get("store_puts"), **results,
+            "same_tokens": same, "hit_rate_with_minus_without": round(w["hit_rate"] - wo["hit_rate"], 4),
+            "ttft_mean_ratio_with_over_without": round(w["ttft_mean_ms"] / wo["ttft_mean_ms"], 3),
+            "ttft_p50_ratio_with_over_without": round(w["ttft_p50_ms"] / wo["ttft_p50_ms"], 3)}
 
 
 if __name__ == "__main__":
