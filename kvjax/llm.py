@@ -110,6 +110,11 @@ class LLM:
         params = self._params_list(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
 
+    def close(self) -> None:
+        """Finish the KV store's writes in flight (`kv_store=`: a restart finds them) and stop
+        publishing KV events; the LLM must not generate afterwards (idempotent)."""
+        self.llm_engine.close()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after a weight update). Returns False, changing
         nothing, if requests are running (possible only if a `generate` was interrupted)."""
