@@ -199,15 +199,16 @@ class StoreTierDriver:
         notices = self._core.ledger.take_host_notices()
         if not notices:
             return
-        last: dict[int, int] = {}  # host slot -> index of its last notice in this plan
+        last: dict[int, int] = {}  # host slot -> index of the last offload into it in this plan
         for i, n in enumerate(notices):
-            last[n.host_slot] = i
+            if n.kind is HostNoticeKind.STORED:
+                last[n.host_slot] = i
         dirty: set[int] = set()  # slots this plan writes before the notice's point
         pre: dict[HostNoticeKind, list[HostNotice]] = {HostNoticeKind.HIT: [], HostNoticeKind.EVICTING: []}
         for i, n in enumerate(notices):
             if n.kind is HostNoticeKind.STORED:
                 dirty.add(n.host_slot)
-                if last[n.host_slot] == i:  # its bytes are still in the slot once the plan ran
+                if last[n.host_slot] == i:  # no later offload overwrites it: its bytes are there after the plan
                     self._post.append(n)
             elif n.host_slot not in dirty:  # bytes there now: stage them before the plan runs
                 pre[n.kind].append(n)
