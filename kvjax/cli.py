@@ -325,6 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "JaxTransferConnector and kv_role kv_producer | kv_consumer | kv_both (docs/disaggregation.md)")
     sv.add_argument("--data-parallel-rank", type=_nonneg_int, default=0,
                     help="data-parallel rank written into the KV-event batches (default 0)")
+    sv.add_argument("--kv-store", metavar="URL",
+                    help="keep host KV blocks in a third tier a restart or another replica finds again: "
+                         "file:///DIR[?max_bytes=100GiB], redis://HOST:PORT[/DB], memory://, or "
+                         "package.module:Class?k=v (docs/kv_store.md); needs --secondary-blocks")
+    sv.add_argument("--kv-store-write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                    help="when a host block is written to the store (default write_through)")
+    sv.add_argument("--kv-store-prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
+                    help="how long a request waits for its blocks from the store (default timeout)")
+    sv.add_argument("--kv-store-prefetch-min-tokens", type=_nonneg_int, metavar="N",
+                    help="missing tokens below which the store is not consulted (default 256)")
+    sv.add_argument("--kv-store-prefetch-timeout", type=float, metavar="SECONDS",
+                    help="timeout policy: seconds a prefetch may take, plus 0.002 s per block (default 0.5)")
+    sv.add_argument("--kv-store-threads", type=_positive_int, metavar="N", help="store I/O threads (default 2)")
+    sv.add_argument("--kv-store-model-id", metavar="ID",
+                    help="the weights' identity in the store's keys (default: --model, --model-seed and --dtype)")
     sv.add_argument("--warmup", choices=["none", "common", "all"], default="common",
                     help="compile the step programs before serving: decode and single-chunk prefill shapes "
                          "(common, the default), every shape the settings allow (all), or none (compile on "

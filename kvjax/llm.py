@@ -25,6 +25,7 @@ from kvjax.engine.core import EngineBusyError
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams
+from kvjax.engine.store_tier_driver import model_identity
 from kvjax.models.loading import load_model
 from kvjax.tokenizer import Tokenizer
 
@@ -57,6 +58,9 @@ class LLM:
         built, loaded = load_model(model, seed=model_seed, dtype=dtype)
         tok = resolve_tokenizer(tokenizer) or loaded
         self.model_name = str(model) if isinstance(model, (str, os.PathLike)) else built.spec.name
+        if options.get("kv_store") is not None and isinstance(model, (str, os.PathLike)):
+            # the store's keys name the weights: a built-in model's come from model_seed
+            options.setdefault("kv_store_model_id", model_identity(os.fspath(model), f"seed{model_seed}", dtype))
         self.llm_engine = LLMEngine.from_options(built, tokenizer=tok, seed=seed, runner=runner, **options)
         self.warmup = self.llm_engine.core.warm_up(warmup)
         self._ids = itertools.count()
@@ -105,6 +109,11 @@ class LLM:
             items.append((text, tok.encode(text, add_special_tokens=False)))
         params = self._params_list(sampling_params, len(items))
         return self._run(items, params, use_tqdm)
+
+    def close(self) -> None:
+        """Finish the KV store's writes in flight (`kv_store=`: a restart finds them) and stop
+        publishing KV events; the LLM must not generate afterwards (idempotent)."""
+        self.llm_engine.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after a weight update). Returns False, changing

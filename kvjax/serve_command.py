@@ -132,7 +132,24 @@ def kv_transfer_config(args):
     return KVTransferConfig.parse(raw)
 
 
-def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
+def kv_store_config(args):
+    """The `KVStoreConfig` of the --kv-store flags (None without --kv-store); the store opens
+    with the engine (a bad URL raises `StoreURLError` then)."""
+    from kvjax.engine.store_tier_driver import KVStoreConfig, model_identity
+
+    flags = {"write_policy": args.kv_store_write_policy, "prefetch_policy": args.kv_store_prefetch_policy,
+             "prefetch_min_tokens": args.kv_store_prefetch_min_tokens,
+             "prefetch_timeout_s": args.kv_store_prefetch_timeout, "threads": args.kv_store_threads}
+    if args.kv_store is None:
+        given = [k for k, v in flags.items() if v is not None]
+        if given or args.kv_store_model_id is not None:
+            raise ValueError("the --kv-store-* flags need --kv-store URL")
+        return None
+    model_id = args.kv_store_model_id or model_identity(args.model, f"seed{args.model_seed}", args.dtype)
+    return KVStoreConfig(url=args.kv_store, model_id=model_id, **{k: v for k, v in flags.items() if v is not None})
+
+
+def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None, kv_store=None):
     """(LLMEngine, how its KV cache was sized or None) for `kvjax serve`: the model on `mesh`, the
     engine (which shards it), then the cache: --primary-blocks if given, else sized from memory
     (`capacity.serving_kv_cache_bytes`); a cache that cannot hold one --max-model-len request is refused."""
@@ -165,7 +182,7 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None):
         geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
     C.check_max_seq_len_fits(geometry)
     return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events,
-                     kv_transfer=kv_transfer_config(args)), sizing
+                     kv_transfer=kv_transfer_config(args), kv_store=kv_store), sizing
 
 
 def serve_config(args, engine):
@@ -190,11 +207,12 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     kv_events = kv_events_config(args)
     kv_transfer_config(args)  # bad JSON fails before the model loads
+    kv_store = kv_store_config(args)
     from kvjax.server.auth import api_keys
 
     api_keys(args.api_key)  # an empty key fails before the model loads
     with _logging_to_stderr(args.log_level):
-        _run_server(args, options, kv_events)
+        _run_server(args, options, kv_events, kv_store)
     return 0
 
 
@@ -232,13 +250,13 @@ def warm_up(core, level: str):
     return report
 
 
-def _run_server(args, options, kv_events) -> None:
+def _run_server(args, options, kv_events, kv_store=None) -> None:
     from kvjax.server import serve
     from kvjax.server.stats_logger import log_startup
 
     cache_dir = compilation_cache(args)
     mesh = serve_mesh(args.tensor_parallel_size)
-    engine, sizing = serve_engine(args, options, kv_events, mesh)
+    engine, sizing = serve_engine(args, options, kv_events, mesh, kv_store)
     try:
         logging.getLogger("kvjax.serve").info("compilation cache: %s", cache_dir or "off")
         warm_up(engine.core, args.warmup)

@@ -70,6 +70,7 @@ from kvjax.engine.overlap import Forward, InFlight, needs_sync
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
+from kvjax.engine.store_tier_driver import KVStoreConfig, StoreTierDriver
 from kvjax.engine.workloads import WorkItem
 from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
@@ -136,7 +137,7 @@ class EngineCore:
     on its engine thread)."""
 
     def __init__(self, engine, cache_config: CacheConfig, *, record_steps: bool = False, clock: ServingClock | None = None,
-                 kv_events: KVEventsConfig | None = None, kv_transfer=None) -> None:
+                 kv_events: KVEventsConfig | None = None, kv_transfer=None, kv_store: KVStoreConfig | None = None) -> None:
         from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.engine.scheduler import CapacityScheduler
         from kvjax.ledger import KVCacheManager
@@ -189,6 +190,8 @@ class EngineCore:
             from kvjax.engine.remote_kv import RemoteKV
 
             self.remote_kv = RemoteKV(self, kv_transfer)
+        # the third tier (a disk / Redis / memory store under the host tier; store_tier_driver.py)
+        self.store_tier = None if kv_store is None else StoreTierDriver(kv_store, self)
 
     # ------------------------------------------------------------------ requests
     def validate(self, item: WorkItem, prompt: Sequence[int]) -> None:
@@ -295,8 +298,9 @@ class EngineCore:
         else:
             if self.remote_kv is not None:
                 self.remote_kv.forget(r)
-            self.waiting = collections.deque(x for x in self.waiting if x is not r)
-            self.held = [x for x in self.held if x is not r]
+            if self.store_tier is None or not self.store_tier.drop(request_id):  # (parked: waiting on the store)
+                self.waiting = collections.deque(x for x in self.waiting if x is not r)
+                self.held = [x for x in self.held if x is not r]
         self._retire(r, reason, stop_reason)
         return CoreOutput(r, (), True)
 
@@ -310,7 +314,7 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.held)
+        return len(self.waiting) + len(self.held) + (0 if self.store_tier is None else self.store_tier.num_parked)
 
     def warm_up(self, level: str, progress=None):
         """Compile (or load from the persistent cache) the step programs of `level` ("none",
@@ -345,15 +349,21 @@ class EngineCore:
             self.events.close()
         if self.remote_kv is not None:
             self.remote_kv.close()
+        if self.store_tier is not None:
+            self.store_tier.close()
 
     def _publish_events(self) -> None:
         if self.events is not None:
             self.events.publish(self.ledger)
+            if self.store_tier is not None:  # tier-3 blocks (medium "STORAGE")
+                self.events.publish_wire(self.store_tier.take_events())
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[CoreOutput]:
         """Run one iteration; returns one output per request that produced a token or finished."""
         outputs: list[CoreOutput] = []
+        if self.store_tier is not None:  # poll the store; requests whose blocks it restored queue again
+            self.store_tier.before_step()
         try:
             if self.remote_kv is not None:  # ended offers unpinned, arrived KV scattered (before scheduling)
                 self.remote_kv.poll(outputs)
@@ -694,7 +704,12 @@ class EngineCore:
         the prefill of the requests it cut back is redone. Returns this step's prefill and the
         number of blocks onboarded."""
         plan = self.ledger.take_transfers()
+        tier = self.store_tier
+        if tier is not None:  # stage the host blocks this plan may overwrite that the store wants
+            tier.before_transfers(self.pools)
         if not len(plan):
+            if tier is not None:
+                tier.after_transfers(self.pools, True)
             return prefill, 0
         if self.rank_digest is not None:
             self.rank_digest.update(plan.kind, plan.pool, plan.src, plan.dst, plan.num_tokens)
@@ -709,7 +724,11 @@ class EngineCore:
                 if e.op_indices is not None:
                     applied[list(e.op_indices)] = False
                 prefill = self._transfers_failed(self.ledger.transfers_failed(plan, e.op_indices), prefill)
+                if tier is not None:
+                    tier.after_transfers(self.pools, False)
                 return prefill, int((onboard & applied).sum())
+        if tier is not None:  # offloaded blocks are in their host slots now
+            tier.after_transfers(self.pools, True)
         return prefill, int(onboard.sum())
 
     def _transfers_failed(self, failure, prefill: list[tuple[LiveRequest, int]]) -> list[tuple[LiveRequest, int]]:

@@ -100,6 +100,15 @@ class EventPublishing:
         ledger.flush_iteration_events()
         self.publisher.publish_ledger_events(ledger.get_latest_events())
 
+    def publish_wire(self, events: list) -> None:
+        """Send wire events that do not come from the ledger (the KV store's "STORAGE" blocks)."""
+        if events:
+            import time
+
+            from kvjax.kv_events.wire import KVEventBatch
+
+            self.publisher.publish(KVEventBatch(time.time(), list(events), None))
+
     def info(self) -> dict:
         """Where a consumer connects (resolved addresses: a `*` port is the one the OS picked)."""
         p = self.publisher

@@ -18,6 +18,9 @@ file (`tokens_per_block`, `primary_blocks`, `secondary_blocks`, `max_seq_len`,
 `max_num_tokens`, `queue_policy`, `max_wait_steps`, buckets, ...), see `kvjax.engine.config`.
 With `kv_events=KVEventsConfig(...)` the engine publishes its cache's KV events (vLLM's wire
 format on ZeroMQ, docs/kv_events.md) after every step; `close()` stops the publisher.
+With `kv_store=` (a store URL such as `file:///var/cache/kvjax`, `redis://HOST:PORT`,
+`memory://`, or a store object) and the other `kv_store_*` options, host blocks are kept in a
+third tier (`kvjax.engine.store_tier_driver`, docs/kv_store.md); `close()` finishes its puts.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from kvjax.engine.event_publishing import KVEventsConfig
 from kvjax.engine.outputs import CompletionOutput, Logprob, OutputText, PositionLogprobs, RequestMetrics, RequestOutput
 from kvjax.engine.request_state import LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.sampling import SamplingParams, key_seed
+from kvjax.engine.store_tier_driver import KVStoreConfig, model_identity, pop_store_options
 from kvjax.engine.workloads import WorkItem
 from kvjax.errors import DuplicateRequestError
 
@@ -58,10 +62,11 @@ class LLMEngine:
     """Add requests at any time, step, abort; see the module docstring. One thread drives it."""
 
     def __init__(self, engine: Engine, cache_config: CacheConfig, *, tokenizer=None, seed: int = 0, clock=None,
-                 kv_events: KVEventsConfig | None = None, kv_transfer=None) -> None:
+                 kv_events: KVEventsConfig | None = None, kv_transfer=None, kv_store: KVStoreConfig | None = None) -> None:
         """`kv_events`: publish the cache's KV events on ZeroMQ in vLLM's format (docs/kv_events.md).
         `kv_transfer`: a `kvjax.disagg.KVTransferConfig`: this engine is a prefill producer and/or
-        a decode consumer of remote KV (docs/disaggregation.md)."""
+        a decode consumer of remote KV (docs/disaggregation.md). `kv_store`: a third KV tier under
+        the host tier (docs/kv_store.md)."""
         if tokenizer is not None and tokenizer.vocab_size > engine.model.spec.vocab_size:
             raise ValueError(
                 f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {engine.model.spec.vocab_size}"
@@ -69,7 +74,8 @@ class LLMEngine:
         self.engine = engine
         self.tokenizer = tokenizer
         self.seed = seed
-        self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer)
+        self.core: EngineCore = engine.core(cache_config, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer,
+                                            kv_store=kv_store)
         self._groups: dict[str, _Group] = {}  # live requests only, by the caller's id
         self._child: dict[str, tuple[_Group, int]] = {}  # core request id -> (group, completion index)
 
@@ -79,7 +85,10 @@ class LLMEngine:
         """An engine for `model` (an NNX model with `.spec`, or anything `kvjax.models.loading.load_model`
         takes: a built-in model name or a checkpoint directory) with `options` (see above);
         `mesh` shards the model and the KV pools over its devices (tensor parallelism)."""
-        if isinstance(model, str) or hasattr(model, "__fspath__"):
+        options = dict(options)
+        named = str(model) if isinstance(model, str) or hasattr(model, "__fspath__") else None
+        kv_store = pop_store_options(options, None if named is None else model_identity(named, "seed0"))
+        if named is not None:
             from kvjax.models.loading import load_model
 
             model, loaded_tokenizer = load_model(model, mesh=mesh)
@@ -88,7 +97,8 @@ class LLMEngine:
         config = EngineConfig.from_dict(engine_values, "options")
         engine = Engine(model, config, runner=runner, mesh=mesh)  # first: sharding may replicate KV heads (model.spec)
         cc = cache_config(model.spec, cache_values, max_num_tokens=config.scheduler.max_num_tokens, source="options")
-        return cls(engine, cc, tokenizer=tokenizer, seed=seed, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer)
+        return cls(engine, cc, tokenizer=tokenizer, seed=seed, clock=clock, kv_events=kv_events, kv_transfer=kv_transfer,
+                   kv_store=kv_store)
 
     def close(self) -> None:
         """Stop publishing KV events (idempotent); the engine must not step afterwards."""

@@ -87,6 +87,7 @@ class LiveRequest:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: int | str | None = None  # the stop token id (from stop_ids) or stop string
     after: LiveRequest | None = None  # held back until this request's prompt is cached (n > 1)
+    store_checked: bool = False  # the KV store was consulted for it (kvjax.engine.store_tier_driver)
     logprobs: list[TokenLogprobs] | None = None  # per output token, when sampling.logprobs is set
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when sampling.prompt_logprobs is set
     # disaggregated prefill/decode (kvjax.engine.remote_kv)

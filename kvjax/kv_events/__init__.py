@@ -11,6 +11,7 @@ from kvjax.kv_events.subscriber import KVEventSubscriber
 from kvjax.kv_events.wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -27,6 +28,7 @@ __all__ = [
     "END_SEQ",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

@@ -24,6 +24,7 @@ from kvjax.errors import KVCacheError
 
 MEDIUM_GPU = "GPU"  # the primary (device) tier
 MEDIUM_CPU = "CPU"  # the secondary (pinned host) tier
+MEDIUM_STORAGE = "STORAGE"  # the third tier: an external store (kvjax.kv_store; vLLM's name)
 
 KIND_FULL_ATTENTION = "full_attention"
 KIND_SLIDING_WINDOW = "sliding_window"

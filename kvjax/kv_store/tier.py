@@ -49,11 +49,14 @@ class _Prefetch:
 @dataclasses.dataclass
 class TierStep:
     """What one `step()` polled: slots free to reuse, requests whose lookup finished (with the
-    number of leading blocks worth fetching, 0 for none), and keys whose put failed."""
+    number of leading blocks worth fetching, 0 for none), keys whose put failed or succeeded,
+    and keys a get did not find (or failed on)."""
 
     released_slots: list[int] = dataclasses.field(default_factory=list)
     lookups_done: dict[Hashable, int] = dataclasses.field(default_factory=dict)
     failed_puts: list[str] = dataclasses.field(default_factory=list)
+    stored: list[str] = dataclasses.field(default_factory=list)
+    failed_gets: list[str] = dataclasses.field(default_factory=list)
     errors: list[BaseException] = dataclasses.field(default_factory=list)
 
 
@@ -242,6 +245,7 @@ class StoreTier:
             ok = list(r.ok) if r.ok is not None else [False] * len(r.keys)
             self.write_policy.on_store_result(r.keys, ok)
             out.failed_puts.extend(k for k, good in zip(r.keys, ok, strict=True) if not good)
+            out.stored.extend(k for k, good in zip(r.keys, ok, strict=True) if good)
         elif r.handle.kind is JobKind.LOOKUP:
             rid = self._lookups.pop(jid)
             p = self._prefetches.get(rid)
@@ -253,6 +257,8 @@ class StoreTier:
                     p.state = PrefetchState.DONE
                 out.lookups_done[rid] = p.found
         else:
+            got = list(r.ok) if r.ok is not None else [False] * len(r.keys)
+            out.failed_gets.extend(k for k, good in zip(r.keys, got, strict=True) if not good)
             rid, ci = self._gets.pop(jid)
             p = self._prefetches.get(rid)
             if p is not None and p.state is PrefetchState.FETCHING:

@@ -58,6 +58,12 @@ class ServerMetrics:
                                    "Prompt tokens whose KV was pulled from a prefill engine (never computed here)")
         self.kv_offers = counter("kvjax_kv_transfer_offers", "Prompts whose KV this prefill engine offered")
         self.kv_pull_failures = counter("kvjax_kv_transfer_pull_failures", "KV pulls that failed or missed their deadline")
+        # the third tier (--kv-store): series appear once an engine with a store publishes
+        self.store_blocks = counter("kvjax_kv_store_blocks",
+                                    "KV store (third tier) blocks by event: hit / miss (gets), lookup_hit, restored "
+                                    "(into the host tier), written, write_failed, write_dropped (worker full)", ("event",))
+        self.store_bytes = counter("kvjax_kv_store_bytes", "Bytes written to / read from the KV store", ("direction",))
+        self.store_lookups = counter("kvjax_kv_store_lookups", "Requests that consulted the KV store")
         self.ttft = Histogram("kvjax_time_to_first_token_seconds", "From the request's arrival at the server to its first token",
                               labels, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("kvjax_inter_token_latency_seconds", "Time between two tokens of a request", labels,
@@ -108,6 +114,30 @@ class ServerMetrics:
             self._inc(self.kv_received, "kv_received", rc.transferred_tokens)
             self._inc(self.kv_offers, "kv_offers", rc.offers)
             self._inc(self.kv_pull_failures, "kv_pull_failures", rc.pull_failures)
+        if core.store_tier is not None:
+            self._publish_store(core.store_tier.stats())
+
+    #: `StoreTierDriver.stats()` keys -> (metric attribute, label value or None)
+    _STORE_SERIES = {
+        "store_hits": ("store_blocks", "hit"), "store_misses": ("store_blocks", "miss"),
+        "driver_lookup_hit_blocks": ("store_blocks", "lookup_hit"), "driver_restored_blocks": ("store_blocks", "restored"),
+        "store_puts": ("store_blocks", "written"), "store_put_failures": ("store_blocks", "write_failed"),
+        "puts_dropped": ("store_blocks", "write_dropped"), "store_bytes_written": ("store_bytes", "written"),
+        "store_bytes_read": ("store_bytes", "read"), "driver_lookups": ("store_lookups", None),
+    }
+
+    def _publish_store(self, stats: dict[str, int]) -> None:
+        for key, (attr, label) in self._STORE_SERIES.items():
+            if key not in stats:  # a user store without StoreStats
+                continue
+            metric = getattr(self, attr)
+            series = metric.labels(self.model_name) if label is None else metric.labels(self.model_name, label)
+            delta = stats[key] - self._last.get(key, 0)
+            if delta > 0:
+                series.inc(delta)
+            else:
+                series.inc(0)  # the series exists from the first publish
+            self._last[key] = stats[key]
 
     def request_tokens(self, first: bool, since_last: float, new_tokens: int) -> None:
         """A request produced `new_tokens` tokens `since_last` seconds after its arrival
