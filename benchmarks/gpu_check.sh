@@ -43,7 +43,8 @@ else
 fi
 # A dry run checks the script, not speed: XLA compiles without most optimisations (most of a
 # dry run's CPU time is compiling), the figures it prints mean nothing.
-[ "$DRY" = 1 ] && export JAX_DISABLE_MOST_OPTIMIZATIONS=1
+TINY=""
+[ "$DRY" = 1 ] && export JAX_DISABLE_MOST_OPTIMIZATIONS=1 && TINY="--tiny"
 ROWARGS=()
 [ "$DRY" = 1 ] && ROWARGS=(--dry-run)
 SUMMARY="$OUTDIR/summary.txt"
@@ -95,10 +96,10 @@ elif [ "$DRY" = 1 ]; then RUNS="xla:bulk"
 else RUNS="xla:sequential xla:bulk pallas:blockwise"; fi
 for run in $RUNS; do
   impl=${run%%:*}; strategy=${run##*:}
-  row "bench_${impl}_${strategy}" 45 600 300 -- $PY benchmarks/device_bench.py $QUICK --impl "$impl" --strategy "$strategy" \
+  row "bench_${impl}_${strategy}" 45 600 300 -- $PY benchmarks/device_bench.py $QUICK $TINY --impl "$impl" --strategy "$strategy" \
     --out "$OUTDIR/bench_${impl}_${strategy}.json"
 done
-if [ "$DRY" = 1 ]; then FP8ARGS=(--prompts 2 --new-tokens 2); else FP8ARGS=(--prompts 16 --new-tokens 16); fi
+if [ "$DRY" = 1 ]; then FP8ARGS=(--prompts 2 --new-tokens 2 --model micro); else FP8ARGS=(--prompts 16 --new-tokens 16); fi
 row fp8 30 900 300 -- $PY benchmarks/fp8_accuracy.py "${FP8ARGS[@]}" --out "$OUTDIR/fp8_accuracy.json"
 
 echo; echo "=== summary"; cat "$SUMMARY"

@@ -161,7 +161,7 @@ def row_kernels(row: Row, dry: bool) -> None:
             with row.check(f"{tag} {impl} gather"):
                 k, v = gather_kv(p, 1, table, lens, impl=impl)
                 row.expect(f"{tag} {impl} gather exact", same((k, v), gref(p, 1, table, lens)), "vs reference")
-            for ql, hq in ((1, 32), (4, 16)):
+            for ql, hq in ((1, 32), (4, 16)) if not dry else ((4, 16),):  # a dry run: the script's path once
                 if impl == "pallas" and dtype != "bfloat16":
                     continue  # FP8 attention has no Mosaic kernel: it runs the XLA path
                 with row.check(f"{tag} {impl} attention q_len={ql}"):
