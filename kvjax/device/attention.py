@@ -85,7 +85,7 @@ CHUNK_BYTES = 1 << 20
 #: kernel launches: steps large enough to amortise them, small enough that the columns a step
 #: reads past a short row's end stay cheap (an engine's tables are all `table_width` wide: with
 #: 256 MiB a batch-8 decode step read its whole 128-column table whatever its rows' lengths,
-#: 40x the short rows' own columns; 16 MiB is about a loop step's launch cost in reads on an
+#: 32x the short rows' own columns; 16 MiB is about a loop step's launch cost in reads on an
 #: H100/H200). NOT measured on a GPU yet: gpu_check's `kernels` row times the step budgets.
 CHUNK_BYTES_ACCELERATOR = 16 << 20
 
