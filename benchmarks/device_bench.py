@@ -10,7 +10,10 @@ CPU's last-level cache, as ratios to two ceilings measured in the same run:
 All rates count bytes *moved* (each byte read once and written once), so they compare
 directly with a copy. Also: paged decode attention vs dense attention over the same K/V.
 
-    python benchmarks/device_bench.py [--quick] [--impl xla|pallas] [--strategy ...] [--out results/device_bench.json]
+    python benchmarks/device_bench.py [--quick | --tiny] [--impl xla|pallas] [--strategy ...] [--out results/device_bench.json]
+
+`--tiny` (gpu_check's dry run) runs every row at toy sizes, once: it checks the script, its
+figures mean nothing.
 
 Why gather/write stay well below XLA streaming on CPU (formulations measured in one run, best of
 5-8, 2 GiB bf16 pool; kept = the XLA path in kvjax/device):
@@ -162,17 +165,20 @@ def scan_rows(res, cfg, rng, reps, quick, scale, impl):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small pools (seconds; numbers are in-cache, not DRAM)")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes, one repeat: checks the script (implies --quick)")
     ap.add_argument("--impl", default="xla", choices=["auto", "xla", "pallas"])
     ap.add_argument("--strategy", default="auto", choices=["auto", "sequential", "bulk", "blockwise"],
                     help="apply_transfers strategy for copy and swaps")
     ap.add_argument("--out", default="results/device_bench.json")
     args = ap.parse_args()
-    q = args.quick
+    q, tiny = args.quick or args.tiny, args.tiny
     gpu = jax.default_backend() == "gpu"
     reps = 3 if q else (20 if gpu else 5)
     # block = layers * 2 * heads * tpb * dim * 2 bytes = 256 KiB (full), 32 KiB (quick)
     layers, heads, dim, tpb = (2, 4, 64, 16) if q else (4, 8, 128, 16)
     primary, secondary = (1024, 256) if q else ((65536, 16384) if gpu else (8192, 2048))  # GPU: 16 GiB + 4 GiB
+    if tiny:
+        reps, heads, primary, secondary = 1, 2, 256, 64
     scale = 8 if gpu and not q else 1  # GPU: 8x larger moves so each timed op is well over launch overheads
     cfg = CacheConfig(tokens_per_block=tpb, num_layers=layers, num_kv_heads=heads, head_dim=dim, max_seq_len=1 << 16,
                       primary_blocks=primary, secondary_blocks=secondary, dtype="bfloat16")
@@ -181,7 +187,7 @@ def main() -> None:
     res = {"jax": jax.__version__, "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
            "machine": platform.processor() or platform.machine(), "quick": q, "impl": args.impl, "strategy": args.strategy,
            "pool_primary_bytes": pools.primary[0].nbytes, "pool_secondary_bytes": pools.secondary[0].nbytes}
-    res.update(ceilings((64 << 20) if q else (1 << 30), reps))
+    res.update(ceilings((4 << 20) if tiny else (64 << 20) if q else (1 << 30), reps))
     ref_np, ref_x, ref_f = res["numpy_copy_GBps"], res["xla_stream_GBps"], res["xla_fresh_GBps"]
     print(
         f"jax {jax.__version__} on {res['backend']} ({res['device']}); primary pool {res['pool_primary_bytes'] / 2**20:.0f} MiB, "
@@ -207,8 +213,8 @@ def main() -> None:
         print(f"{name:>17}: {nbytes / 2**20:8.1f} MiB in {t * 1e3:8.2f} ms = {rate:6.2f} GB/s | "
               f"{rate / ref_np:5.2f}x numpy copy | {rate / ref_x:5.2f}x XLA streaming{extra}")
 
-    n_tok = 8192 if q else 32768 * scale
-    n_blk = 256 if q else 1024 * scale
+    n_tok = 1024 if tiny else 8192 if q else 32768 * scale
+    n_blk = 32 if tiny else 256 if q else 1024 * scale
     perm = rng.permutation(primary)
     plans = {}
 
@@ -223,7 +229,7 @@ def main() -> None:
         layer_block_bytes = 2 * heads * (tpb * dim * vb + sb)
         base = (lambda name: name) if suffix else (lambda name: None)
         # ---- gather: one layer of `batch` requests x `blocks` blocks each, random slots
-        batch, blocks = (8, 64) if q else (32 * scale, 128)
+        batch, blocks = (4, 16) if tiny else (8, 64) if q else (32 * scale, 128)
         table = rng.integers(0, primary, (batch, blocks)).astype(np.int32)
         lens = np.full(batch, blocks * tpb, np.int32)
         table_d, lens_d = jnp.asarray(table), jnp.asarray(lens)
@@ -280,7 +286,7 @@ def main() -> None:
 
         # ---- paged decode attention vs dense attention over the same K/V values
         pools = st["p"]
-        ab, ablocks = (4, 32) if q else (16 * scale, 128)
+        ab, ablocks = (4, 16) if tiny else (4, 32) if q else (16 * scale, 128)
         heads_q = heads * 4
         atable = jnp.asarray(rng.permutation(primary)[: ab * ablocks].reshape(ab, ablocks).astype(np.int32))
         alens = jnp.full((ab,), ablocks * tpb, jnp.int32)

@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny", help="catalog model of the greedy figures (gpu_check's dry run: micro)")
     ap.add_argument("--out", default="results/fp8_accuracy.json")
     args = ap.parse_args()
     res = {"jax": jax.__version__, "backend": jax.default_backend()}
@@ -164,7 +165,7 @@ def main() -> None:
     for ql, r in res["attention"].items():
         for name, e in r.items():
             print(f"attention {ql:8s} {name:20s} max rel {e['max_rel']:.4f}  rms rel {e['rms_rel']:.4f}")
-    model = Transformer.from_spec("tiny", seed=0)
+    model = Transformer.from_spec(args.model, seed=0)
     prompts = random_prompts(args.prompts, model.spec.vocab_size, args.seed)
     res["greedy"] = greedy_figures(model, prompts, args.new_tokens)
     for name in ("float8_vs_bfloat16", "bfloat16_vs_float32"):

@@ -41,6 +41,10 @@ else
   export JAX_PLATFORMS=cpu GPU=0
   QUICK="--quick"
 fi
+# A dry run checks the script, not speed: XLA compiles without most optimisations (most of a
+# dry run's CPU time is compiling), the figures it prints mean nothing.
+TINY=""
+[ "$DRY" = 1 ] && export JAX_DISABLE_MOST_OPTIMIZATIONS=1 && TINY="--tiny"
 ROWARGS=()
 [ "$DRY" = 1 ] && ROWARGS=(--dry-run)
 SUMMARY="$OUTDIR/summary.txt"
@@ -49,7 +53,8 @@ status=0
 
 # row NAME GPU_TIMEOUT CPU_TIMEOUT DRY_TIMEOUT -- command...: run it, record ok / FAILED rc / TIMEOUT and seconds.
 # GPU timeouts sum to 565 s (one device command may run 10 minutes); the CPU and dry-run ones
-# were sized from runs on a loaded 2-core CPU, with 2-4x margin.
+# were sized from runs on a loaded 2-core CPU, with 2-4x margin (dry: 980 s in all, inside
+# tests/test_gpu_check.py's 1200 s; rows took 2-39 s at load ~8, each check printing its seconds).
 row() {
   local name=$1 t_gpu=$2 t_cpu=$3 t_dry=$4; shift 5
   local t=$t_cpu
@@ -67,22 +72,23 @@ row() {
 
 ROWS_PY=(benchmarks/gpu_check_rows.py)
 
-row env 45 300 300 -- $PY "${ROWS_PY[@]}" env "${ROWARGS[@]}" --out "$OUTDIR"
+row env 45 300 60 -- $PY "${ROWS_PY[@]}" env "${ROWARGS[@]}" --out "$OUTDIR"
 [ "$GPU" = 1 ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUTDIR/env.txt"
 
 # On the GPU: the kernel paths (native Mosaic GPU), FP8 and scanned layers (compiling the whole
 # suite for the GPU would not fit the budget); test_sharding needs 8 CPU devices. On a CPU the
 # kernel-path tests; in a dry run one quick test, to show the row works.
-if [ "$GPU" = 1 ]; then SELECT=(--ignore=tests/device/test_sharding.py -k "pallas or mgpu or scan or selection or fp8_roundtrip")
+# (collecting only that file: collecting all of tests/device costs a dry run more than the test).
+if [ "$GPU" = 1 ]; then SELECT=(tests/device --ignore=tests/device/test_sharding.py -k "pallas or mgpu or scan or selection or fp8_roundtrip")
 elif [ "$DRY" = 1 ]; then SELECT=(tests/device/test_kernels.py -k "tuning_configs")
-else SELECT=(-k "pallas or mgpu or fp8"); fi
-$PY -c "import hypothesis" 2>/dev/null || SELECT+=(--ignore=tests/device/test_transfers.py --ignore=tests/device/test_write_gather.py)
-row tests 100 900 300 -- $PY -m pytest -q -p no:cacheprovider tests/device "${SELECT[@]}"
+else SELECT=(tests/device -k "pallas or mgpu or fp8"); fi
+[ "$DRY" = 1 ] || $PY -c "import hypothesis" 2>/dev/null || SELECT+=(--ignore=tests/device/test_transfers.py --ignore=tests/device/test_write_gather.py)
+row tests 100 900 120 -- $PY -m pytest -q -p no:cacheprovider "${SELECT[@]}"
 
-row kernels 90 900 600 -- $PY "${ROWS_PY[@]}" kernels "${ROWARGS[@]}" --out "$OUTDIR"
-row scan 40 300 300 -- $PY "${ROWS_PY[@]}" scan "${ROWARGS[@]}" --out "$OUTDIR"
-row copy 20 120 120 -- $PY "${ROWS_PY[@]}" copy "${ROWARGS[@]}" --out "$OUTDIR"
-row throughput 150 600 600 -- $PY "${ROWS_PY[@]}" throughput "${ROWARGS[@]}" --out "$OUTDIR"
+row kernels 90 900 180 -- $PY "${ROWS_PY[@]}" kernels "${ROWARGS[@]}" --out "$OUTDIR"
+row scan 40 300 90 -- $PY "${ROWS_PY[@]}" scan "${ROWARGS[@]}" --out "$OUTDIR"
+row copy 20 120 60 -- $PY "${ROWS_PY[@]}" copy "${ROWARGS[@]}" --out "$OUTDIR"
+row throughput 150 600 120 -- $PY "${ROWS_PY[@]}" throughput "${ROWARGS[@]}" --out "$OUTDIR"
 
 # GPU: both impls and the transfer strategies. CPU: the Pallas interpreter is a test vehicle, so
 # only one (small) pallas run, to show the script works end to end; a dry run does one XLA run.
@@ -91,11 +97,11 @@ elif [ "$DRY" = 1 ]; then RUNS="xla:bulk"
 else RUNS="xla:sequential xla:bulk pallas:blockwise"; fi
 for run in $RUNS; do
   impl=${run%%:*}; strategy=${run##*:}
-  row "bench_${impl}_${strategy}" 45 600 300 -- $PY benchmarks/device_bench.py $QUICK --impl "$impl" --strategy "$strategy" \
+  row "bench_${impl}_${strategy}" 45 600 150 -- $PY benchmarks/device_bench.py $QUICK $TINY --impl "$impl" --strategy "$strategy" \
     --out "$OUTDIR/bench_${impl}_${strategy}.json"
 done
-if [ "$DRY" = 1 ]; then FP8ARGS=(--prompts 2 --new-tokens 2); else FP8ARGS=(--prompts 16 --new-tokens 16); fi
-row fp8 30 900 300 -- $PY benchmarks/fp8_accuracy.py "${FP8ARGS[@]}" --out "$OUTDIR/fp8_accuracy.json"
+if [ "$DRY" = 1 ]; then FP8ARGS=(--prompts 2 --new-tokens 2 --model micro); else FP8ARGS=(--prompts 16 --new-tokens 16); fi
+row fp8 30 900 200 -- $PY benchmarks/fp8_accuracy.py "${FP8ARGS[@]}" --out "$OUTDIR/fp8_accuracy.json"
 
 echo; echo "=== summary"; cat "$SUMMARY"
 echo "gpu_check finished with status $status; results in $OUTDIR"

@@ -82,9 +82,12 @@ def dense_attention(q: Float[Array, "batch q_len heads head_dim"], k: Float[Arra
 #: and scores stay in cache (1 MiB: measured fastest among 128 KiB - 8 MiB). Read when an op is traced.
 CHUNK_BYTES = 1 << 20
 #: The same on an accelerator (FP8 pools take the XLA path on GPUs), where every step costs its
-#: kernel launches: large steps, few of them, that still bound the temporaries. NOT measured yet
-#: (no GPU run since the loop replaced one gather of every page): check it in gpu_check.
-CHUNK_BYTES_ACCELERATOR = 256 << 20
+#: kernel launches: steps large enough to amortise them, small enough that the columns a step
+#: reads past a short row's end stay cheap (an engine's tables are all `table_width` wide: with
+#: 256 MiB a batch-8 decode step read its whole 128-column table whatever its rows' lengths,
+#: 32x the short rows' own columns; 16 MiB is about a loop step's launch cost in reads on an
+#: H100/H200). NOT measured on a GPU yet: gpu_check's `kernels` row times the step budgets.
+CHUNK_BYTES_ACCELERATOR = 16 << 20
 
 
 def chunk_bytes_budget() -> int:

@@ -3,13 +3,19 @@
 jit compiles one executable per input shape, so every dimension the serving loop varies is
 rounded up to a power of two. A step's ONE forward (`build_step` -> `StepBatch`) holds two row
 groups: the decode rows `[Bd, 1]` and the prefill chunks `[Bp, T]`; its shape is
-`StepShape(Bd, Bp, T, M)` (a group that is absent has 0 rows; `M` is the block-table width
-shared by both groups). `forward_shapes` lists every shape a serving run can compile:
+`StepShape(Bd, Bp, T, M)` (a group that is absent has 0 rows). `M`, the block-table width
+shared by both groups and every window, is ONE per engine: the most blocks a sequence can hold
+(`table_width`: ceil(max_seq_len / tokens_per_block)), not a compile dimension. The attention
+loops over the live columns only (the XLA path's column loop and the Pallas kernels' block
+loop are bounded by the rows' lengths), so a short row in a wide table costs what it costs in
+a narrow one (docs/serving.md, "Step shapes"). `forward_shapes` lists every shape a serving
+run can compile:
 
     Bd in {0} + powers of two from bucket(min_batch) to bucket(max_batch_size)
     Bp in {0} + powers of two from 1 to bucket(min(prefill_rows, max_batch_size))
     T  in powers of two from bucket(min_chunk) to bucket(max_num_tokens) (0 when Bp = 0)
-    M  in powers of two from bucket(min_blocks) to bucket(ceil(max_seq_len / tokens_per_block))
+    with Bp * T <= bucket(max_num_tokens): the prefill group never pads past the step's token
+    budget (`prefill_fits`: the scheduler holds back a chunk that would break it)
 
 minus the combinations no step can fill (no rows at all; more rows than `max_batch_size`, or
 more tokens than `max_num_tokens`, than the smallest real content of such a bucket needs).
@@ -18,7 +24,7 @@ A steady state reuses a handful of them.
 Row convention (the model's): a row holds the LAST `T` tokens of a sequence of `seq_len`
 tokens, so a chunk shorter than `T` is left-padded; padded tokens write nowhere (slot -1).
 Padding rows have `seq_len` 0 and null-slot tables. `build_batch` is the one-group batch of
-`Transformer.paged_forward` (tests and tools).
+`Transformer.paged_forward` (tests and tools); its table width is bucketed (`min_blocks`).
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ class Buckets:
 
     min_batch: int = 1  # decode rows (prefill rows bucket from 1)
     min_chunk: int = 16
-    min_blocks: int = 8
+    min_blocks: int = 8  # table width of `build_batch` (an engine step's is `table_width`)
     prefill_rows: int = 4  # most prefill chunks per step (more candidates wait for a later step)
 
     def __post_init__(self) -> None:
@@ -240,6 +246,22 @@ def _powers(lo: int, hi: int) -> list[int]:
     return out
 
 
+def table_width(cache_config) -> int:
+    """The block-table width `M` of every step of an engine on `cache_config`: the most blocks a
+    sequence can hold, so one program serves every context length."""
+    return ceil_div(cache_config.max_seq_len, cache_config.tokens_per_block)
+
+
+def prefill_fits(rows: int, longest: int, buckets: Buckets, max_num_tokens: int) -> bool:
+    """Whether `rows` prefill chunks, the longest `longest` tokens, make a prefill group the step
+    may run: at most `buckets.prefill_rows` rows, and `[Bp, T]` (both bucketed) no more tokens
+    than the bucketed token budget (a lone chunk always fits)."""
+    if rows < 1 or longest < 1:
+        raise ValueError(f"a prefill group has at least one row of at least one token, got {rows=}, {longest=}")
+    cap = bucket(max_num_tokens, buckets.min_chunk)
+    return rows <= buckets.prefill_rows and bucket(rows) * bucket(longest, buckets.min_chunk) <= cap
+
+
 def forward_shapes(engine_config, cache_config) -> list[StepShape]:
     """Every `StepShape` a serving run with these settings can compile (see the module
     docstring), smallest first. Its length is the number of forward programs (per `StepExtras`
@@ -252,8 +274,9 @@ def forward_shapes(engine_config, cache_config) -> list[StepShape]:
 
     decode = [0] + _powers(b.min_batch, max_rows)
     prefill = [(0, 0)] + [(r, t) for r in _powers(1, min(b.prefill_rows, max_rows))
-                          for t in _powers(b.min_chunk, max_tokens)]
-    widths = _powers(b.min_blocks, ceil_div(cache_config.max_seq_len, cache_config.tokens_per_block))
+                          for t in _powers(b.min_chunk, max_tokens)
+                          if prefill_fits(fewest(r, 1), fewest(t, bucket(b.min_chunk)), b, max_tokens)]
+    m = table_width(cache_config)
     out: list[StepShape] = []
     for bd in decode:
         nd = fewest(bd, bucket(b.min_batch)) if bd else 0
@@ -264,7 +287,7 @@ def forward_shapes(engine_config, cache_config) -> list[StepShape]:
             longest = fewest(t, bucket(b.min_chunk)) if bp else 0  # one row that long, the others 1 token
             if nd + np_ > max_rows or nd + longest + max(np_ - 1, 0) > max_tokens:
                 continue
-            out.extend(StepShape(bd, bp, t, m) for m in widths)
+            out.append(StepShape(bd, bp, t, m))
     return sorted(out)
 
 
@@ -316,7 +339,7 @@ def build_step(ledger, decode: Sequence[Row], prefill: Sequence[Row], buckets: B
     bd = bucket(nd, buckets.min_batch) if nd else 0
     bp = bucket(npf) if npf else 0
     t = bucket(int(lens[nd:].max()), buckets.min_chunk) if npf else 0
-    m = bucket(ceil_div(int(seq.max()), tpb), buckets.min_blocks)
+    m = table_width(ledger.config)  # one width per engine (module docstring)
     shape = StepShape(bd, bp, t, m)
     windows = tuple(ledger.windows if windows is None else windows)
     place = np.concatenate([np.arange(nd), bd + np.arange(npf)])  # [n] each real row's row

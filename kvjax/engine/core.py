@@ -13,7 +13,7 @@ One step:
      skips), then prefill chunks are cut from the token budget;
   3. `take_transfers` -> `apply_transfers` (offload / onboard / copy) BEFORE the forward;
   4. ONE forward for the whole step (`_forward_step`): the decode rows `[Bd, 1]` and the
-     prefill chunks `[Bp, T]` (at most `buckets.prefill_rows`, oldest admission first) in one
+     prefill chunks `[Bp, T]` (oldest admission first, as many as `prefill_fits`) in one
      bucketed jitted call that reads the weights once (token-wise work on one flat batch,
      attention per row group), the LM head on each row's sampled position only, pools
      donated, sampling inside the jit (`ModelRunner.dispatch` / `fetch`);
@@ -63,7 +63,7 @@ import numpy as np
 from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.engine.batching import Row, StepExtras, StepOutput, TokenFeed, forward_shapes
+from kvjax.engine.batching import Row, StepExtras, StepOutput, TokenFeed, forward_shapes, prefill_fits, table_width
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.overlap import Forward, InFlight, needs_sync
@@ -158,8 +158,8 @@ class EngineCore:
         self.pools = engine.runner.allocate_pools(cache_config)
         # every step shape this core's one forward per step can compile (batching.forward_shapes)
         self.forward_shapes = forward_shapes(self.cfg, cache_config)
-        log.info("the step's forward can take %d shapes (decode rows x prefill rows x chunk x table width; "
-                 "each compiled on first use unless warmed up)", len(self.forward_shapes))
+        log.info("the step's forward can take %d shapes (decode rows x prefill rows x chunk, block tables %d wide; "
+                 "each compiled on first use unless warmed up)", len(self.forward_shapes), table_width(cache_config))
         self.events: EventPublishing | None = None
         if kv_events is not None and (self.rank_digest is None or process_index() == 0):  # one publisher per replica
             self.events = EventPublishing(kv_events, cache_config)
@@ -609,19 +609,24 @@ class EngineCore:
 
     def _prefill_chunks(self, candidates: list[LiveRequest], num_decode: int) -> list[tuple[LiveRequest, int]]:
         """Prefill chunks from what the step's token budget leaves after decoding, oldest admission
-        first, at most `buckets.prefill_rows` of them (the rest wait for a later step)."""
+        first, as many as the one forward's prefill group holds (`prefill_fits`: at most
+        `buckets.prefill_rows`, padded no wider than the token budget); the rest wait for a later step."""
         budget = self.cfg.scheduler.max_num_tokens - num_decode
         prefill: list[tuple[LiveRequest, int]] = []
+        longest = 0
         for r in sorted(candidates, key=lambda r: r.order):
             if r.awaiting_kv:  # its prompt's KV is being pulled (remote_kv)
                 continue
-            if budget <= 0 or len(prefill) == self.cfg.buckets.prefill_rows:  # the one forward's prefill rows
+            if budget <= 0:
                 break
             n = min(r.context_remaining, budget)
             if self.cache_config.has_recurrent:  # hybrids: chunks end at snapshot points (the states reuse needs)
                 n = min(n, self.ledger.recurrent_next_chunk_end(r.request_id) - r.context_pos)
             if n > 0:
+                if not prefill_fits(len(prefill) + 1, max(longest, n), self.cfg.buckets, self.cfg.scheduler.max_num_tokens):
+                    break  # oldest first: a later candidate does not jump this one
                 prefill.append((r, n))
+                longest = max(longest, n)
                 budget -= n
         return prefill
 

@@ -8,11 +8,11 @@ written, every output ignored), which compiles, or with JAX's persistent compila
 
   none    nothing: every shape compiles on first use.
   common  the shapes of a steady stream of requests: decode-only steps at every batch bucket and
-          prefill-only steps of one chunk at every chunk bucket, each at every block-table
-          width. Steps mixing decodes and chunks, and steps of several chunks, compile on first
-          use.
+          prefill-only steps of one chunk at every chunk bucket (the block table has one width
+          per engine). Steps mixing decodes and chunks, and steps of several chunks, compile on
+          first use.
   all     every shape the settings allow (`forward_shapes`; their number is logged at start-up:
-          with large batches and long contexts this can be hundreds of programs).
+          64 at the defaults, ~100-130 at batch 64 or 256, docs/serving.md).
 
 Programs a step compiles only when a request asks for them (penalties, logprobs, prompt
 logprobs: separate executables) are not warmed up.

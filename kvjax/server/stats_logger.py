@@ -14,7 +14,6 @@ import dataclasses
 import logging
 from collections.abc import Hashable
 
-from kvjax._math import ceil_div
 from kvjax.device.buckets import bucket
 
 log = logging.getLogger("kvjax.server.stats")
@@ -37,19 +36,20 @@ def _span(values: list[int]) -> str:
 def compile_buckets(engine_config, cache_config) -> tuple[str, int]:
     """(description, number) of the step shapes the engine's one forward per step may compile,
     each on first use: decode rows [Bd, 1] with prefill rows [Bp, T] (either group may be
-    absent), times every block-table width (`kvjax.engine.batching.forward_shapes`)."""
-    from kvjax.engine.batching import forward_shapes
+    absent; Bp * T within the token budget), one block-table width
+    (`kvjax.engine.batching.forward_shapes`)."""
+    from kvjax.engine.batching import forward_shapes, table_width
 
     b = engine_config.buckets
     s = engine_config.scheduler
     decode = _powers(b.min_batch, s.max_batch_size)
     rows = _powers(1, min(b.prefill_rows, s.max_batch_size))
     chunks = _powers(b.min_chunk, s.max_num_tokens)
-    widths = _powers(b.min_blocks, ceil_div(cache_config.max_seq_len, cache_config.tokens_per_block))
     count = len(forward_shapes(engine_config, cache_config))
     text = (f"decode rows 0 or {_span(decode)} x 1 token with prefill rows 0 or {_span(rows)} x chunk "
-            f"{_span(chunks)} tokens, block tables {_span(widths)} wide: at most {count} programs, each "
-            f"compiled before serving (--warmup) or on first use")
+            f"{_span(chunks)} tokens (rows x chunk <= {bucket(s.max_num_tokens, b.min_chunk)}), block tables "
+            f"{table_width(cache_config)} wide: at most {count} programs, each compiled before serving (--warmup) "
+            f"or on first use")
     return text, count
 
 

@@ -17,7 +17,7 @@ from kvjax.engine import (
     forward_shapes,
     padding_step,
 )
-from kvjax.engine.batching import ROW_SEQ_LEN, ROW_TABLES, TOK_ID, TOK_POSITION, TOK_SLOTS
+from kvjax.engine.batching import ROW_SEQ_LEN, ROW_TABLES, TOK_ID, TOK_POSITION, TOK_SLOTS, prefill_fits, table_width
 
 TPB = 4
 
@@ -72,14 +72,15 @@ def test_step_batch_packs_decode_then_prefill_rows(led):
     decode = [Row("b", [52], 2)]  # b decodes its position 2
     prefill = [Row("a", list(range(5, 11)), 4), Row("c", [20, 21, 22], 0)]
     batch = build_step(led, decode, prefill, Buckets(min_batch=2, min_chunk=4, min_blocks=2, prefill_rows=2))
-    assert batch.shape == StepShape(2, 2, 8, 4) and batch.shape.rows == 4 and batch.shape.tokens == 2 + 16
+    assert batch.shape == StepShape(2, 2, 8, 16) and batch.shape.rows == 4 and batch.shape.tokens == 2 + 16  # 64 / 4
     assert (batch.num_decode, batch.num_prefill, batch.num_rows) == (1, 2, 3)
     np.testing.assert_array_equal(batch.real_rows, [0, 2, 3])
     (w,) = led.windows
     table = led.block_table(["b", "a", "c"], w)
     np.testing.assert_array_equal(batch.rows[:, ROW_SEQ_LEN], [3, 0, 10, 3])  # row 1: decode padding
     tables = batch.rows[:, ROW_TABLES:]
-    assert tables.shape == (4, 4) and (tables[1] == 32).all()  # padding row: null slot
+    assert tables.shape == (4, 16) and (tables[1] == 32).all()  # padding row: null slot
+    assert (tables[0, 1:] == 32).all() and (tables[2, 3:] == 32).all()  # past a row's blocks: null slot
     np.testing.assert_array_equal(tables[0, :1], table[0, :1])
     np.testing.assert_array_equal(tables[2, :3], table[1, :3])
     tok = batch.tokens
@@ -110,24 +111,36 @@ def test_step_batch_rejects_what_one_forward_cannot_hold(led):
 
 
 def test_forward_shapes_are_exactly_the_reachable_ones():
-    """Every shape build_step can produce for some content of a step (brute force over the
-    decode rows, prefill rows and longest chunk a step may hold), and no other."""
+    """Every shape build_step can produce for some content of a step the scheduler may build
+    (brute force over the decode rows, prefill rows and longest chunk, the prefill group within
+    `prefill_fits`), and no other; one table width."""
     cfg = EngineConfig(SchedulerConfig(max_batch_size=6, max_num_tokens=40),
                        Buckets(min_batch=2, min_chunk=8, min_blocks=2, prefill_rows=3))
-    cc = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=64, primary_blocks=8)
+    cc = CacheConfig(tokens_per_block=TPB, num_layers=1, num_kv_heads=1, head_dim=4, max_seq_len=62, primary_blocks=8)
     shapes = forward_shapes(cfg, cc)
     assert len(set(shapes)) == len(shapes) and shapes == sorted(shapes)
-    widths = {s.blocks for s in shapes}
-    assert widths == {2, 4, 8, 16}  # 64 / 4 = 16 blocks at most
+    assert {s.blocks for s in shapes} == {table_width(cc)} == {16}  # ceil(62 / 4), not a bucket
     reachable = set()
     for nd in range(7):
         for npf in range(4):
             for longest in range(1 if npf else 0, 41 if npf else 1):
-                if 0 < nd + npf <= 6 and nd + longest + max(npf - 1, 0) <= 40:
+                fits = npf == 0 or prefill_fits(npf, longest, cfg.buckets, 40)
+                if 0 < nd + npf <= 6 and nd + longest + max(npf - 1, 0) <= 40 and fits:
                     reachable.add((bucket(nd, 2) if nd else 0, bucket(npf) if npf else 0,
                                    bucket(longest, 8) if npf else 0))
-    assert {s[:3] for s in shapes} == reachable
-    assert len(shapes) == len(reachable) * len(widths)
+    assert {s[:3] for s in shapes} == reachable and len(shapes) == len(reachable)
+    assert max(s.prefill_rows * s.chunk for s in shapes) == 64  # bucket(40): no [4, 32] or [2, 64] group
+
+
+def test_prefill_fits_caps_the_padded_prefill_group():
+    b = Buckets(min_chunk=16, prefill_rows=4)
+    assert prefill_fits(1, 256, b, 256) and prefill_fits(1, 200, b, 200)  # a lone chunk always fits
+    assert prefill_fits(2, 128, b, 256) and not prefill_fits(2, 129, b, 256)  # [2, 256] pads past 256
+    assert prefill_fits(4, 64, b, 256) and prefill_fits(3, 64, b, 256) and not prefill_fits(3, 65, b, 256)
+    assert not prefill_fits(5, 16, b, 256)  # prefill_rows
+    assert prefill_fits(1, 8, b, 8) and not prefill_fits(2, 3, b, 8)  # cap bucket(8, min_chunk) = 16 < [2, 16]
+    with pytest.raises(ValueError):
+        prefill_fits(0, 5, b, 256)
 
 
 def test_padding_step_has_the_shape_and_writes_nothing():

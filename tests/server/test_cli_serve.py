@@ -31,16 +31,16 @@ def test_serve_warms_up_before_serving(monkeypatch, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="kvjax.serve"):
         assert main(argv) == 0, capsys.readouterr().err
     runner = seen["engine"].engine.runner
-    # decode [4, 1] and one 32-token chunk, at the one table width (64 / 8 = 8 blocks); of the 7
-    # shapes, the others mix decodes with chunks or hold several chunks
+    # decode [4, 1] and one 32-token chunk, at the one table width (64 / 8 = 8 blocks); of the 3
+    # shapes, the other mixes decodes with a chunk (two 32-token chunks would pad past the 32-token budget)
     assert runner.shapes == {(4, 0, 0, 8), (0, 1, 32, 8)} and runner.num_traces == 2
     text = caplog.text
-    assert "warmup (common): 2/2 step programs ready" in text and "warmup (common) done: 2 of 7 step shapes" in text
+    assert "warmup (common): 2/2 step programs ready" in text and "warmup (common) done: 2 of 3 step shapes" in text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvjax.serve"):
         assert main(argv + ["--warmup", "none"]) == 0
     assert seen["engine"].engine.runner.num_traces == 0
-    assert "warmup off: the first request of each of the 7 step shapes compiles it" in caplog.text
+    assert "warmup off: the first request of each of the 3 step shapes compiles it" in caplog.text
 
 
 def test_serve_flags(monkeypatch, capsys):

@@ -97,8 +97,8 @@ def test_compile_buckets():
                                   "min_chunk_bucket": 64, "min_blocks_bucket": 8, "prefill_rows": 2})
     cc = cache_config(spec, {"tokens_per_block": 16, "max_seq_len": 512}, max_num_tokens=256)
     text, count = compile_buckets(cfg, cc)
-    # one forward per step: decode rows 0, 2, 4, 8 with prefill rows 0 or 1, 2 x chunk 64, 128, 256
-    # (every pair fits 8 rows and 256 tokens), but not both absent; tables 8, 16, 32 (512 / 16 = 32)
-    assert count == (4 * (1 + 2 * 3) - 1) * 3 == 81
-    assert text.startswith("decode rows 0 or 2..8 x 1 token with prefill rows 0 or 1..2 x chunk 64..256 tokens, "
-                           "block tables 8..32")
+    # one forward per step: decode rows 0, 2, 4, 8 with prefill rows 0 or 1 x chunk 64, 128, 256 or 2 x
+    # chunk 64, 128 (rows x chunk <= 256), but not both absent; one table width (512 / 16 = 32)
+    assert count == 4 * (1 + 3 + 2) - 1 == 23
+    assert text.startswith("decode rows 0 or 2..8 x 1 token with prefill rows 0 or 1..2 x chunk 64..256 tokens "
+                           "(rows x chunk <= 256), block tables 32 wide: at most 23 programs")
