@@ -45,11 +45,15 @@ class StalledProducer:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        line = self.next_line(60.0)
+        self.params: dict[str, dict] = {}
+
+    def wait_offers(self, limit: float = 60.0) -> None:
+        """Read the offers' params (the first line): the test's own setup runs meanwhile."""
+        line = self.next_line(limit)
         if not line:
             self.kill()
             raise RuntimeError(f"producer did not start: {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.params: dict[str, dict] = json.loads(line)
+        self.params = json.loads(line)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -83,13 +87,14 @@ def setup(micro):
     and the aggregated greedy tokens of the recompute consumer's two prompts."""
     rng = np.random.default_rng(23)
     prs = {rid: rng.integers(1, micro.model.spec.vocab_size, n).tolist()
-           for rid, n in (("t-r", 41), ("t-f", 30), ("k-r", 37), ("k-f", 26))}
-    prod = StalledProducer(prs)
+           for rid, n in (("t-r", 31), ("t-f", 26), ("k-r", 29), ("k-f", 25))}  # one prefill chunk bucket (32)
+    prod = StalledProducer(prs)  # starts while the reference runs here
     d_r, d_f = consumer(micro, "recompute"), consumer(micro, "fail")
     try:
         for rid in ("t-r", "k-r"):  # the aggregated reference: D_f computing them itself, no kv_transfer_params
             d_f.add_request(rid, prs[rid], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
         want = {rid: o.outputs[0].token_ids for rid, o in drive([d_f]).items()}
+        prod.wait_offers()
         yield prod, d_r, d_f, prs, want
     finally:
         d_r.close()
