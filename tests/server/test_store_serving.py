@@ -1,6 +1,9 @@
-"""`kvjax serve --kv-store file://...` across a restart: the first server writes host blocks to
-the store (and finishes its puts at shutdown), a second server on the same directory serves
-the same prompt with `usage.prompt_tokens_details.cached_tokens` > 0 and the same tokens."""
+"""`kvjax serve --kv-store redis://...`: two live servers share one real redis-server (started
+on a free 127.0.0.1 port, stopped by pid); server B serves a prompt server A served, with
+`usage.prompt_tokens_details.cached_tokens` > 0 and the same tokens. (A file store across a
+restart is covered at engine level: tests/engine/test_store_tier.py.)"""
+from __future__ import annotations
+
 import os
 import signal
 import socket
@@ -11,8 +14,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "kv_store"))  # the redis-server helper
 
 
 def free_port() -> int:
@@ -21,70 +26,111 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_server(tmp_path: Path, name: str, store: Path, requests):
-    """Start `kvjax serve micro` with a file store, send `requests` (token-id prompts) one by
-    one, stop it with SIGTERM; returns each response's JSON."""
-    port = free_port()
-    log = tmp_path / f"{name}.log"
-    cmd = [sys.executable, "-m", "kvjax.cli", "serve", "micro", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "192", "--block-size", "8", "--primary-blocks", "24", "--secondary-blocks", "32",
-           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--option", "min_batch_bucket=4",
-           "--option", "min_chunk_bucket=64", "--option", "min_blocks_bucket=24", "--option", "prefill_rows=1",
-           "--warmup", "none", "--shutdown-timeout", "2", "--kv-store", f"file://{store}?max_bytes=64MiB",
-           "--kv-store-prefetch-policy", "wait_complete", "--kv-store-prefetch-min-tokens", "16"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    out = []
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "not healthy in time:\n" + log.read_text()[-3000:]
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            for prompt in requests:
-                r = http.post("/v1/completions", json={"model": "micro", "prompt": prompt, "max_tokens": 4,
-                                                       "temperature": 0})
-                assert r.status_code == 200, r.text
-                out.append(r.json())
-            metrics = http.get("/metrics").text
-    finally:
-        proc.send_signal(signal.SIGTERM)
+class Server:
+    """`kvjax serve micro --kv-store STORE` on a free port: `start()` launches it (several may
+    start at once), `wait_healthy()` waits for /health, `complete()` sends one token-id prompt,
+    `stop()` ends it with SIGTERM (finishing its store puts) and returns its exit code."""
+
+    def __init__(self, tmp_path: Path, name: str, store: str) -> None:
+        self.port = free_port()
+        self.log = tmp_path / f"{name}.log"
+        self.cmd = [sys.executable, "-m", "kvjax.cli", "serve", "micro", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--max-model-len", "192", "--block-size", "8", "--primary-blocks", "24", "--secondary-blocks", "32",
+                    "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--option", "min_batch_bucket=4",
+                    "--option", "min_chunk_bucket=64", "--option", "min_blocks_bucket=24", "--option", "prefill_rows=1",
+                    "--warmup", "none", "--shutdown-timeout", "2", "--kv-store", store,
+                    "--kv-store-prefetch-policy", "wait_complete", "--kv-store-prefetch-min-tokens", "16"]
+        self.proc: subprocess.Popen | None = None
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=120)
+
+    def start(self) -> Server:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        return self
+
+    def wait_healthy(self, limit: float = 120.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + limit
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not healthy in time:\n" + self.log.read_text()[-3000:]
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def complete(self, prompt: list[int]) -> dict:
+        r = self.http.post("/v1/completions", json={"model": "micro", "prompt": prompt, "max_tokens": 4,
+                                                    "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def store_blocks(self, event: str) -> float:
+        """`kvjax_kv_store_blocks_total{event=...}` from /metrics."""
+        for ln in self.http.get("/metrics").text.splitlines():
+            if ln.startswith(f'kvjax_kv_store_blocks_total{{event="{event}"'):
+                return float(ln.split()[-1])
+        return 0.0
+
+    def stop(self) -> int | None:
+        self.http.close()
+        if self.proc is None:
+            return None
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            return self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]  # uvicorn re-raises SIGTERM
-    return out, metrics
+            self.proc.kill()
+            self.proc.wait(10)
+            return None
 
 
-def test_serve_restart_finds_blocks_in_file_store(tmp_path):
+@pytest.fixture
+def redis_url():
+    from kv_store_helpers import start_redis
+
+    server = start_redis()
+    yield server.url
+    server.stop()
+
+
+def test_two_servers_share_one_redis(tmp_path, redis_url):
+    """Server B finds in Redis the blocks server A wrote while both are live: same greedy text,
+    cached_tokens > 0, blocks restored from the store."""
     rng = np.random.default_rng(3)
     target = rng.integers(1, 500, 100).tolist()
     fillers = [rng.integers(1, 500, 90).tolist() for _ in range(4)]
-    store = tmp_path / "kv"
-    first, _ = run_server(tmp_path, "first", store, [target, *fillers])
-    assert first[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert any(store.rglob("*.bin"))
-    (again,), metrics = run_server(tmp_path, "second", store, [target])
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
-    assert 'kvjax_kv_store_blocks_total{event="restored",model_name="micro"}' in metrics
-    restored = [ln for ln in metrics.splitlines() if ln.startswith('kvjax_kv_store_blocks_total{event="restored"')]
-    assert float(restored[0].split()[-1]) > 0
+    a, b = Server(tmp_path, "a", redis_url), Server(tmp_path, "b", redis_url)
+    try:
+        a.start()  # both start at once and stay up
+        b.start()
+        a.wait_healthy()
+        b.wait_healthy()
+        first = a.complete(target)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for f in fillers:  # push target's blocks off A's device: their host copies are written through
+            a.complete(f)
+        # target's 12 full blocks leave A's device first: wait for at least that many puts, settled
+        deadline, last = time.monotonic() + 30, -1.0
+        while (n := a.store_blocks("written")) < len(target) // 8 or n != last:
+            assert time.monotonic() < deadline, f"A wrote {n} blocks"
+            last = n
+            time.sleep(0.3)
+        again = b.complete(target)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert b.store_blocks("restored") > 0
+    finally:
+        codes = [a.stop(), b.stop()]
+    for server, code in zip((a, b), codes, strict=True):  # uvicorn re-raises SIGTERM
+        assert code in (0, -signal.SIGTERM), server.log.read_text()[-3000:]
 
 
 def test_kv_store_flags():
     """The --kv-store flags become a `KVStoreConfig` (no model loads); the others alone are refused."""
-    import pytest
-
     from kvjax.cli import build_parser
     from kvjax.serve_command import kv_store_config
 
