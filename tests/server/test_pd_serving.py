@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode end to end, as three processes on 127.0.0.1: a producer
 `kvjax serve --kv-transfer-config` (P), a consumer one (D) and `kvjax router --prefill-replica
-P --decode-replica D`. Greedy tokens through the router (completions and chat) equal an
-aggregated engine's (P's own answer to the plain request), D's /metrics count the prompt tokens
+P --decode-replica D`. Greedy tokens through the router (completions, streamed or not, and chat)
+equal an aggregated engine's (P's own answer to the plain request), D's /metrics count the prompt tokens
 it received, bad kv_transfer_params are 400s, and both servers stop with an empty ledger (P's
 unpulled offer is released at shutdown)."""
 import json
@@ -89,6 +89,18 @@ def test_pd_through_the_router_matches_aggregated(tmp_path):
                 assert got.headers["x-kvjax-replica"] == url["d"]
                 assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
                 received += min(len(prompt) // 8 * 8, len(prompt) - 1)
+            # a streamed decode (vLLM's proxy streams step 2 when the client streams): the same tokens; like
+            # vLLM's stream chunks, none carries kv_transfer_params (only a non-streamed body does)
+            body = {"model": "micro", "prompt": list(range(50, 83)), "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}  # 33 tokens, none of them held by D yet
+            want = http.post(url["p"] + "/v1/completions", json=body).json()["choices"][0]["token_ids"]
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            with http.stream("POST", url["r"] + "/v1/completions", json=stream) as r:
+                assert r.status_code == 200 and r.headers["x-kvjax-replica"] == url["d"]
+                chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            assert not any("kv_transfer_params" in c for c in chunks)
+            assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == want
+            received += 32
             chat = {"model": "micro", "messages": [{"role": "user", "content": "tell me about caches " * 3}],
                     "max_tokens": 5, "temperature": 0, "ignore_eos": True}
             want = http.post(url["p"] + "/v1/chat/completions", json=chat)
@@ -106,8 +118,8 @@ def test_pd_through_the_router_matches_aggregated(tmp_path):
             d_metrics = http.get(url["d"] + "/metrics").text
             assert counter(d_metrics, "kvjax_kv_transfer_tokens_received") > received  # the chat's too
             assert counter(d_metrics, "kvjax_kv_transfer_pull_failures") == 0
-            assert counter(http.get(url["p"] + "/metrics").text, "kvjax_kv_transfer_offers") == 4
-            assert "kvjax_router_pd_prefills_total{outcome=\"with_kv\"} 3.0" in http.get(url["r"] + "/metrics").text
+            assert counter(http.get(url["p"] + "/metrics").text, "kvjax_kv_transfer_offers") == 5
+            assert "kvjax_router_pd_prefills_total{outcome=\"with_kv\"} 4.0" in http.get(url["r"] + "/metrics").text
     finally:
         for k in ("r", "d", "p"):
             if k in procs:
