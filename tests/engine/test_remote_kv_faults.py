@@ -5,7 +5,8 @@ ends at the consumer's own pull_timeout; a producer SIGKILLed while the pulls ar
 them within that bound too. Either way, with kv_load_failure_policy "recompute" the greedy
 tokens equal an aggregated run's (the whole prompt computed, nothing received), with "fail" the
 request ends with finish reason "error" naming the pull's error and no token; both consumers'
-ledgers are idle afterwards (no block leaked, no KV published from a failed pull)."""
+ledgers are idle afterwards (no block leaked, no KV published from a failed pull). A request
+aborted during a pull that never completes keeps its slots until the deadline, then frees them."""
 from __future__ import annotations
 
 import json
@@ -87,7 +88,7 @@ def setup(micro):
     and the aggregated greedy tokens of the recompute consumer's two prompts."""
     rng = np.random.default_rng(23)
     prs = {rid: rng.integers(1, micro.model.spec.vocab_size, n).tolist()
-           for rid, n in (("t-r", 31), ("t-f", 26), ("k-r", 29), ("k-f", 25))}  # one prefill chunk bucket (32)
+           for rid, n in (("t-r", 31), ("t-f", 26), ("a-f", 27), ("k-r", 29), ("k-f", 25))}  # one prefill chunk bucket (32)
     prod = StalledProducer(prs)  # starts while the reference runs here
     d_r, d_f = consumer(micro, "recompute"), consumer(micro, "fail")
     try:
@@ -119,6 +120,16 @@ def drive(engines, limit: float = 60.0, on_step=None) -> dict:
     return final
 
 
+def until_pulling(pairs) -> None:
+    """Step each (engine, request id) until its pull is issued and waits for bytes."""
+    stop = time.monotonic() + 20
+    while not all(d.core.remote_kv.consumer.stage(rid) == "pulling" for d, rid in pairs):
+        assert time.monotonic() < stop, "the pulls never got in flight"
+        for d, _ in pairs:
+            d.step()
+        time.sleep(0.002)
+
+
 def pull_both(setup, r_id: str, f_id: str, during=None):
     """Send `r_id` to the recompute consumer and `f_id` to the fail one with P's params; step until
     both pulls are in flight ("pulling": the transfer issued, no byte come), call `during`, then
@@ -127,12 +138,7 @@ def pull_both(setup, r_id: str, f_id: str, during=None):
     for d, rid in ((d_r, r_id), (d_f, f_id)):
         d.add_request(rid, prs[rid], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                       kv_transfer_params=prod.params[rid])
-    stop = time.monotonic() + 20
-    while not all(d.core.remote_kv.consumer.stage(rid) == "pulling" for d, rid in ((d_r, r_id), (d_f, f_id))):
-        assert time.monotonic() < stop, "the pulls never got in flight"
-        for d in (d_r, d_f):
-            d.step()
-        time.sleep(0.002)
+    until_pulling(((d_r, r_id), (d_f, f_id)))
     t0 = time.monotonic()
     if during is not None:
         during()
@@ -172,6 +178,21 @@ def test_pull_that_never_completes_ends_at_pull_timeout(setup):
     check_outcome(setup, outs, "t-r", "t-f", before)
     # D told P its pulls failed: P ends both offers at once (not at lease expiry) and unpins
     assert sorted(prod.next_line(10.0) for _ in range(2)) == ["released consumer_failed"] * 2
+
+
+def test_abort_during_a_stalled_pull_frees_its_blocks_at_the_deadline(setup):
+    prod, _, d_f, prs, _ = setup
+    d_f.add_request("a-f", prs["a-f"], SamplingParams(max_tokens=MAX_TOKENS), kv_transfer_params=prod.params["a-f"])
+    until_pulling([(d_f, "a-f")])
+    t0 = time.monotonic()
+    out = d_f.abort_request("a-f")
+    assert out is not None and out.outputs[0].finish_reason == "abort"  # answered at once
+    assert len(d_f.core.ledger) == 1  # its slots stay reserved while bytes for them could still come
+    drive([d_f])  # the pull reports at its deadline: only then the sequence leaves
+    assert time.monotonic() - t0 < PULL_TIMEOUT + SLACK
+    assert len(d_f.core.ledger) == 0
+    d_f.core.verify_idle()
+    assert prod.next_line(10.0) == "released consumer_failed"
 
 
 def test_producer_killed_mid_pull(setup):
