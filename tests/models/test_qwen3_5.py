@@ -287,8 +287,7 @@ def test_the_engine_refuses_hybrid_models_clearly(model):
         Engine(model)
 
 
-@pytest.mark.parametrize("argv", [["capacity", "--model", str(FIXTURE), "--gpu-memory", "80GiB"],
-                                  ["serve", str(FIXTURE), "--port", "0"]])
+@pytest.mark.parametrize("argv", [["serve", str(FIXTURE), "--port", "0"]])  # (capacity sizes it: test_capacity_hybrid.py)
 def test_the_command_line_says_not_served_yet(capsys, argv):
     from kvjax.cli import main
 
