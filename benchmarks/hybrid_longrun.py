@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -250,15 +251,7 @@ class HybridDriver:
         """Add a token (out of blocks: unchanged, then others make room, as a scheduler would)."""
         while self.unchanged(lambda: self.m.add_token(info.rid, token), OutOfBlocksError):
             self.stats["token out of blocks"] += 1
-            others = sorted(r for r in self.live if r != info.rid)
-            if others:
-                rid = others[0]
-                self.m.remove_sequence(rid, store_for_reuse=False)
-                self.drop(rid)
-            elif self.pins:
-                self.m.unpin_blocks(self.pins.pop())
-            else:
-                raise Violation(f"{info.rid}: alone in the cache and no block for its token")
+            self.free_one(info)
         info.tokens.append(token)
         self.mark_unwritten(info, [len(info.tokens) - 1])
 
@@ -433,8 +426,24 @@ class HybridDriver:
             self.m.store_new_blocks([i.rid for i in rows if i.rid in self.live])
             self.transfers()
 
+    def free_one(self, info: Live) -> None:
+        """Make room for `info`: remove another request, else drop a pin."""
+        others = sorted(r for r in self.live if r != info.rid)
+        if others:
+            rid = others[0]
+            self.m.remove_sequence(rid, store_for_reuse=False)
+            self.drop(rid)
+        elif self.pins:
+            self.m.unpin_blocks(self.pins.pop())
+        else:
+            raise Violation(f"{info.rid}: alone in the cache and out of blocks")
+
     def rewind_tokens(self, info: Live, n: int) -> None:
-        self.m.rewind(info.rid, n)
+        """Drop the last `n` tokens (out of blocks for a shared block's copy: unchanged, then
+        others make room, as for a token)."""
+        while self.unchanged(lambda: self.m.rewind(info.rid, n), OutOfBlocksError):
+            self.stats["rewind out of blocks"] += 1
+            self.free_one(info)
         del info.tokens[-n:]
         info.kv = min(info.kv, len(info.tokens))
 
@@ -446,9 +455,14 @@ class HybridDriver:
         n = rng.randrange(1, len(info.tokens) - info.prompt_len)
         new_n = len(info.tokens) - n
         pos = self.m.recurrent_state_position(info.rid)
-        if self.unchanged(lambda: self.m.rewind(info.rid, n), InvalidRequestError):
-            check(new_n <= pos or not self.reuse, f"{info.rid}: rewind to {new_n} refused with the state at {pos}")
-            self.stats["rewinds refused"] += 1
+        before = self.m.snapshot()
+        try:
+            self.m.rewind(info.rid, n)
+        except (InvalidRequestError, OutOfBlocksError) as e:
+            check(self.m.snapshot() == before, "a refused rewind changed the ledger")
+            oob = isinstance(e, OutOfBlocksError)
+            check(oob or new_n <= pos or not self.reuse, f"{info.rid}: rewind to {new_n} refused with the state at {pos}")
+            self.stats["rewinds out of blocks" if oob else "rewinds refused"] += 1
             return
         del info.tokens[new_n:]
         info.kv = min(info.kv, new_n)
@@ -639,25 +653,36 @@ def run(total_ops: int, seed: int, check_every: int = 1, episode_ops: int = 2000
     examples: list = []
     ops = 0
     while ops < total_ops:
-        config = random_config(rng)
-        d = HybridDriver(config, rng.randrange(2**32))
-        name = f"tpb {config.tokens_per_block}, interval {config.snapshot_interval}, reuse {config.enable_block_reuse}"
-        try:
-            for i in range(min(episode_ops, total_ops - ops)):
-                d.random_op(rng)
-                ops += 1
-                if i % check_every == 0:
-                    d.check_all()
-            d.check_all()
-        except (Violation, KVCacheError, AssertionError) as v:
-            what = str(v).split(":")[0] if isinstance(v, Violation) else f"unexpected {type(v).__name__}"
-            violations[what] += 1
-            if len(examples) < 10:
-                examples.append(f"{name}: {type(v).__name__}: {v}")
-            ops += 1
-        stats.update(d.stats)
-        stats["episodes"] += 1
+        ep_seed = rng.randrange(2**32)
+        ops += run_episode(ep_seed, min(episode_ops, total_ops - ops), check_every, violations, stats, examples)
     return violations, stats, examples
+
+
+def run_episode(ep_seed: int, n_ops: int, check_every: int, violations: Counter, stats: Counter, examples: list) -> int:
+    """One manager on a configuration drawn from `ep_seed` (rerun one with --episode SEED);
+    returns the operations it made. A violation is counted (by kind) and ends the episode."""
+    rng = random.Random(ep_seed)
+    config = random_config(rng)
+    d = HybridDriver(config, rng.randrange(2**32))
+    name = (f"episode {ep_seed}: tpb {config.tokens_per_block}, interval {config.snapshot_interval}, "
+            f"reuse {config.enable_block_reuse}")
+    ops = 0
+    try:
+        for i in range(n_ops):
+            d.random_op(rng)
+            ops += 1
+            if i % check_every == 0:
+                d.check_all()
+        d.check_all()
+    except (Violation, KVCacheError, AssertionError) as v:
+        what = re.sub(r"\b(r?\d+)\b", "#", str(v))[:70] if isinstance(v, Violation) else f"unexpected {type(v).__name__}"
+        violations[what] += 1
+        if len(examples) < 10:
+            examples.append(f"{name}, op {ops}: {type(v).__name__}: {v}")
+        ops = max(ops, 1)
+    stats.update(d.stats)
+    stats["episodes"] += 1
+    return ops
 
 
 def main(argv=None) -> dict:
@@ -665,9 +690,14 @@ def main(argv=None) -> dict:
     p.add_argument("--ops", type=int, default=200_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-every", type=int, default=1, help="run the full invariant check every N operations")
+    p.add_argument("--episode", type=int, help="rerun one episode (its seed, as a violation names it) for --ops operations")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    violations, stats, examples = run(a.ops, a.seed, a.check_every)
+    if a.episode is not None:
+        violations, stats, examples = Counter(), Counter(), []
+        run_episode(a.episode, a.ops, a.check_every, violations, stats, examples)
+    else:
+        violations, stats, examples = run(a.ops, a.seed, a.check_every)
     wall = time.perf_counter() - t0
     print(f"operations: {a.ops:,} in {stats['episodes']} episodes, {wall:.1f} s ({a.ops / wall:,.0f} ops/s)")
     print("exercised: " + ", ".join(f"{k} {v:,}" for k, v in sorted(stats.items()) if k != "episodes"))

@@ -79,7 +79,7 @@ TestHybridLedger.settings = settings(max_examples=25, stateful_step_count=40, de
 
 
 def test_hybrid_long_run_slice_has_no_violations():
-    violations, stats, examples = H.run(1500, seed=1, episode_ops=500)
+    violations, stats, examples = H.run(1500, seed=2, episode_ops=500)
     assert dict(violations) == {}, examples
     for what in ("admissions with reuse", "drafts rejected", "recurrent offload", "recurrent onboard", "pins",
                  "abandoned steps", "rewinds", "bad calls"):
