@@ -87,19 +87,29 @@ def hybrid_model_type(path: str | Path) -> str | None:
 
 
 def hybrid_geometry(path: str | Path, *, strict: bool = False) -> HybridGeometry:
-    """The geometry of a hybrid checkpoint directory, from its family's strict config reader
-    (`UnsupportedConfigError` for a config the family refuses)."""
-    from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
-    from kvjax.models.hybrid.qwen3_5 import qwen35_spec_from_checkpoint
-
+    """The geometry of a hybrid checkpoint directory (`hybrid_geometry_from_config` of its
+    config.json)."""
     path = Path(path)
-    model_type = hybrid_model_type(path)
-    if model_type is None:
+    if hybrid_model_type(path) is None:
         raise ValueError(f"{path}: not a hybrid checkpoint (model_type one of {', '.join(HYBRID_FAMILIES)})")
-    name = path.resolve().name
-    source = str(path / "config.json")
+    config = json.loads((path / "config.json").read_text())
+    return hybrid_geometry_from_config(config, name=path.resolve().name, source=str(path / "config.json"), strict=strict)
+
+
+def hybrid_geometry_from_config(
+    config: dict, *, name: str = "checkpoint", source: str = "<config.json>", strict: bool = False
+) -> HybridGeometry:
+    """The geometry of a hybrid family's parsed config.json, from the family's strict config
+    reader (`UnsupportedConfigError` for a config the family refuses; fields it leaves out take
+    transformers' defaults)."""
+    from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
+    from kvjax.models.hybrid.qwen3_5 import qwen35_spec_from_config
+
+    model_type = config.get("model_type")
+    if model_type not in HYBRID_FAMILIES:
+        raise ValueError(f"{source}: model_type {model_type!r} is not a hybrid family ({', '.join(HYBRID_FAMILIES)})")
     if model_type in ("qwen3_5_text", "qwen3_5"):
-        q = qwen35_spec_from_checkpoint(path, strict=strict)
+        q = qwen35_spec_from_config(config, name=name, source=source, strict=strict)
         b = int(DTYPE_BYTES[q.dtype])
         conv = (q.conv_kernel - 1) * q.conv_channels * b  # [K-1, C]
         delta = q.linear_num_value_heads * q.linear_key_head_dim * q.linear_value_head_dim * FLOAT32  # [Hv, Dk, Dv]
@@ -108,7 +118,6 @@ def hybrid_geometry(path: str | Path, *, strict: bool = False) -> HybridGeometry
             q.num_kv_heads, q.head_dim, q.max_seq_len, conv + delta, q.hidden_size, q.num_attention_heads,
             q.intermediate_size, q.vocab_size, q.tie_embeddings,
         )
-    config = json.loads((path / "config.json").read_text())
     s: Lfm2Spec | GraniteSpec
     if model_type == "lfm2":
         s = Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict)
