@@ -375,6 +375,7 @@ class HybridDriver:
         rows = [i for i in rows if i.rid in self.live]  # (a row removed to make room for another's draft)
         if not rows:
             return
+        kv_before = {i.rid: i.kv for i in rows}
         try:
             self.forward([i.rid for i in rows])
         except OutOfBlocksError:
@@ -389,7 +390,7 @@ class HybridDriver:
             for info in rows:
                 if drafted[info.rid]:
                     self.rewind_tokens(info, drafted[info.rid])
-                info.kv = min(info.kv, len(info.tokens) - 1)
+                info.kv = min(kv_before[info.rid], len(info.tokens))  # what the lost forward wrote does not count
                 info.redo = True
             return
         for info in rows:
