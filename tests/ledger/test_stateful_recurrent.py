@@ -75,7 +75,7 @@ class HybridLedgerMachine(RuleBasedStateMachine):
 
 
 TestHybridLedger = HybridLedgerMachine.TestCase
-TestHybridLedger.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+TestHybridLedger.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
 
 
 def test_hybrid_long_run_slice_has_no_violations():
