@@ -64,6 +64,7 @@ from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
 from kvjax.engine.batching import Row, StepExtras, StepOutput, TokenFeed, forward_shapes, prefill_fits, table_width
+from kvjax.engine.core_types import CoreCounters, CoreOutput, EngineBusyError, EngineInvariantError, StepCounts
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.overlap import Forward, InFlight, needs_sync
@@ -72,63 +73,10 @@ from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogpr
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.store_tier_driver import KVStoreConfig, StoreTierDriver
 from kvjax.engine.workloads import WorkItem
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
 
 log = logging.getLogger("kvjax.engine.core")
-
-
-class EngineInvariantError(KVCacheError, AssertionError):
-    """The engine's own bookkeeping disagrees with the ledger (a bug, never a user error)."""
-
-
-class EngineBusyError(KVCacheError, RuntimeError):
-    """The operation needs an engine with no running request (e.g. resetting the prefix cache)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CoreOutput:
-    """What one step (or an abort) did to one request: the tokens it produced and whether it
-    finished (then `request.finish_reason` says why)."""
-
-    request: LiveRequest
-    new_token_ids: tuple[int, ...]
-    finished: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCounts:
-    """What the last step did (`EngineCore.last_step`): requests in the ledger once admissions
-    are done (`running`; 0 means the step ran nothing), decode rows, prefill tokens computed,
-    admissions, pauses and blocks onboarded from the host tier. A time model prices a step
-    from these (`kvjax.router.sim`)."""
-
-    running: int = 0
-    decode_rows: int = 0
-    prefill_tokens: int = 0
-    admitted: int = 0
-    paused: int = 0
-    onboarded: int = 0
-
-
-@dataclasses.dataclass
-class CoreCounters:
-    """Cumulative totals since the core started (the server's Prometheus counters read them)."""
-
-    admitted_prompt_tokens: int = 0  # prompt tokens of every admission (resumes included)
-    reused_prompt_tokens: int = 0  # of which the cache supplied (prepopulated)
-    computed_prompt_tokens: int = 0  # prefill tokens run through the model
-    generated_tokens: int = 0
-    wasted_rows: int = 0  # overlap: rows dispatched for requests that had finished (one at most each)
-    overlapped_steps: int = 0  # steps dispatched before the previous step's tokens were read
-    prefix_queries: int = 0  # admissions that looked up the cache
-    reused_blocks: int = 0  # per-admission ledger stats, summed (checked against the ledger)
-    missed_blocks: int = 0
-    finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
 
 class EngineCore:
