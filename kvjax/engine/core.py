@@ -63,9 +63,10 @@ import numpy as np
 from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.engine.batching import Row, StepExtras, StepOutput, TokenFeed, forward_shapes, prefill_fits, table_width
+from kvjax.engine.batching import Row, TokenFeed, forward_shapes, prefill_fits, table_width
 from kvjax.engine.core_types import CoreCounters, CoreOutput, EngineBusyError, EngineInvariantError, StepCounts
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
+from kvjax.engine.forward_io import forward_inputs, row_logprobs
 from kvjax.engine.metrics import StepRecord
 from kvjax.engine.overlap import Forward, InFlight, needs_sync
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
@@ -779,30 +780,17 @@ class EngineCore:
         the prefill rows'): sampled tokens, chosen logits, margins and, per row, the sampled
         token's logprobs (None unless the request asks). The prompt logprobs of the chunks that
         score their prompt are stored on their requests."""
-        batch, args, extras, scoring = self._forward_inputs(decode, prefill, reqs, nd)
+        batch, args, extras, scoring = forward_inputs(self.engine.runner, self.ledger, self.cfg.buckets, self.vocab, decode,
+                                                      prefill, reqs, nd)
         with self.clock.measuring():
             out, self.pools = self.engine.runner.run(self.pools, batch, *args, extras)
-        return out.tokens, out.chosen, out.margins, self._logprobs(out, prefill, reqs, nd, scoring)
-
-    def _forward_inputs(self, decode: list[Row], prefill: list[Row], reqs: list[LiveRequest], nd: int):
-        """The forward's batch, sampling arrays (temperature, top_p, seed, index, top_k), extras
-        and which prefill rows score their prompt. A row's index is its token's number in the
-        request's key stream, counting tokens still in flight (overlap)."""
-        batch = self.engine.runner.batch(self.ledger, decode, prefill, self.cfg.buckets)
-        sp = [r.item.sampling for r in reqs]
-        temperature = np.array([p.temperature for p in sp], np.float32)
-        top_p = np.array([p.top_p for p in sp], np.float32)
-        top_k = np.array([p.top_k for p in sp], np.int32)
-        seed = np.array([r.seed for r in reqs], np.int32)
-        index = np.array([len(r.output) + r.in_flight for r in reqs], np.int32)
-        scoring = [r.scores_prompt() for r in reqs[nd:]]  # prefill rows that score their prompt
-        extras = self._extras(batch, prefill, reqs, nd, any(scoring))
-        return batch, (temperature, top_p, seed, index, top_k), extras, scoring
+        return out.tokens, out.chosen, out.margins, row_logprobs(out, prefill, reqs, nd, scoring)
 
     def _dispatch(self, decode: list[Row], prefill: list[Row], reqs: list[LiveRequest], nd: int,
                   feed: TokenFeed | None) -> Forward:
         """`_forward` without waiting (overlap): the step is enqueued, `_collect` reads it."""
-        batch, args, extras, scoring = self._forward_inputs(decode, prefill, reqs, nd)
+        batch, args, extras, scoring = forward_inputs(self.engine.runner, self.ledger, self.cfg.buckets, self.vocab, decode,
+                                                      prefill, reqs, nd)
         with self.clock.measuring():
             pending, self.pools = self.engine.runner.dispatch(self.pools, batch, *args, extras, feed)
         return Forward(pending, prefill, reqs, nd, scoring)
@@ -811,66 +799,7 @@ class EngineCore:
         """Wait for a dispatched step: what `_forward` returns."""
         with self.clock.measuring():
             out = f.pending.fetch()
-        return out.tokens, out.chosen, out.margins, self._logprobs(out, f.prefill, f.reqs, f.nd, f.scoring)
-
-    def _logprobs(self, out: StepOutput, prefill: list[Row], reqs: list[LiveRequest], nd: int,
-                  scoring: list[bool]) -> list[TokenLogprobs | None]:
-        """Per row, the sampled token's logprobs (None unless asked); stores prompt logprobs."""
-        toks, results = out.tokens, out.results
-        sp = [r.item.sampling for r in reqs]
-        lps: list[TokenLogprobs | None] = [None] * len(reqs)
-        if "logprobs" in results:
-            lp, rank, ids, top = results["logprobs"]
-            for i, p in enumerate(sp):
-                if p.logprobs is not None:
-                    lps[i] = TokenLogprobs(int(toks[i]), float(lp[i]), int(rank[i]), tuple(ids[i, : p.logprobs].tolist()),
-                                           tuple(top[i, : p.logprobs].tolist()))
-        if "prompt_logprobs" in results:
-            lp, rank, ids, top = results["prompt_logprobs"]  # [prefill rows, T, ...]
-            t = lp.shape[1]
-            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
-                if not scoring[j]:
-                    continue
-                assert r.prompt_logprobs is not None  # scores_prompt says it asks for them
-                k = r.item.sampling.prompt_logprobs
-                for m in range(len(row.tokens)):
-                    pos = row.start + m + 1  # the prompt token this column's logits predict
-                    if pos < len(r.prompt):
-                        col = t - len(row.tokens) + m
-                        r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[j, col]), int(rank[j, col]),
-                                                               tuple(ids[j, col, :k].tolist()), tuple(top[j, col, :k].tolist()))
-        return lps
-
-    def _extras(self, batch, prefill: list[Row], reqs: list[LiveRequest], nd: int, scores_prompt: bool) -> StepExtras | None:
-        """What this forward must compute besides the tokens (None: nothing, the plain executable)."""
-        banned = [r.banned_ids() for r in reqs]
-        penalties = None
-        if any(banned) or any(r.item.sampling.penalized for r in reqs):
-            v, n = self.vocab, len(reqs)
-            counts = np.zeros((n, v), np.int32)  # [rows, V]
-            mask = np.zeros((n, v), bool)  # [rows, V]
-            ban = np.zeros((n, v), bool)  # [rows, V]
-            for i, r in enumerate(reqs):
-                if r.item.sampling.penalized:
-                    np.add.at(counts[i], np.asarray(r.output, np.int64), 1)
-                    mask[i] = r.prompt_mask(v)
-                if banned[i]:
-                    ban[i, [t for t in banned[i] if t < v]] = True
-            sp = [r.item.sampling for r in reqs]
-            penalties = (counts, mask, ban, np.array([p.presence_penalty for p in sp], np.float32),
-                         np.array([p.frequency_penalty for p in sp], np.float32),
-                         np.array([p.repetition_penalty for p in sp], np.float32))
-        logprobs = any(r.item.sampling.logprobs is not None for r in reqs)
-        targets = None
-        if scores_prompt:  # every prefill row's (only the scoring rows' are read)
-            t = batch.shape.chunk
-            targets = np.zeros((len(prefill), t), np.int32)  # [prefill rows, T]: the token after each position
-            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
-                nxt = r.context[row.start + 1 : row.seq_len + 1]
-                targets[j, t - len(row.tokens) : t - len(row.tokens) + len(nxt)] = nxt
-        if penalties is None and not logprobs and targets is None:
-            return None
-        return StepExtras(penalties, logprobs, targets)
+        return out.tokens, out.chosen, out.margins, row_logprobs(out, f.prefill, f.reqs, f.nd, f.scoring)
 
     def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None,
               committed: bool = False) -> CoreOutput:
