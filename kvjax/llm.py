@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from kvjax.engine.core import EngineBusyError
+from kvjax.engine.core_types import EngineBusyError
 from kvjax.engine.llm_engine import LLMEngine
 from kvjax.engine.outputs import RequestOutput
 from kvjax.engine.sampling import SamplingParams

@@ -30,21 +30,13 @@ idle core's ledger holds no request and agrees with the core's counters. Its mem
 by the pools and the live requests: nothing grows with the number of requests served, except
 the per-step records kept when `record_steps` is on (for `Engine.run`'s metrics).
 
-Overlap (`EngineConfig.async_scheduling`, kvjax/engine/overlap.py): step n+1 is scheduled,
-committed and dispatched while step n runs, then step n's tokens are read, so `step()` returns
-the previous dispatch's tokens; each step with work is still ONE forward (`_dispatch_step`:
-the rows `_forward_step` would build, the in-flight tokens fed from step n's device tokens).
-Invariants: (a) device order: every forward and transfer consumes the pools the previous one
-returned, so work dispatched later (a forward writing a block the ledger handed to another
-request, a transfer of the next plan moving a block) runs after every earlier step finished
-writing; the plan of step n+1 is applied after step n's forward and before its own. (b) The
-ledger never lets a block be stored for reuse (hashed, matched, published) while it holds an
-unknown id or KV of a step not yet read: in-flight tokens hold pending positions
-(`add_pending_tokens`), always a request's newest token, which no store covers, and stores run
-after the step that wrote the blocks is read. (c) A request that stops
-in step n wastes at most its one row of step n+1; its pending position is dropped with it,
-never cached. Penalties / min_tokens requests, multi-process ranks and runners without
-`dispatch` step synchronously.
+Overlap (`EngineConfig.async_scheduling`): the core's `OverlappedStepper` (kvjax/engine/overlap.py,
+where its invariants are) schedules, commits and dispatches step n+1 while step n runs, then
+reads step n's tokens, so `step()` returns the previous dispatch's tokens; each step with work
+is still ONE forward. It runs the step from the core's pieces (`pause`, `commit_pending_tokens`,
+`admit`, `prefill_chunks`, `apply_transfers`, `emit`, `finish`...: public for it, not for
+callers, who drive the core with `add_request` / `step` / `abort_request`). Penalties /
+min_tokens requests, multi-process ranks and runners without `dispatch` step synchronously.
 
 The completions of an n > 1 request are requests of their own; all but the first are held
 (`held`, outside the queue) until the first one's prompt is computed and its blocks stored,
@@ -63,72 +55,21 @@ import numpy as np
 from kvjax._math import ceil_div
 from kvjax.capacity import max_block_requirements
 from kvjax.config import CacheConfig
-from kvjax.engine.batching import Row, StepExtras, StepOutput, TokenFeed, forward_shapes, prefill_fits, table_width
+from kvjax.engine.batching import Row, forward_shapes, prefill_fits, table_width
+from kvjax.engine.core_types import CoreCounters, CoreOutput, EngineBusyError, EngineInvariantError, StepCounts
 from kvjax.engine.event_publishing import EventPublishing, KVEventsConfig, with_events
+from kvjax.engine.forward_io import forward_inputs, row_logprobs
 from kvjax.engine.metrics import StepRecord
-from kvjax.engine.overlap import Forward, InFlight, needs_sync
+from kvjax.engine.overlap import OverlappedStepper, needs_sync
 from kvjax.engine.ranks import RankDigest, agree_on_cache, process_index, spans_processes
 from kvjax.engine.request_state import Admission, LiveRequest, Phase, TokenLogprobs
 from kvjax.engine.serving_clock import ServingClock
 from kvjax.engine.store_tier_driver import KVStoreConfig, StoreTierDriver
 from kvjax.engine.workloads import WorkItem
-from kvjax.errors import DuplicateRequestError, InvalidRequestError, KVCacheError, OutOfBlocksError, TransferError
+from kvjax.errors import DuplicateRequestError, InvalidRequestError, OutOfBlocksError, TransferError
 from kvjax.transfer_plan import TransferKind
 
 log = logging.getLogger("kvjax.engine.core")
-
-
-class EngineInvariantError(KVCacheError, AssertionError):
-    """The engine's own bookkeeping disagrees with the ledger (a bug, never a user error)."""
-
-
-class EngineBusyError(KVCacheError, RuntimeError):
-    """The operation needs an engine with no running request (e.g. resetting the prefix cache)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CoreOutput:
-    """What one step (or an abort) did to one request: the tokens it produced and whether it
-    finished (then `request.finish_reason` says why)."""
-
-    request: LiveRequest
-    new_token_ids: tuple[int, ...]
-    finished: bool
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCounts:
-    """What the last step did (`EngineCore.last_step`): requests in the ledger once admissions
-    are done (`running`; 0 means the step ran nothing), decode rows, prefill tokens computed,
-    admissions, pauses and blocks onboarded from the host tier. A time model prices a step
-    from these (`kvjax.router.sim`)."""
-
-    running: int = 0
-    decode_rows: int = 0
-    prefill_tokens: int = 0
-    admitted: int = 0
-    paused: int = 0
-    onboarded: int = 0
-
-
-@dataclasses.dataclass
-class CoreCounters:
-    """Cumulative totals since the core started (the server's Prometheus counters read them)."""
-
-    admitted_prompt_tokens: int = 0  # prompt tokens of every admission (resumes included)
-    reused_prompt_tokens: int = 0  # of which the cache supplied (prepopulated)
-    computed_prompt_tokens: int = 0  # prefill tokens run through the model
-    generated_tokens: int = 0
-    wasted_rows: int = 0  # overlap: rows dispatched for requests that had finished (one at most each)
-    overlapped_steps: int = 0  # steps dispatched before the previous step's tokens were read
-    prefix_queries: int = 0  # admissions that looked up the cache
-    reused_blocks: int = 0  # per-admission ledger stats, summed (checked against the ledger)
-    missed_blocks: int = 0
-    finished: dict[str, int] = dataclasses.field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
 
 
 class EngineCore:
@@ -178,12 +119,12 @@ class EngineCore:
         self.deferred = 0
         self.steps: list[StepRecord] | None = [] if record_steps else None
         self.last_step = StepCounts()
-        # overlap (kvjax.engine.overlap): the dispatched step whose tokens are not read yet, and
-        # how many live requests need synchronous steps
-        self._inflight: InFlight | None = None
+        # overlap (kvjax.engine.overlap): how many live requests need synchronous steps, and the
+        # overlapped step's helper, which holds the dispatched step whose tokens are not read yet
         self._sync_live = 0
         self.overlap = (self.cfg.async_scheduling and self.rank_digest is None
                         and callable(getattr(engine.runner, "dispatch", None)))
+        self.stepper = OverlappedStepper(self)
         # disaggregated prefill/decode (kvjax.engine.remote_kv): a KVTransferConfig's producer / consumer
         self.remote_kv = None
         if kv_transfer is not None:
@@ -273,7 +214,7 @@ class EngineCore:
             self._sync_live += 1
         return r
 
-    def _release_held(self, parent: LiveRequest) -> None:
+    def release_held(self, parent: LiveRequest) -> None:
         """Queue the requests held for `parent`'s prompt (it is cached now, or `parent` left)."""
         if not any(r.after is parent for r in self.held):
             return
@@ -290,7 +231,7 @@ class EngineCore:
         if r is None:
             return None
         if request_id in self.running:
-            self._forget_unread_chunk(r)
+            self.stepper.forget_unread_chunk(r)
             if self.remote_kv is None or not self.remote_kv.hold_for_pull(r):  # a pull in flight frees it later
                 self.ledger.remove_sequence(request_id, store_for_reuse=True)
             del self.running[request_id]
@@ -306,7 +247,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests queued or running, or (overlap) a dispatched step still to be read."""
-        return bool(self._live) or self._inflight is not None or (self.remote_kv is not None and self.remote_kv.busy)
+        return bool(self._live) or self.stepper.inflight is not None or (self.remote_kv is not None and self.remote_kv.busy)
 
     @property
     def num_running(self) -> int:
@@ -335,9 +276,9 @@ class EngineCore:
         `EngineBusyError` while requests run: their blocks hold KV of the old weights (with
         overlap, a dispatched step holding only finished requests' rows is read first).
         Returns the number of blocks dropped."""
-        if self._inflight is not None and not self._live:  # only wasted rows in flight: read and drop them
-            self._drain([])
-        if self.running or self._inflight is not None:
+        if self.stepper.inflight is not None and not self._live:  # only wasted rows in flight: read and drop them
+            self.stepper.drain([])
+        if self.running or self.stepper.inflight is not None:
             raise EngineBusyError(f"cannot reset the prefix cache while {len(self.running)} request(s) run")
         dropped = self.ledger.reset_prefix_cache()
         self._publish_events()
@@ -370,12 +311,12 @@ class EngineCore:
             if not self.overlap:
                 self._step(outputs)
             elif self._sync_live:  # synchronous steps: first read the step in flight, if any
-                if self._inflight is not None:
-                    self._drain(outputs)
+                if self.stepper.inflight is not None:
+                    self.stepper.drain(outputs)
                 else:
                     self._step(outputs)
             else:
-                self._step_overlapped(outputs)
+                self.stepper.step(outputs)
         finally:
             self.step_index += 1
         self._publish_events()
@@ -387,191 +328,27 @@ class EngineCore:
         sched = self.scheduler.schedule(list(self.running.values()), self.waiting, step=self.step_index)
         self.deferred += sched.deferred
         for r in sched.pause:  # 1. pauses (MAX_UTILIZATION): blocks stored for reuse, request re-queued first
-            self._pause(r)
-        decode = self._commit_pending_tokens(sched.generation)  # 2.
-        admitted = self._admit(sched.admit, now)  # 3. admissions (one batch: two-phase matching in the ledger)
+            self.pause(r)
+        decode = self.commit_pending_tokens(sched.generation)  # 2.
+        admitted = self.admit(sched.admit, now)  # 3. admissions (one batch: two-phase matching in the ledger)
         if self.rank_digest is not None:  # every rank, every step, before any device work
             self._rank_sync(sched.pause, decode, admitted)
         if not self.running:
-            self._idle_step(len(admitted), len(sched.pause))
+            self.idle_step(len(admitted), len(sched.pause))
             return
         running = len(self.running)
-        prefill = self._prefill_chunks(sched.context + admitted, len(decode))  # 4.
+        prefill = self.prefill_chunks(sched.context + admitted, len(decode))  # 4.
         # 5. data movements decided by this step's ledger calls, before any forward; what did
         #    not arrive leaves the ledger's cache and the requests that relied on it recompute
-        prefill, onboarded = self._apply_transfers(prefill)
+        prefill, onboarded = self.apply_transfers(prefill)
         self._forward_step(decode, prefill, outputs)  # 6. the step's one forward + sampling
         self.ledger.refresh_blocks()
         prefill_tokens = sum(n for _, n in prefill)
         self.last_step = StepCounts(running, len(decode), prefill_tokens, len(admitted), len(sched.pause), onboarded)
         if self.steps is not None:
-            self._record_step(len(decode), prefill_tokens, len(admitted), len(sched.pause))
+            self.record_step(len(decode), prefill_tokens, len(admitted), len(sched.pause))
 
-    # ------------------------------------------------------------------ the overlapped step
-    def _step_overlapped(self, outputs: list[CoreOutput]) -> None:
-        """One iteration with overlap (kvjax/engine/overlap.py): schedule, commit and dispatch
-        this step while the previous one runs, then read the previous one's tokens."""
-        prev = self._inflight  # (kept there while this step runs: pauses and aborts look at its chunks)
-        now = self.clock.now()
-        # a request whose in-flight token is its last is done whatever the token: not scheduled again
-        candidates = [r for r in self.running.values() if not (r.in_flight and r.remaining_new_tokens <= r.in_flight)]
-        sched = self.scheduler.schedule(candidates, self.waiting, step=self.step_index)
-        self.deferred += sched.deferred
-        for r in sched.pause:
-            self._pause(r)
-        decode = self._commit_pending_tokens([r for r in sched.generation if not r.in_flight])
-        reserved = self._reserve_in_flight([r for r in sched.generation if r.in_flight])
-        admitted = self._admit(sched.admit, now)
-        running = len(self.running)
-        if not self.running and prev is None:
-            self._inflight = None
-            self._idle_step(len(admitted), len(sched.pause))
-            return
-        prefill = self._prefill_chunks(sched.context + admitted, len(decode) + len(reserved))
-        prefill, onboarded = self._apply_transfers(prefill)
-        step = self._dispatch_step(decode, reserved, prefill, prev)
-        if step is not None:
-            self.counters.overlapped_steps += prev is not None
-        self._inflight = step
-        if prev is not None:
-            self._complete(prev, reserved, outputs)
-        self.ledger.refresh_blocks()
-        prefill_tokens = sum(n for _, n in prefill)
-        rows = len(decode) + len(reserved)
-        self.last_step = StepCounts(running, rows, prefill_tokens, len(admitted), len(sched.pause), onboarded)
-        if self.steps is not None:
-            self._record_step(rows, prefill_tokens, len(admitted), len(sched.pause))
-
-    def _reserve_in_flight(self, generation: list[LiveRequest]) -> list[LiveRequest]:
-        """The position of each request's in-flight token enters the ledger before its id is
-        known (`add_pending_tokens`): batched, or one by one when blocks run short (a request
-        that finds none is paused). Returns the requests that decode this step."""
-        if not generation:
-            return []
-        led = self.ledger
-        try:
-            led.add_pending_tokens([r.request_id for r in generation])
-            return list(generation)
-        except OutOfBlocksError:  # nothing changed: one by one
-            pass
-        out = []
-        for r in generation:
-            try:
-                led.add_pending_tokens([r.request_id])
-            except OutOfBlocksError:
-                self.accounting_misses += 1
-                self._pause(r)
-                continue
-            out.append(r)
-        return out
-
-    def _dispatch_step(self, decode: list[LiveRequest], reserved: list[LiveRequest],
-                       prefill: list[tuple[LiveRequest, int]], prev: InFlight | None) -> InFlight | None:
-        """Dispatch this step's ONE forward (rows as `_forward_step` lays them out: the decode
-        group, with the one-token chunks, then the prefill chunks); the reserved rows read their
-        input tokens from `prev`'s device tokens (`TokenFeed`). Prefill progress is booked now
-        (the next step cuts the next chunk)."""
-        if not decode and not reserved and not prefill:
-            return None
-        single = [(r, n) for r, n in prefill if n == 1 and not r.scores_prompt()]
-        chunks = [(r, n) for r, n in prefill if n != 1 or r.scores_prompt()]
-        drows = [Row(r.request_id, [r.output[-1]], len(r.prompt) + len(r.output) - 1) for r in decode]
-        # a reserved row's token is the one `prev` is sampling: 0 here, the feed writes it on the device
-        drows += [Row(r.request_id, [0], len(r.prompt) + len(r.output) + r.in_flight - 1) for r in reserved]
-        drows += [Row(r.request_id, r.context[r.context_pos : r.context_pos + 1], r.context_pos) for r, _ in single]
-        prows = [Row(r.request_id, r.context[r.context_pos : r.context_pos + n], r.context_pos) for r, n in chunks]
-        prefill = single + chunks  # the rows' order after the generating requests' rows
-        feed = None
-        if reserved:
-            assert prev is not None  # a token in flight was sampled by the previous step
-            where = prev.token_places()
-            index = np.array([-1] * len(decode) + [where[id(r)] for r in reserved], np.int32)  # [generating rows]
-            feed = TokenFeed(prev.forward.pending.tokens, index)
-        generating = decode + reserved
-        fwd = self._dispatch(drows, prows, generating + [r for r, _ in prefill], len(drows), feed)
-        for r in generating:
-            r.in_flight += 1
-        booked = [(r, n, *self._advance_prefill(r, n)) for r, n in prefill]
-        return InFlight(self.step_index, fwd, len(generating), booked)
-
-    def _advance_prefill(self, r: LiveRequest, n: int) -> tuple[bool, bool]:
-        """Book a dispatched chunk: does it complete the prompt, and is its sampled token the
-        request's first (then in flight)?"""
-        r.context_pos += n
-        self.counters.computed_prompt_tokens += n
-        adm = r.admissions[-1]
-        r.admissions[-1] = adm = dataclasses.replace(adm, computed=adm.computed + n)
-        self.ledger.set_context_position(r.request_id, r.context_pos)
-        if r.context_pos < len(r.context):
-            return False, False
-        if adm.computed + adm.reused + adm.transferred != adm.prompt_len:
-            raise EngineInvariantError(
-                f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
-        if r.remaining_new_tokens <= 0:
-            return True, False
-        r.phase = Phase.GENERATION  # its first token is sampled now: it decodes from the next step
-        r.in_flight += 1
-        return True, True
-
-    def _complete(self, done: InFlight, reserved: list[LiveRequest], outputs: list[CoreOutput]) -> None:
-        """Read a dispatched step's tokens: the reserved positions get their ids, the blocks it
-        completed are stored, its tokens are emitted (a request that finished meanwhile, its row
-        wasted, gets nothing), prompts it completed are stored and their held requests freed."""
-        led = self.ledger
-        f, g = done.forward, done.generating
-        rows = list(zip(f.reqs, *self._collect(f), strict=True))  # (request, token, chosen, margin, logprobs)
-        sampled = rows[:g]  # the generating requests' rows, then each first token (admission order)
-        sampled += sorted((row for row, (_, _, _, samples) in zip(rows[g:], done.chunks, strict=True) if samples),
-                          key=lambda x: x[0].order)
-        taken = {id(r) for r in reserved}
-        fill = [(r.request_id, int(t)) for r, t, *_ in sampled if id(r) in taken]
-        if fill:
-            ids, toks = zip(*fill, strict=True)
-            led.set_pending_tokens(list(ids), list(toks))
-        if g:  # the blocks its generating rows completed (reserved first: the id list of this
-            # step's add_pending_tokens, whose rows the ledger has at hand)
-            led.store_new_blocks([r.request_id for r in reserved])
-            rest = [r.request_id for r in f.reqs[:g] if id(r) not in taken and self.running.get(r.request_id) is r]
-            if rest:
-                led.store_new_blocks(rest)
-        for r, _, last, samples in done.chunks:  # prompts completed: stored, their held requests freed
-            if not last or r.phase is Phase.FINISHED:
-                continue
-            if self.running.get(r.request_id) is r:  # (a request paused meanwhile stored them leaving)
-                led.store_context_blocks(r.request_id)
-            self._release_held(r)
-            if not samples:  # max_new_tokens == 0: nothing to generate
-                self._finish(r, "length")
-                outputs.append(CoreOutput(r, (), True))
-        for r, t, c, m, lp in sampled:
-            r.in_flight -= 1
-            if r.phase is Phase.FINISHED:  # stopped or aborted after this row was dispatched
-                r.wasted_rows += 1
-                self.counters.wasted_rows += 1
-                continue
-            outputs.append(self._emit(r, int(t), float(c), float(m), lp, committed=id(r) in taken))
-
-    def _forget_unread_chunk(self, r: LiveRequest) -> None:
-        """Before `r` leaves the ledger with its blocks stored: a prefill chunk of it that a
-        dispatched step is computing and the host has not read is not stored (the ledger's
-        context position goes back to the chunk's start), so the cache holds only what
-        steps that were read wrote."""
-        fl = self._inflight
-        if fl is None:
-            return
-        for x, n, _, _ in fl.chunks:
-            if x is r:
-                self.ledger.set_context_position(r.request_id, r.context_pos - n)
-                return
-
-    def _drain(self, outputs: list[CoreOutput]) -> None:
-        """Read the step in flight without dispatching another (before a synchronous step)."""
-        prev, self._inflight = self._inflight, None
-        assert prev is not None
-        self._complete(prev, [], outputs)
-        self.last_step = StepCounts(len(self.running), 0, 0, 0, 0, 0)
-
-    def _commit_pending_tokens(self, generation: list[LiveRequest]) -> list[LiveRequest]:
+    def commit_pending_tokens(self, generation: list[LiveRequest]) -> list[LiveRequest]:
         """The pending token of every scheduled generating request enters the ledger: one batched
         call (atomic), or, when it finds no block for some request, one by one (a request that
         still finds none is paused). Returns the requests that decode this step."""
@@ -591,13 +368,13 @@ class EngineCore:
                     led.add_tokens([r.request_id], [r.pending])
                 except OutOfBlocksError:  # the scheduler's accounting let this through: recover
                     self.accounting_misses += 1
-                    self._pause(r)
+                    self.pause(r)
                     continue
             r.pending = None
             decode.append(r)
         return decode
 
-    def _idle_step(self, admitted: int, paused: int) -> None:
+    def idle_step(self, admitted: int, paused: int) -> None:
         """A step that left nothing running: fine unless a waiting request can never be admitted."""
         self.last_step = StepCounts(0, 0, 0, admitted, paused, 0)
         if self.waiting and not paused:
@@ -607,7 +384,7 @@ class EngineCore:
                 f"(free blocks per window: {[self.ledger.num_free_blocks(w) for w in self.ledger.windows]})"
             )
 
-    def _prefill_chunks(self, candidates: list[LiveRequest], num_decode: int) -> list[tuple[LiveRequest, int]]:
+    def prefill_chunks(self, candidates: list[LiveRequest], num_decode: int) -> list[tuple[LiveRequest, int]]:
         """Prefill chunks from what the step's token budget leaves after decoding, oldest admission
         first, as many as the one forward's prefill group holds (`prefill_fits`: at most
         `buckets.prefill_rows`, padded no wider than the token budget); the rest wait for a later step."""
@@ -651,7 +428,7 @@ class EngineCore:
         if decode:
             self.ledger.store_new_blocks([r.request_id for r in decode])
         for i, r in enumerate(decode):
-            outputs.append(self._emit(r, int(toks[i]), float(chosen[i]), float(margins[i]), lps[i]))
+            outputs.append(self.emit(r, int(toks[i]), float(chosen[i]), float(margins[i]), lps[i]))
         for j in sorted(range(len(prefill)), key=lambda j: prefill[j][0].order):
             r, n = prefill[j]
             i = nd + j
@@ -674,12 +451,12 @@ class EngineCore:
                 f"{r.request_id}: computed {adm.computed} + reused {adm.reused} != prompt {adm.prompt_len}")
         led.store_context_blocks(r.request_id)
         r.phase = Phase.GENERATION
-        self._release_held(r)
+        self.release_held(r)
         if r.remaining_new_tokens <= 0:  # nothing to generate (max_new_tokens == 0)
-            self._finish(r, "length")
+            self.finish(r, "length")
             outputs.append(CoreOutput(r, (), True))
         else:
-            outputs.append(self._emit(r, token, chosen, margin, lp))
+            outputs.append(self.emit(r, token, chosen, margin, lp))
 
     def _rank_sync(self, paused: list[LiveRequest], decode: list[LiveRequest], admitted: list[LiveRequest]) -> None:
         """Fold this step's ledger decisions into the rank digest and compare it across ranks
@@ -702,7 +479,7 @@ class EngineCore:
                 d.update(led.block_table(ids, w))
         d.check(self.step_index)
 
-    def _apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> tuple[list[tuple[LiveRequest, int]], int]:
+    def apply_transfers(self, prefill: list[tuple[LiveRequest, int]]) -> tuple[list[tuple[LiveRequest, int]], int]:
         """Carry out the ledger's transfer plan (offload / onboard / copy) on the device pools.
         Called once per step, after every ledger call of the step and before any forward. A
         `TransferError` (all or some ops did not take effect) is reported to the ledger, and
@@ -766,8 +543,10 @@ class EngineCore:
             r.context_pos = valid
         return prefill
 
-    # ------------------------------------------------------------------ pieces
-    def _admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
+    # ------------------------------------------------------------------ pieces (the overlapped step's too)
+    def admit(self, chosen: list[LiveRequest], now: float) -> list[LiveRequest]:
+        """Admit the scheduler's choice in one ledger batch (if its accounting fell short, the
+        ones that fit, in order); returns the admitted requests, in CONTEXT phase."""
         if not chosen:
             return []
         led = self.ledger
@@ -811,11 +590,11 @@ class EngineCore:
             self.remote_kv.admitted(chosen)
         return chosen
 
-    def _pause(self, r: LiveRequest) -> None:
+    def pause(self, r: LiveRequest) -> None:
         """Take a generating request out of the ledger (its blocks stay cached) and queue it first."""
         if r.phase is not Phase.GENERATION:
             raise EngineInvariantError(f"only generating requests are paused, {r.request_id} is {r.phase}")
-        self._forget_unread_chunk(r)
+        self.stepper.forget_unread_chunk(r)
         self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
         del self.running[r.request_id]
         r.phase = Phase.WAITING
@@ -831,101 +610,14 @@ class EngineCore:
         the prefill rows'): sampled tokens, chosen logits, margins and, per row, the sampled
         token's logprobs (None unless the request asks). The prompt logprobs of the chunks that
         score their prompt are stored on their requests."""
-        batch, args, extras, scoring = self._forward_inputs(decode, prefill, reqs, nd)
+        batch, args, extras, scoring = forward_inputs(self.engine.runner, self.ledger, self.cfg.buckets, self.vocab, decode,
+                                                      prefill, reqs, nd)
         with self.clock.measuring():
             out, self.pools = self.engine.runner.run(self.pools, batch, *args, extras)
-        return out.tokens, out.chosen, out.margins, self._logprobs(out, prefill, reqs, nd, scoring)
+        return out.tokens, out.chosen, out.margins, row_logprobs(out, prefill, reqs, nd, scoring)
 
-    def _forward_inputs(self, decode: list[Row], prefill: list[Row], reqs: list[LiveRequest], nd: int):
-        """The forward's batch, sampling arrays (temperature, top_p, seed, index, top_k), extras
-        and which prefill rows score their prompt. A row's index is its token's number in the
-        request's key stream, counting tokens still in flight (overlap)."""
-        batch = self.engine.runner.batch(self.ledger, decode, prefill, self.cfg.buckets)
-        sp = [r.item.sampling for r in reqs]
-        temperature = np.array([p.temperature for p in sp], np.float32)
-        top_p = np.array([p.top_p for p in sp], np.float32)
-        top_k = np.array([p.top_k for p in sp], np.int32)
-        seed = np.array([r.seed for r in reqs], np.int32)
-        index = np.array([len(r.output) + r.in_flight for r in reqs], np.int32)
-        scoring = [r.scores_prompt() for r in reqs[nd:]]  # prefill rows that score their prompt
-        extras = self._extras(batch, prefill, reqs, nd, any(scoring))
-        return batch, (temperature, top_p, seed, index, top_k), extras, scoring
-
-    def _dispatch(self, decode: list[Row], prefill: list[Row], reqs: list[LiveRequest], nd: int,
-                  feed: TokenFeed | None) -> Forward:
-        """`_forward` without waiting (overlap): the step is enqueued, `_collect` reads it."""
-        batch, args, extras, scoring = self._forward_inputs(decode, prefill, reqs, nd)
-        with self.clock.measuring():
-            pending, self.pools = self.engine.runner.dispatch(self.pools, batch, *args, extras, feed)
-        return Forward(pending, prefill, reqs, nd, scoring)
-
-    def _collect(self, f: Forward):
-        """Wait for a dispatched step: what `_forward` returns."""
-        with self.clock.measuring():
-            out = f.pending.fetch()
-        return out.tokens, out.chosen, out.margins, self._logprobs(out, f.prefill, f.reqs, f.nd, f.scoring)
-
-    def _logprobs(self, out: StepOutput, prefill: list[Row], reqs: list[LiveRequest], nd: int,
-                  scoring: list[bool]) -> list[TokenLogprobs | None]:
-        """Per row, the sampled token's logprobs (None unless asked); stores prompt logprobs."""
-        toks, results = out.tokens, out.results
-        sp = [r.item.sampling for r in reqs]
-        lps: list[TokenLogprobs | None] = [None] * len(reqs)
-        if "logprobs" in results:
-            lp, rank, ids, top = results["logprobs"]
-            for i, p in enumerate(sp):
-                if p.logprobs is not None:
-                    lps[i] = TokenLogprobs(int(toks[i]), float(lp[i]), int(rank[i]), tuple(ids[i, : p.logprobs].tolist()),
-                                           tuple(top[i, : p.logprobs].tolist()))
-        if "prompt_logprobs" in results:
-            lp, rank, ids, top = results["prompt_logprobs"]  # [prefill rows, T, ...]
-            t = lp.shape[1]
-            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
-                if not scoring[j]:
-                    continue
-                assert r.prompt_logprobs is not None  # scores_prompt says it asks for them
-                k = r.item.sampling.prompt_logprobs
-                for m in range(len(row.tokens)):
-                    pos = row.start + m + 1  # the prompt token this column's logits predict
-                    if pos < len(r.prompt):
-                        col = t - len(row.tokens) + m
-                        r.prompt_logprobs[pos] = TokenLogprobs(r.prompt[pos], float(lp[j, col]), int(rank[j, col]),
-                                                               tuple(ids[j, col, :k].tolist()), tuple(top[j, col, :k].tolist()))
-        return lps
-
-    def _extras(self, batch, prefill: list[Row], reqs: list[LiveRequest], nd: int, scores_prompt: bool) -> StepExtras | None:
-        """What this forward must compute besides the tokens (None: nothing, the plain executable)."""
-        banned = [r.banned_ids() for r in reqs]
-        penalties = None
-        if any(banned) or any(r.item.sampling.penalized for r in reqs):
-            v, n = self.vocab, len(reqs)
-            counts = np.zeros((n, v), np.int32)  # [rows, V]
-            mask = np.zeros((n, v), bool)  # [rows, V]
-            ban = np.zeros((n, v), bool)  # [rows, V]
-            for i, r in enumerate(reqs):
-                if r.item.sampling.penalized:
-                    np.add.at(counts[i], np.asarray(r.output, np.int64), 1)
-                    mask[i] = r.prompt_mask(v)
-                if banned[i]:
-                    ban[i, [t for t in banned[i] if t < v]] = True
-            sp = [r.item.sampling for r in reqs]
-            penalties = (counts, mask, ban, np.array([p.presence_penalty for p in sp], np.float32),
-                         np.array([p.frequency_penalty for p in sp], np.float32),
-                         np.array([p.repetition_penalty for p in sp], np.float32))
-        logprobs = any(r.item.sampling.logprobs is not None for r in reqs)
-        targets = None
-        if scores_prompt:  # every prefill row's (only the scoring rows' are read)
-            t = batch.shape.chunk
-            targets = np.zeros((len(prefill), t), np.int32)  # [prefill rows, T]: the token after each position
-            for j, (r, row) in enumerate(zip(reqs[nd:], prefill, strict=True)):
-                nxt = r.context[row.start + 1 : row.seq_len + 1]
-                targets[j, t - len(row.tokens) : t - len(row.tokens) + len(nxt)] = nxt
-        if penalties is None and not logprobs and targets is None:
-            return None
-        return StepExtras(penalties, logprobs, targets)
-
-    def _emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None,
-              committed: bool = False) -> CoreOutput:
+    def emit(self, r: LiveRequest, token: int, chosen: float, margin: float, lp: TokenLogprobs | None = None,
+             committed: bool = False) -> CoreOutput:
         """Record a sampled token; finish the request or keep the token pending (`committed`:
         already in the ledger, reserved by an overlapped step)."""
         r.output.append(token)
@@ -946,13 +638,14 @@ class EngineCore:
                 self.waiting = collections.deque(x for x in self.waiting if x is not r)
                 self._retire(r, reason, r.stop_reason)
             else:
-                self._finish(r, reason)
+                self.finish(r, reason)
             return CoreOutput(r, (token,), True)
         # a paused request's resumed prompt includes it; an overlapped step reserved its position
         r.pending = None if r.phase is Phase.WAITING or committed else token
         return CoreOutput(r, (token,), False)
 
-    def _finish(self, r: LiveRequest, reason: str) -> None:
+    def finish(self, r: LiveRequest, reason: str) -> None:
+        """A running request is done: it leaves the ledger (blocks stored for reuse) and retires."""
         if r.remote_decode and self.remote_kv is not None:  # offer the prompt's blocks (pinned) to a decode engine
             self.remote_kv.finishing(r)
         self.ledger.remove_sequence(r.request_id, store_for_reuse=True)
@@ -963,7 +656,7 @@ class EngineCore:
         del self._live[r.request_id]
         if needs_sync(r.item):
             self._sync_live -= 1
-        self._release_held(r)
+        self.release_held(r)
         r.phase = Phase.FINISHED
         r.pending = None
         r.finish_reason = reason
@@ -973,7 +666,8 @@ class EngineCore:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
     # ------------------------------------------------------------------ metrics and checks
-    def _record_step(self, decode_rows: int, prefill_tokens: int, admitted: int, paused: int) -> None:
+    def record_step(self, decode_rows: int, prefill_tokens: int, admitted: int, paused: int) -> None:
+        """Append this step's `StepRecord` (with `record_steps`)."""
         it = self.ledger.iteration_stats()
         st = self.ledger.stats()
         c = self.counters
@@ -1005,8 +699,8 @@ class EngineCore:
         led = self.ledger
         if self._live:
             raise EngineInvariantError(f"requests still queued or running: {sorted(map(str, self._live))}")
-        if self._inflight is not None:
-            raise EngineInvariantError(f"step {self._inflight.step} was dispatched and never read")
+        if self.stepper.inflight is not None:
+            raise EngineInvariantError(f"step {self.stepper.inflight.step} was dispatched and never read")
         c = self.counters
         stats = led.stats()
         if c.reused_blocks != stats.reused_blocks:

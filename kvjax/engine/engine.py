@@ -17,7 +17,8 @@ from typing import Any
 
 from kvjax.config import CacheConfig
 from kvjax.engine.config import EngineConfig
-from kvjax.engine.core import EngineCore, EngineInvariantError
+from kvjax.engine.core import EngineCore
+from kvjax.engine.core_types import EngineInvariantError
 from kvjax.engine.hybrid_runner import HybridRunner, HybridServingError, is_hybrid
 from kvjax.engine.metrics import RequestRecord, RunMetrics
 from kvjax.engine.request_state import LiveRequest

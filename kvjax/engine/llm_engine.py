@@ -31,7 +31,8 @@ from typing import Any
 
 from kvjax.config import CacheConfig
 from kvjax.engine.config import CACHE_DEFAULTS, EngineConfig, cache_config
-from kvjax.engine.core import CoreOutput, EngineCore
+from kvjax.engine.core import EngineCore
+from kvjax.engine.core_types import CoreOutput
 from kvjax.engine.engine import Engine
 from kvjax.engine.event_publishing import KVEventsConfig
 from kvjax.engine.outputs import CompletionOutput, Logprob, OutputText, PositionLogprobs, RequestMetrics, RequestOutput

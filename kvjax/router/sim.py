@@ -37,7 +37,8 @@ import numpy as np
 from kvjax.config import CacheConfig
 from kvjax.engine.batching import StepOutput
 from kvjax.engine.config import EngineConfig
-from kvjax.engine.core import CoreOutput, EngineCore
+from kvjax.engine.core import EngineCore
+from kvjax.engine.core_types import CoreOutput
 from kvjax.engine.engine import Engine
 from kvjax.engine.request_state import LiveRequest
 from kvjax.engine.sampling import request_seed

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvjax.engine.core import EngineBusyError
+from kvjax.engine.core_types import EngineBusyError
 from kvjax.engine.event_publishing import event_hash_kind
 from kvjax.server.engine_loop import ShuttingDown
 from kvjax.server.http_errors import error_response
