@@ -256,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", help="KV cache dtype (default: the model's), e.g. float8_e4m3fn")
     c.add_argument("--strict-config", action="store_true",
                    help="refuse a checkpoint whose config.json has keys kvjax does not know")
+    c.add_argument("--snapshot-interval", type=_positive_int, metavar="N",
+                   help="hybrid checkpoints: tokens between kept recurrent-state snapshots, a multiple of "
+                        "--tokens-per-block (default one block)")
+    c.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8,
+                   metavar="N", help="hybrid checkpoints: requests running at once, each holding live + write "
+                                     "state blocks (default 8, as `kvjax serve`)")
     _route_sim_parser(sub)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
@@ -385,8 +391,15 @@ def _gib(n: float) -> str:
 
 def cmd_capacity(args) -> int:
     from kvjax import capacity as C
+    from kvjax.hybrid_capacity import hybrid_model_type
     from kvjax.model_catalog import load_model_spec
+    from kvjax.model_spec import checkpoint_dir
 
+    path = checkpoint_dir(args.model)
+    if path is not None and hybrid_model_type(path) is not None:
+        return _capacity_hybrid(args, path)
+    if args.snapshot_interval is not None:
+        raise ValueError("--snapshot-interval is for hybrid checkpoints (recurrent + attention layers)")
     spec = load_model_spec(args.model, strict_config=args.strict_config)
     weights, weights_from = _weights_of(spec, args.model)
     reserve = args.activation_reserve
@@ -447,6 +460,67 @@ def cmd_capacity(args) -> int:
 
 def _int(x: float) -> int | float:
     return int(x) if float(x).is_integer() else x
+
+
+def _capacity_hybrid(args, path) -> int:
+    """`kvjax capacity` of a hybrid checkpoint: TensorRT-LLM's rule (`hybrid_pool_split`): a
+    token costs its attention KV plus a state block per snapshot interval, and the running
+    requests a fixed 2 x max batch state blocks (live + write)."""
+    from typing import Any, cast
+
+    from kvjax import capacity as C
+    from kvjax.checkpoint_files import CheckpointTensors
+    from kvjax.config import DTYPE_BYTES, RECURRENT_STATES
+    from kvjax.hybrid_capacity import hybrid_geometry
+
+    geo = hybrid_geometry(path, strict=args.strict_config)
+    params = CheckpointTensors(path).served_parameters(geo.tie_embeddings)
+    weights = int(params * DTYPE_BYTES[geo.dtype])
+    reserve = args.activation_reserve
+    reserve_from = "given"
+    if reserve is None:
+        reserve = C.activation_reserve_bytes(cast(Any, geo), args.max_num_tokens)
+        reserve_from = f"estimate for {args.max_num_tokens} tokens per step"
+    primary = C.kv_cache_budget(args.gpu_memory, args.fraction, weights, reserve)
+    shape = geo.cache_config(tokens_per_block=args.tokens_per_block, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                             snapshot_interval=args.snapshot_interval)
+    config = C.cache_config_from_memory(shape, primary, args.host_memory, tokens_per_block=args.tokens_per_block,
+                                        max_batch_size=args.max_batch_size)
+    tpb, interval, batch = config.tokens_per_block, config.snapshot_interval, args.max_batch_size
+    assert interval is not None  # set by CacheConfig for a recurrent window
+    state_block = config.recurrent_block_bytes
+    per_token = config.cache_size_per_token
+    attn = sum(b for w, b in per_token.items() if w != RECURRENT_STATES)
+    print(f"model            {geo.name}  ({geo.family} hybrid: {geo.num_recurrent_layers} recurrent + "
+          f"{geo.num_layers - geo.num_recurrent_layers} attention layers, kv heads {geo.num_kv_heads}, "
+          f"head dim {geo.head_dim}, KV {config.dtype})")
+    print(f"state bytes      {geo.state_bytes} per recurrent layer (conv state {geo.dtype}, any SSM / delta-rule state "
+          f"float32); "
+          f"{state_block} per state block (all recurrent layers at one position)")
+    print(f"KV bytes/token   {_int(attn)} (attention layers, K and V)")
+    print(f"snapshot every   {interval} tokens: a token costs {_int(attn)} + {state_block} / {interval} = "
+          f"{_int(attn + state_block / interval)} bytes; the running requests {2 * batch} state blocks "
+          f"(2 x {batch} requests: live + write) = {2 * batch * state_block} bytes")
+    print(f"weights          {_gib(weights)} ({_count(params)} parameters in the checkpoint, {geo.dtype})")
+    print(f"activations      {_gib(reserve)} ({reserve_from})")
+    print(f"primary budget   {args.fraction:g} x {_gib(args.gpu_memory)} - weights - activations = {primary} bytes "
+          f"({_gib(primary)})")
+    print(f"secondary budget {args.host_memory} bytes ({args.host_memory / 2**30:.2f} GiB)")
+    print(f"tokens/block     {tpb}")
+    header = ("window", "layers", "bytes/block", "primary blocks", "primary tokens", "secondary blocks")
+    rows = []
+    for w in config.windows:
+        pb, sb = config.primary_blocks_for(w), config.secondary_blocks_for(w)
+        block = state_block if w == RECURRENT_STATES else _int(per_token[w] * tpb)
+        tokens = f"{(pb - 2 * batch) * interval}" if w == RECURRENT_STATES else str(pb * tpb)
+        name = f"{w} (states)" if w == RECURRENT_STATES else str(w)
+        rows.append((name, str(len(config.window_to_layers[w])), str(block), str(pb), tokens, str(sb)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(wd) for h, wd in zip(header, widths, strict=True)))
+    for r in rows:
+        print("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
+    print(f"(the state window's tokens: what its snapshots cover beside the {2 * batch} running-request blocks)")
+    return 0
 
 
 # ---------------------------------------------------------------------- serving

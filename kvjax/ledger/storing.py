@@ -15,7 +15,7 @@ from kvjax.ledger.validation import check_block_id, check_unpin_ids, window_mana
 if TYPE_CHECKING:
     from kvjax.ledger.block_manager import BlockManager
     from kvjax.ledger.live_sequences import LiveSequences
-    from kvjax.ledger.sequence import TrackedSequence
+    from kvjax.ledger.sequence import SequenceWindow, TrackedSequence
 
 
 def store_context(bm: BlockManager, live: LiveSequences, seq: TrackedSequence) -> None:
@@ -47,15 +47,23 @@ def store_new_blocks(bm: BlockManager, live: LiveSequences, ids: list | tuple) -
 
 
 # ---------------------------------------------------------------------------- pins
+def _held(sw: SequenceWindow) -> list[int]:
+    """The blocks of a sequence's row that hold its data: a recurrent chain's off-chain write
+    block holds nothing yet (the next step writes it), so it is neither pinned nor listed."""
+    blocks = sw.unique_blocks()
+    write = sw.state.off_chain() if sw.state is not None else -1
+    return [b for b in blocks if b != write] if write >= 0 else blocks
+
+
 def own_block_ids(bm: BlockManager, seq: TrackedSequence) -> list[int] | dict[int, list[int]]:
     """The sequence's real blocks (a dict window -> ids with several windows)."""
-    ids = {wm.window: seq.windows[wm.index].unique_blocks() for wm in bm.windows}
+    ids = {wm.window: _held(seq.windows[wm.index]) for wm in bm.windows}
     return next(iter(ids.values())) if len(ids) == 1 else ids
 
 
 def pin(bm: BlockManager, seq: TrackedSequence) -> None:
     for wm in bm.windows:
-        for b in seq.windows[wm.index].unique_blocks():
+        for b in _held(seq.windows[wm.index]):
             wm.refs.pin_block(b)
 
 

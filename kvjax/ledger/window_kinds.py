@@ -269,10 +269,10 @@ class RecurrentStatesWindow(WindowBlockManager):
     def step_blocks(self, seq: TrackedSequence, steps: int, beam: int) -> int:
         """Write blocks the next `steps` steps may allocate: one a step that keeps the block
         it read (a snapshot), less the write block held (at most `steps`)."""
-        if not self.copy_forward:
-            return 0
         cur = seq.windows[self.index].state
         assert cur is not None  # set at admission
+        if not self.copy_forward:
+            return int(steps > 0 and self._pinned_in_place(cur))
         return max(0, steps - self._holds_write(seq, cur))
 
     def step_blocks_many(self, seqs: Sequence[TrackedSequence], steps: int) -> np.ndarray:
@@ -285,7 +285,11 @@ class RecurrentStatesWindow(WindowBlockManager):
         block for each snapshot point from its state's position to its last token (each
         keeps the block it passes), plus its live and write blocks where it holds none."""
         if not self.copy_forward:
-            return 1 if seq is None else 0
+            if seq is None:
+                return 1
+            cur = seq.windows[self.index].state
+            assert cur is not None
+            return int(self._pinned_in_place(cur))
         prompt_len = len(request.prompt)
         final = prompt_len + request.max_new_tokens
         if seq is None:
@@ -348,8 +352,15 @@ class RecurrentStatesWindow(WindowBlockManager):
         tpb = self.tokens_per_block
         return cur.live >= 0 and (cur.pos - 1) // tpb != (cur.end - 1) // tpb and self.is_snapshot_point(seq, cur.pos)
 
+    def _pinned_in_place(self, cur: RecurrentCursor) -> bool:
+        """Reuse off: is the block the next step would update in place pinned? Its state must
+        stay as pinned, so that step writes a fresh block (`begin_step`)."""
+        return cur.live >= 0 and cur.write == cur.live and self.refs.ref[cur.live] > 1
+
     def _holds_write(self, seq: TrackedSequence, cur: RecurrentCursor) -> bool:
         """Will the sequence hold a write block once its begun step is settled (`settle`)?"""
+        if not self.copy_forward:
+            return cur.write >= 0 and not self._pinned_in_place(cur)
         if not cur.end or not self.committing(seq, cur) or not self.copy_forward:
             return cur.write >= 0
         old = cur.live
@@ -366,17 +377,20 @@ class RecurrentStatesWindow(WindowBlockManager):
             return
         if not self.committing(seq, cur):
             cur.end = 0
+            if not self.copy_forward and cur.live >= 0 and cur.write != cur.live:
+                self.refs.release(cur.write)  # the fresh block of a pinned in-place state
+                cur.write = cur.live
             return
         tpb = self.tokens_per_block
         old, oldk, newk = cur.live, (cur.pos - 1) // tpb, (cur.end - 1) // tpb
         recycled = -1
         if old >= 0 and old != cur.write:
-            if self._keeps_live(seq, cur):
+            if self.copy_forward and self._keeps_live(seq, cur):
                 pass  # a snapshot: it stays in the chain, never written again
             else:
                 if oldk != newk:
                     self._set(sw, oldk, PLACEHOLDER_BLOCK_ID)
-                if self.refs.ref[old] == 1 and self.block_node[old] < 0:
+                if self.copy_forward and self.refs.ref[old] == 1 and self.block_node[old] < 0:
                     recycled = old  # private and uncached: the next step's write block
                 else:
                     self.refs.release(old)
@@ -409,8 +423,8 @@ class RecurrentStatesWindow(WindowBlockManager):
         self.settle(seq, sw)
         cur = sw.state
         assert cur is not None
-        if cur.write < 0:
-            cur.write = self.take_fresh(1, None)[0]
+        if cur.write < 0 or (not self.copy_forward and self._pinned_in_place(cur)):
+            cur.write = self.take_fresh(1, None)[0]  # (in place: the live state is pinned; keep it as it is)
         cur.end = end
         slot = self.columns.slot
         read = int(slot[cur.live]) if cur.live >= 0 else self.null_slot
@@ -439,7 +453,7 @@ class RecurrentStatesWindow(WindowBlockManager):
             raise InvalidRequestError(
                 f"cannot rewind request {seq.request_id!r} to {new_n} tokens: its recurrent state covers {cur.pos}"
             )
-        if not self.copy_forward and cur.end > new_n:
+        if not self.copy_forward and cur.end >= new_n:  # (at new_n the step would no longer count as done)
             raise InvalidRequestError(
                 f"cannot rewind request {seq.request_id!r} to {new_n} tokens: its begun step updates its recurrent "
                 "state in place (block reuse off); finish the step first"
@@ -494,7 +508,9 @@ class RecurrentStatesWindow(WindowBlockManager):
             if w == cur.live or w in beam or self.block_node[w] >= 0 or self.refs.ref[w] != 1:
                 raise IntegrityError(f"recurrent window: write block {w} of {rid!r} is shared, cached or in its chain")
         if not self.copy_forward and cur.pos > 0 and w != cur.live:
-            raise IntegrityError(f"recurrent window: request {rid!r} updates in place but writes {w}, not {cur.live}")
+            # only a begun step whose live state is pinned writes elsewhere, a private block
+            if not cur.end or w < 0 or w in beam or self.refs.ref[w] != 1 or self.block_node[w] >= 0:
+                raise IntegrityError(f"recurrent window: request {rid!r} updates in place but writes {w}, not {cur.live}")
 
 
 def window_kind(config: CacheConfig, window: int) -> type[WindowBlockManager]:

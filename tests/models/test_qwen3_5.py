@@ -290,8 +290,7 @@ def test_spec_readers_and_the_transformer_runner_refuse_hybrid_models_clearly(mo
     assert isinstance(Engine(model).runner, HybridRunner)  # served (tests/engine/test_hybrid_serving.py)
 
 
-@pytest.mark.parametrize("argv", [["capacity", "--model", str(FIXTURE), "--gpu-memory", "80GiB"],
-                                  ["serve", str(FIXTURE), "--port", "0"]])
+@pytest.mark.parametrize("argv", [["serve", str(FIXTURE), "--port", "0"]])  # (capacity sizes it: test_capacity_hybrid.py)
 def test_the_command_line_says_not_served_yet(capsys, argv):
     from kvjax.cli import main
 

@@ -1,0 +1,135 @@
+"""The cache geometry of a hybrid checkpoint (recurrent + attention layers: LFM2, Granite-4.0-H,
+Qwen3.5) for sizing: its attention layers' KV per token and one recurrent layer's state bytes,
+read from the family's own spec (`kvjax.models.hybrid`), and the `CacheConfig` with a
+`RECURRENT_STATES` window that `kvjax.capacity.cache_config_from_memory` sizes by TensorRT-LLM's
+rule (docs/semantics.md, "Recurrent states"). `kvjax capacity --model DIR` uses it; the engine's
+own hybrid wiring is elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from kvjax.config import DTYPE_BYTES, RECURRENT_STATES, CacheConfig
+
+#: the checkpoints' model_type -> their family (`kvjax.models.pretrained.HYBRID_LOADERS`)
+HYBRID_FAMILIES = {"lfm2": "LFM2", "granitemoehybrid": "Granite-4.0-H", "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5"}
+FLOAT32 = 4  # Mamba2's SSM state and the gated delta rule's state are kept in float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridGeometry:
+    """What sizing needs of a hybrid model. `recurrent[i]`: layer i keeps a recurrent state;
+    `state_bytes`: one such layer's state for one sequence (conv + SSM / delta-rule state), in
+    the model dtype (float32 SSM states); the rest as `ModelSpec`'s fields of the same names
+    (so `kvjax.capacity.activation_reserve_bytes` reads it)."""
+
+    name: str
+    family: str
+    dtype: str
+    recurrent: tuple[bool, ...]
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    state_bytes: int
+    hidden_size: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.recurrent)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return sum(self.recurrent)
+
+    @property
+    def kv_heads_per_layer(self) -> tuple[int, ...]:
+        return (self.num_kv_heads,) * self.num_layers
+
+    def cache_config(
+        self, *, tokens_per_block: int, max_seq_len: int | None = None, dtype: str | None = None,
+        snapshot_interval: int | None = None, **overrides: Any,
+    ) -> CacheConfig:
+        """A `CacheConfig` of this geometry (1 primary block per window: size it with
+        `cache_config_from_memory`). `dtype`: the attention KV dtype (default the model's)."""
+        seq = self.max_seq_len if max_seq_len is None else max_seq_len
+        return CacheConfig(
+            tokens_per_block=tokens_per_block,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            max_seq_len=seq,
+            dtype=self.dtype if dtype is None else dtype,
+            attention_windows=tuple(RECURRENT_STATES if r else seq for r in self.recurrent),
+            recurrent_state_bytes=self.state_bytes,
+            snapshot_interval=snapshot_interval,
+            primary_blocks=1,
+            **overrides,
+        )
+
+
+def hybrid_model_type(path: str | Path) -> str | None:
+    """The checkpoint directory's model_type if it is a hybrid family's, else None."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # the ordinary reader reports a broken config
+    return model_type if model_type in HYBRID_FAMILIES else None
+
+
+def hybrid_geometry(path: str | Path, *, strict: bool = False) -> HybridGeometry:
+    """The geometry of a hybrid checkpoint directory (`hybrid_geometry_from_config` of its
+    config.json)."""
+    path = Path(path)
+    if hybrid_model_type(path) is None:
+        raise ValueError(f"{path}: not a hybrid checkpoint (model_type one of {', '.join(HYBRID_FAMILIES)})")
+    config = json.loads((path / "config.json").read_text())
+    return hybrid_geometry_from_config(config, name=path.resolve().name, source=str(path / "config.json"), strict=strict)
+
+
+def hybrid_geometry_from_config(
+    config: dict, *, name: str = "checkpoint", source: str = "<config.json>", strict: bool = False
+) -> HybridGeometry:
+    """The geometry of a hybrid family's parsed config.json, from the family's strict config
+    reader (`UnsupportedConfigError` for a config the family refuses; fields it leaves out take
+    transformers' defaults)."""
+    from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
+    from kvjax.models.hybrid.qwen3_5 import qwen35_spec_from_config
+
+    model_type = config.get("model_type")
+    if model_type not in HYBRID_FAMILIES:
+        raise ValueError(f"{source}: model_type {model_type!r} is not a hybrid family ({', '.join(HYBRID_FAMILIES)})")
+    if model_type in ("qwen3_5_text", "qwen3_5"):
+        q = qwen35_spec_from_config(config, name=name, source=source, strict=strict)
+        b = int(DTYPE_BYTES[q.dtype])
+        conv = (q.conv_kernel - 1) * q.conv_channels * b  # [K-1, C]
+        delta = q.linear_num_value_heads * q.linear_key_head_dim * q.linear_value_head_dim * FLOAT32  # [Hv, Dk, Dv]
+        return HybridGeometry(
+            name, HYBRID_FAMILIES[model_type], q.dtype, tuple(t == "linear_attention" for t in q.layer_types),
+            q.num_kv_heads, q.head_dim, q.max_seq_len, conv + delta, q.hidden_size, q.num_attention_heads,
+            q.intermediate_size, q.vocab_size, q.tie_embeddings,
+        )
+    s: Lfm2Spec | GraniteSpec
+    if model_type == "lfm2":
+        s = Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict)
+        state = (s.conv_kernel - 1) * s.hidden_size * int(DTYPE_BYTES[s.dtype])  # [K-1, D]
+        kinds = tuple(t == "conv" for t in s.layer_types)
+    else:
+        g = s = GraniteSpec.from_hf_config(config, name=name, source=source, strict=strict)
+        conv = (g.mamba_conv - 1) * g.conv_channels * int(DTYPE_BYTES[g.dtype])  # [K-1, I + 2 G N]
+        ssm = g.mamba_heads * g.mamba_head_dim * g.mamba_state * FLOAT32  # [NH, P, N]
+        state = conv + ssm
+        kinds = tuple(t == "mamba" for t in g.layer_types)
+    return HybridGeometry(
+        name, HYBRID_FAMILIES[model_type], s.dtype, kinds, s.num_kv_heads, s.head_dim, s.max_seq_len, state,
+        s.hidden_size, s.num_attention_heads, s.ffn_size, s.vocab_size, s.tie_embeddings,
+    )
