@@ -102,6 +102,22 @@ def hybrid_geometry_from_config(
     """The geometry of a hybrid family's parsed config.json, from the family's strict config
     reader (`UnsupportedConfigError` for a config the family refuses; fields it leaves out take
     transformers' defaults)."""
+    return hybrid_geometry_of_spec(hybrid_spec_from_config(config, name=name, source=source, strict=strict))
+
+
+def hybrid_spec(path: str | Path, *, strict: bool = False) -> Any:
+    """The family spec (`Lfm2Spec`, `GraniteSpec`, `Qwen35Spec`) of a hybrid checkpoint
+    directory, from its config.json alone (no weights read): what `kvjax run` builds its
+    workload and cache from."""
+    path = Path(path)
+    if hybrid_model_type(path) is None:
+        raise ValueError(f"{path}: not a hybrid checkpoint (model_type one of {', '.join(HYBRID_FAMILIES)})")
+    config = json.loads((path / "config.json").read_text())
+    return hybrid_spec_from_config(config, name=path.resolve().name, source=str(path / "config.json"), strict=strict)
+
+
+def hybrid_spec_from_config(config: dict, *, name: str, source: str, strict: bool = False) -> Any:
+    """The family spec of a hybrid family's parsed config.json (its own config reader)."""
     from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
     from kvjax.models.hybrid.qwen3_5 import qwen35_spec_from_config
 
@@ -109,10 +125,10 @@ def hybrid_geometry_from_config(
     if model_type not in HYBRID_FAMILIES:
         raise ValueError(f"{source}: model_type {model_type!r} is not a hybrid family ({', '.join(HYBRID_FAMILIES)})")
     if model_type in ("qwen3_5_text", "qwen3_5"):
-        return hybrid_geometry_of_spec(qwen35_spec_from_config(config, name=name, source=source, strict=strict))
+        return qwen35_spec_from_config(config, name=name, source=source, strict=strict)
     if model_type == "lfm2":
-        return hybrid_geometry_of_spec(Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict))
-    return hybrid_geometry_of_spec(GraniteSpec.from_hf_config(config, name=name, source=source, strict=strict))
+        return Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict)
+    return GraniteSpec.from_hf_config(config, name=name, source=source, strict=strict)
 
 
 def hybrid_geometry_of_spec(spec: Any) -> HybridGeometry:
