@@ -142,6 +142,14 @@ def test_lfm2_two_prefill_rows_beside_decode_rows_match_transformers(lfm2):
         for i, g in enumerate(gen):
             assert result.outputs[f"p{i}"] == exp["greedy"][i][:g], f"{result.metrics.label} p{i}"
     assert sum(r.reused_tokens for r in on.metrics.requests) > 0
+    # max utilisation admits all four (full outputs): the state pool runs out, a decode pauses; a
+    # decode's begun step commits between scheduling and the next begin (regression: the
+    # scheduler counted no write block for it and begin_recurrent_step ran out of blocks)
+    util = Engine(model, dataclasses.replace(two.config, scheduler=dataclasses.replace(
+        two.config.scheduler, policy=SchedulerPolicy.MAX_UTILIZATION)), runner=engine.runner)
+    paused = run_checked(util, fixture_items(exp, [0, 4, 4, 9]), cache(model), "two rows, max utilization")
+    assert_transformers_tokens(paused, exp, "two rows, max utilization")
+    assert paused.metrics.summary()["pauses"] > 0
 
 
 def test_kvjax_run_serves_a_hybrid_checkpoint_with_reuse_on_and_off(lfm2, tmp_path, monkeypatch, capsys):
