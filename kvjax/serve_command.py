@@ -255,6 +255,7 @@ def warm_up(core, level: str):
 
 
 def _run_server(args, options, kv_events, kv_store=None) -> None:
+    from kvjax.config import RECURRENT_STATES
     from kvjax.server import serve
     from kvjax.server.stats_logger import log_startup
 
@@ -276,9 +277,12 @@ def _run_server(args, options, kv_events, kv_store=None) -> None:
             side = remote.producer
             where += f"; KV transfer {remote.config.kv_role}" + (
                 "" if side is None else f" (side channel {side.host}:{side.port})")
+        cc = engine.core.cache_config
+        kv = [w for w in cc.windows if w != RECURRENT_STATES][0]  # a hybrid's state window says its own below
+        states = (f", {cc.primary_blocks_for(RECURRENT_STATES)} recurrent-state blocks"
+                  if RECURRENT_STATES in cc.windows else "")
         print(f"kvjax serve: model {config.model_name!r} on http://{args.host}:{args.port} (max_model_len "
-              f"{engine.max_seq_len}, {engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} "
-              f"primary blocks{where}{auth})", file=sys.stderr)
+              f"{engine.max_seq_len}, {cc.primary_blocks_for(kv)} primary blocks{states}{where}{auth})", file=sys.stderr)
         serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()  # idempotent: the server's shutdown closed it already unless serving failed
