@@ -12,12 +12,14 @@ what it buys.
     block reuse (prefix caching) on and off: every user shares a system prompt, each turn sends
     the whole conversation so far plus a new message; printed per mode: prefix hit rate (prompt
     tokens the cache supplied, `RequestOutput.num_cached_tokens`), prefill tokens computed and
-    time to first token (`RequestOutput.metrics`). It needs the engine to serve hybrid models;
-    until it does, it stops with the engine's `HybridModelNotServedError` message.
+    time to first token (`RequestOutput.metrics`). Greedy; the replies with caching on and off
+    must be equal (it stops otherwise). A first pass of both modes on the same runner compiles
+    the step programs, so the timed passes exclude compilation.
 
     python benchmarks/hybrid_bench.py                      # (a), then (b) on the Qwen3.5 fixture
     python benchmarks/hybrid_bench.py --part a --quick     # the table only (the test's smoke run)
     python benchmarks/hybrid_bench.py --part b --model DIR --users 8 --turns 6
+    python benchmarks/hybrid_bench.py --part b --random-lfm2 512   # a larger random-weight LFM2
 """
 from __future__ import annotations
 
@@ -89,25 +91,48 @@ def conversations(users: int, turns: int, system: int, message: int, vocab: int,
             for _ in range(users)]
 
 
-def run_chat(model: str, reuse: bool, args) -> dict:
-    """The workload on one `kvjax.LLM`; every turn's requests of all users in one `generate`."""
-    from kvjax import LLM, SamplingParams
-    from kvjax.hf_config import HybridModelNotServedError, UnsupportedConfigError
-    from kvjax.hybrid_capacity import hybrid_model_type
+def random_lfm2(hidden: int, seed: int):
+    """A random-weight LFM2 of LFM2-350M's layout scaled to `hidden` (10 conv + 6 attention
+    layers, 16 heads, 8 kv heads of hidden / 16, an MLP of 3 x hidden, vocab 4096), float32:
+    big enough that prefill dominates a step on CPU."""
+    from flax import nnx
 
-    options = dict(o.split("=", 1) for o in args.option)
-    try:  # (vLLM's enable_prefix_caching is kvjax's enable_block_reuse option)
-        llm = LLM(model, enable_block_reuse=reuse, **{k: _value(v) for k, v in options.items()})
-    except UnsupportedConfigError as e:
-        if isinstance(e, HybridModelNotServedError) or hybrid_model_type(model) is not None:
-            raise SystemExit(f"hybrid_bench (b): the engine does not serve hybrid models yet ({e})") from None
-        raise
-    vocab = llm.llm_engine.engine.model.spec.vocab_size
+    from kvjax.models.hybrid.lfm2 import Lfm2, Lfm2Spec
+
+    kinds = ["conv", "conv", "full_attention"] * 5 + ["conv"]
+    spec = Lfm2Spec(name=f"lfm2-random-{hidden}", vocab_size=4096, hidden_size=hidden, ffn_size=3 * hidden,
+                    layer_types=tuple(kinds), num_attention_heads=16, num_kv_heads=8, head_dim=hidden // 16,
+                    conv_kernel=3, conv_bias=False, norm_eps=1e-5, rope_theta=1e6, max_seq_len=2048)
+    return Lfm2(spec, rngs=nnx.Rngs(params=seed))
+
+
+def load(args):
+    """The model of (b): `--random-lfm2 HIDDEN`, else the checkpoint `--model` in `--dtype`."""
+    if args.random_lfm2:
+        return random_lfm2(args.random_lfm2, args.seed)
+    from kvjax.hybrid_capacity import hybrid_model_type
+    from kvjax.models import from_pretrained
+
+    if hybrid_model_type(args.model) is None:
+        raise SystemExit(f"hybrid_bench (b): {args.model} is not a hybrid checkpoint")
+    return from_pretrained(args.model, dtype=args.dtype)
+
+
+def run_chat(model, reuse: bool, args, runner=None) -> dict:
+    """The workload on a fresh `kvjax.LLM` of `model` (sharing `runner`'s compiled programs);
+    every turn's requests of all users in one `generate`; greedy."""
+    from kvjax import LLM, SamplingParams
+
+    options = {k: _value(v) for k, v in (o.split("=", 1) for o in args.option)}
+    llm = LLM(model, enable_block_reuse=reuse, runner=runner, **{**BENCH_OPTIONS, **options})
+    traces = llm.llm_engine.engine.runner.num_traces
+    vocab = model.spec.vocab_size
     convs = conversations(args.users, args.turns, args.system_tokens, args.message_tokens, vocab, args.seed)
     history: list[list[int]] = [[] for _ in convs]
-    params = SamplingParams(max_tokens=args.reply_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
     prompt = cached = 0
     ttft: list[float] = []
+    replies: list[list[int]] = []
     t0 = time.perf_counter()
     for t in range(args.turns):
         prompts = [{"prompt_token_ids": history[u] + convs[u][t]} for u in range(len(convs))]
@@ -118,11 +143,21 @@ def run_chat(model: str, reuse: bool, args) -> dict:
             m = out.metrics
             if m is not None and m.first_token_time is not None:
                 ttft.append(m.first_token_time - m.arrival_time)
-            history[u] = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            replies.append(list(out.outputs[0].token_ids))
+            history[u] = list(out.prompt_token_ids) + replies[-1]
     wall = time.perf_counter() - t0
-    return dict(reuse=reuse, prompt=prompt, cached=cached, hit=cached / max(prompt, 1), computed=prompt - cached,
+    runner = llm.llm_engine.engine.runner
+    return dict(compiled=runner.num_traces - traces,
+                reuse=reuse, prompt=prompt, cached=cached, hit=cached / max(prompt, 1), computed=prompt - cached,
                 ttft_ms=1e3 * statistics.mean(ttft) if ttft else float("nan"),
-                ttft_p50_ms=1e3 * statistics.median(ttft) if ttft else float("nan"), wall_s=wall)
+                ttft_p50_ms=1e3 * statistics.median(ttft) if ttft else float("nan"), wall_s=wall, replies=replies,
+                runner=runner)
+
+
+#: (b)'s engine: decode batches of 8, prefill groups of up to 4 chunks of 16 tokens (a chunk
+#: ends at a snapshot point: one block with the default interval), a 64-token step budget
+BENCH_OPTIONS = dict(primary_blocks=512, max_batch_size=8, max_num_tokens=64, min_batch_bucket=8,
+                     min_chunk_bucket=16, prefill_rows=4)
 
 
 def _value(text: str):
@@ -135,15 +170,23 @@ def _value(text: str):
 
 
 def part_b(args) -> list[dict]:
-    print(f"(b) multi-turn chat on {args.model}: {args.users} users x {args.turns} turns, system prompt "
-          f"{args.system_tokens} tokens, messages {args.message_tokens}, replies {args.reply_tokens}")
-    rows = [run_chat(args.model, reuse, args) for reuse in (True, False)]
+    model = load(args)
+    name = model.spec.name
+    print(f"(b) multi-turn chat on {name}: {args.users} users x {args.turns} turns, system prompt "
+          f"{args.system_tokens} tokens, messages {args.message_tokens}, replies {args.reply_tokens} (greedy)")
+    warm = run_chat(model, True, args)  # compiles every step program the workload uses (not timed below)
+    run_chat(model, False, args, warm["runner"])
+    rows = [run_chat(model, reuse, args, warm["runner"]) for reuse in (True, False)]
+    if rows[0]["replies"] != rows[1]["replies"]:
+        raise SystemExit("hybrid_bench (b): greedy replies differ with prefix caching on and off")
     print(f"{'prefix caching':>14}  {'prompt tokens':>13}  {'hit rate':>8}  {'prefill computed':>16}  "
           f"{'TTFT mean ms':>12}  {'TTFT p50 ms':>11}  {'wall s':>7}")
     for r in rows:
         print(f"{'on' if r['reuse'] else 'off':>14}  {r['prompt']:>13,}  {r['hit']:>8.1%}  {r['computed']:>16,}  "
               f"{r['ttft_ms']:>12.1f}  {r['ttft_p50_ms']:>11.1f}  {r['wall_s']:>7.1f}")
-    return rows
+    print("greedy replies identical with prefix caching on and off: yes; step programs compiled in the timed "
+          f"passes: {rows[0]['compiled'] + rows[1]['compiled']}")
+    return [{k: v for k, v in r.items() if k != "runner"} for r in rows]
 
 
 def main(argv=None) -> dict:
@@ -154,6 +197,9 @@ def main(argv=None) -> dict:
     p.add_argument("--budget", type=float, default=80 * GiB, help="(a): bytes of cache the 'tokens held' column fills")
     p.add_argument("--max-num-seqs", type=int, default=64, help="(a): running requests (2 state blocks each)")
     p.add_argument("--model", default=str(FIXTURES / "qwen3_5"), help="(b): a hybrid checkpoint directory")
+    p.add_argument("--dtype", default="float32", help="(b): the checkpoint's compute dtype (default float32)")
+    p.add_argument("--random-lfm2", type=int, metavar="HIDDEN",
+                   help="(b): a random-weight LFM2 of this width instead of --model (e.g. 512)")
     p.add_argument("--users", type=int, default=6)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=64)

@@ -538,7 +538,7 @@ def _setup(args, *, demo: bool) -> _Setup:
     """Load and validate everything a serving command needs, before JAX is imported."""
     from kvjax.engine.config import EngineConfig
     from kvjax.engine.workloads import load_workload, workload_from_dict
-    from kvjax.model_catalog import servable_model
+    from kvjax.model_catalog import hybrid_checkpoint, servable_model
 
     wf = load_workload(args.workload)
     fields = {f.name: getattr(wf.workload, f.name) for f in dataclasses.fields(wf.workload)}
@@ -553,7 +553,14 @@ def _setup(args, *, demo: bool) -> _Setup:
             if getattr(args, flag, None) is not None:
                 overrides[key] = getattr(args, flag)
     workload = workload_from_dict({"kind": wf.workload.kind, **fields, **overrides}, wf.path) if overrides else wf.workload
-    spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny", strict_config=getattr(args, "strict_config", False))
+    strict = getattr(args, "strict_config", False)
+    checkpoint_dir = hybrid_checkpoint(args.model or wf.model or "tiny")
+    if checkpoint_dir is not None:  # LFM2, Granite-4.0-H, Qwen3.5: their family's spec, served by HybridRunner
+        from kvjax.hybrid_capacity import hybrid_spec
+
+        spec = hybrid_spec(checkpoint_dir, strict=strict)
+    else:
+        spec, checkpoint_dir = servable_model(args.model or wf.model or "tiny", strict_config=strict)
     checkpoint = None if checkpoint_dir is None else str(checkpoint_dir)
     cache = dict(wf.cache)
     for flag, key in (("primary_blocks", "primary_blocks"), ("secondary_blocks", "secondary_blocks"),
@@ -579,9 +586,14 @@ def _setup(args, *, demo: bool) -> _Setup:
 def _model_and_runner(spec, seed: int, checkpoint: str | None = None):
     """The model and its jitted runner, kept for later commands of the same process (tests,
     notebooks calling `main` repeatedly) so their executables are compiled once."""
+    from kvjax.engine.hybrid_runner import HybridRunner
     from kvjax.engine.runner import ModelRunner
     from kvjax.models import Transformer, from_pretrained
+    from kvjax.models.hybrid.paged import is_hybrid_spec
 
+    if checkpoint and is_hybrid_spec(spec):  # its family's loader (the checkpoint's dtype)
+        hybrid = from_pretrained(checkpoint)
+        return hybrid, HybridRunner(hybrid)
     model = from_pretrained(checkpoint, spec=spec) if checkpoint else Transformer.from_spec(spec, seed=seed)
     return model, ModelRunner(model)
 
@@ -596,7 +608,7 @@ def _serve(setup: _Setup, args, runs: list[tuple[str, bool]]):
     items = setup.workload.build(setup.spec.vocab_size)
     results = []
     for label, reuse in runs:
-        cfg = cache_config(setup.spec, {**setup.cache, "enable_block_reuse": reuse},
+        cfg = cache_config(model.spec, {**setup.cache, "enable_block_reuse": reuse},  # a hybrid's in its dtype
                            max_num_tokens=setup.engine.scheduler.max_num_tokens)
         progress, bar = None, None
         if not args.no_progress:

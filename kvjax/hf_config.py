@@ -51,8 +51,8 @@ class UnsupportedConfigError(KVCacheError, ValueError):
 
 class HybridModelNotServedError(UnsupportedConfigError):
     """A hybrid model (recurrent + attention layers, `HYBRID_MODEL_TYPES`): kvjax computes it
-    standalone (`kvjax.models.from_pretrained`) but has no `ModelSpec` for it and the engine does
-    not serve it yet."""
+    standalone (`kvjax.models.from_pretrained`) and serves it through its family's own spec
+    (`kvjax.engine.hybrid_runner`), but has no `ModelSpec` for it: callers that need one get this."""
 
 
 #: model_types of hybrid models (recurrent + attention layers) -> what they are; their configs
@@ -635,8 +635,8 @@ def spec_from_hf_config(
     if model_type in HYBRID_MODEL_TYPES:
         raise HybridModelNotServedError(
             f"{source}: model_type {model_type!r} is a hybrid model ({HYBRID_MODEL_TYPES[model_type]}: recurrent and "
-            "attention layers) and has no ModelSpec: kvjax.models.from_pretrained loads it, kvjax.LLM, Engine and "
-            "`kvjax serve` serve it (docs/models.md, 'Serving hybrid models')"
+            "attention layers) and has no ModelSpec: kvjax.models.from_pretrained loads it, kvjax.LLM, Engine, "
+            "`kvjax serve` and `kvjax run` serve it, `kvjax capacity` sizes it (docs/models.md, 'Serving hybrid models')"
         )
     if model_type not in _DEFAULTS:
         raise UnsupportedConfigError(

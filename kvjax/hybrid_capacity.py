@@ -102,6 +102,22 @@ def hybrid_geometry_from_config(
     """The geometry of a hybrid family's parsed config.json, from the family's strict config
     reader (`UnsupportedConfigError` for a config the family refuses; fields it leaves out take
     transformers' defaults)."""
+    return hybrid_geometry_of_spec(hybrid_spec_from_config(config, name=name, source=source, strict=strict))
+
+
+def hybrid_spec(path: str | Path, *, strict: bool = False) -> Any:
+    """The family spec (`Lfm2Spec`, `GraniteSpec`, `Qwen35Spec`) of a hybrid checkpoint
+    directory, from its config.json alone (no weights read): what `kvjax run` builds its
+    workload and cache from."""
+    path = Path(path)
+    if hybrid_model_type(path) is None:
+        raise ValueError(f"{path}: not a hybrid checkpoint (model_type one of {', '.join(HYBRID_FAMILIES)})")
+    config = json.loads((path / "config.json").read_text())
+    return hybrid_spec_from_config(config, name=path.resolve().name, source=str(path / "config.json"), strict=strict)
+
+
+def hybrid_spec_from_config(config: dict, *, name: str, source: str, strict: bool = False) -> Any:
+    """The family spec of a hybrid family's parsed config.json (its own config reader)."""
     from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
     from kvjax.models.hybrid.qwen3_5 import qwen35_spec_from_config
 
@@ -109,27 +125,44 @@ def hybrid_geometry_from_config(
     if model_type not in HYBRID_FAMILIES:
         raise ValueError(f"{source}: model_type {model_type!r} is not a hybrid family ({', '.join(HYBRID_FAMILIES)})")
     if model_type in ("qwen3_5_text", "qwen3_5"):
-        q = qwen35_spec_from_config(config, name=name, source=source, strict=strict)
+        return qwen35_spec_from_config(config, name=name, source=source, strict=strict)
+    if model_type == "lfm2":
+        return Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict)
+    return GraniteSpec.from_hf_config(config, name=name, source=source, strict=strict)
+
+
+def hybrid_geometry_of_spec(spec: Any) -> HybridGeometry:
+    """The geometry of a hybrid family's spec (`Lfm2Spec`, `GraniteSpec`, `Qwen35Spec`): what
+    `kvjax serve` sizes a loaded hybrid model's cache and activation reserve from."""
+    from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
+    from kvjax.models.hybrid.qwen3_5 import Qwen35Spec
+
+    if isinstance(spec, Qwen35Spec):
+        q = spec
         b = int(DTYPE_BYTES[q.dtype])
         conv = (q.conv_kernel - 1) * q.conv_channels * b  # [K-1, C]
         delta = q.linear_num_value_heads * q.linear_key_head_dim * q.linear_value_head_dim * FLOAT32  # [Hv, Dk, Dv]
         return HybridGeometry(
-            name, HYBRID_FAMILIES[model_type], q.dtype, tuple(t == "linear_attention" for t in q.layer_types),
+            q.name, "Qwen3.5", q.dtype, tuple(t == "linear_attention" for t in q.layer_types),
             q.num_kv_heads, q.head_dim, q.max_seq_len, conv + delta, q.hidden_size, q.num_attention_heads,
             q.intermediate_size, q.vocab_size, q.tie_embeddings,
         )
     s: Lfm2Spec | GraniteSpec
-    if model_type == "lfm2":
-        s = Lfm2Spec.from_hf_config(config, name=name, source=source, strict=strict)
+    if isinstance(spec, Lfm2Spec):
+        s = spec
+        family = "LFM2"
         state = (s.conv_kernel - 1) * s.hidden_size * int(DTYPE_BYTES[s.dtype])  # [K-1, D]
         kinds = tuple(t == "conv" for t in s.layer_types)
-    else:
-        g = s = GraniteSpec.from_hf_config(config, name=name, source=source, strict=strict)
+    elif isinstance(spec, GraniteSpec):
+        g = s = spec
+        family = "Granite-4.0-H"
         conv = (g.mamba_conv - 1) * g.conv_channels * int(DTYPE_BYTES[g.dtype])  # [K-1, I + 2 G N]
         ssm = g.mamba_heads * g.mamba_head_dim * g.mamba_state * FLOAT32  # [NH, P, N]
         state = conv + ssm
         kinds = tuple(t == "mamba" for t in g.layer_types)
+    else:
+        raise ValueError(f"{type(spec).__name__} is not a hybrid family's spec (Lfm2Spec, GraniteSpec, Qwen35Spec)")
     return HybridGeometry(
-        name, HYBRID_FAMILIES[model_type], s.dtype, kinds, s.num_kv_heads, s.head_dim, s.max_seq_len, state,
+        s.name, family, s.dtype, kinds, s.num_kv_heads, s.head_dim, s.max_seq_len, state,
         s.hidden_size, s.num_attention_heads, s.ffn_size, s.vocab_size, s.tie_embeddings,
     )

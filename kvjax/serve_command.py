@@ -152,11 +152,14 @@ def kv_store_config(args):
 def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None, kv_store=None):
     """(LLMEngine, how its KV cache was sized or None) for `kvjax serve`: the model on `mesh`, the
     engine (which shards it), then the cache: --primary-blocks if given, else sized from memory
-    (`capacity.serving_kv_cache_bytes`); a cache that cannot hold one --max-model-len request is refused."""
+    (`capacity.serving_kv_cache_bytes`; a hybrid's KV and state pools split it by
+    `capacity.hybrid_pool_split` for --max-num-seqs requests); a cache that cannot hold one
+    --max-model-len request is refused."""
     from kvjax import capacity as C
     from kvjax.engine.config import EngineConfig, cache_config
     from kvjax.engine.engine import Engine
     from kvjax.engine.llm_engine import LLMEngine, split_options
+    from kvjax.hybrid_capacity import hybrid_geometry_of_spec
     from kvjax.llm import resolve_tokenizer
     from kvjax.models.parallel import mesh_size
 
@@ -170,15 +173,16 @@ def serve_engine(args, options: dict[str, Any], kv_events=None, mesh=None, kv_st
     engine = Engine(model, engine_config, mesh=mesh)  # shards the weights over the mesh
     geometry = cache_config(model.spec, cache_values, max_num_tokens=max_num_tokens, source="kvjax serve")
     sizing = None
-    if "primary_blocks" not in cache_values and getattr(geometry, "has_recurrent", False):
-        raise ValueError("kvjax serve: a hybrid model's cache is not sized from memory yet: give --primary-blocks "
-                         "(KV blocks; as many recurrent-state blocks are kept)")
     if "primary_blocks" not in cache_values:
-        reserve = C.activation_reserve_bytes(model.spec, max(max_num_tokens, engine_config.scheduler.max_batch_size))
+        hybrid = geometry.has_recurrent  # sized by TensorRT-LLM's rule: KV + a state block per snapshot interval
+        batch = engine_config.scheduler.max_batch_size
+        reserve_of: Any = hybrid_geometry_of_spec(model.spec) if hybrid else model.spec  # the fields the estimate reads
+        reserve = C.activation_reserve_bytes(reserve_of, max(max_num_tokens, batch))
         total, sizing = C.serving_kv_cache_bytes(
             utilization=args.gpu_memory_utilization, activations=reserve, memory_stats=_device_memory_stats(mesh),
             kv_cache_bytes=args.kv_cache_memory_bytes, num_devices=1 if mesh is None else mesh_size(mesh))
-        sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block)
+        sized = C.cache_config_from_memory(geometry, total, tokens_per_block=geometry.tokens_per_block,
+                                           max_batch_size=batch if hybrid else None)
         geometry = dataclasses.replace(geometry, primary_blocks=sized.primary_blocks)
     C.check_max_seq_len_fits(geometry)
     return LLMEngine(engine, geometry, tokenizer=tokenizer, seed=args.seed, kv_events=kv_events,
@@ -251,6 +255,7 @@ def warm_up(core, level: str):
 
 
 def _run_server(args, options, kv_events, kv_store=None) -> None:
+    from kvjax.config import RECURRENT_STATES
     from kvjax.server import serve
     from kvjax.server.stats_logger import log_startup
 
@@ -272,9 +277,12 @@ def _run_server(args, options, kv_events, kv_store=None) -> None:
             side = remote.producer
             where += f"; KV transfer {remote.config.kv_role}" + (
                 "" if side is None else f" (side channel {side.host}:{side.port})")
+        cc = engine.core.cache_config
+        kv = [w for w in cc.windows if w != RECURRENT_STATES][0]  # a hybrid's state window says its own below
+        states = (f", {cc.primary_blocks_for(RECURRENT_STATES)} recurrent-state blocks"
+                  if RECURRENT_STATES in cc.windows else "")
         print(f"kvjax serve: model {config.model_name!r} on http://{args.host}:{args.port} (max_model_len "
-              f"{engine.max_seq_len}, {engine.core.cache_config.primary_blocks_for(engine.core.cache_config.windows[0])} "
-              f"primary blocks{where}{auth})", file=sys.stderr)
+              f"{engine.max_seq_len}, {cc.primary_blocks_for(kv)} primary blocks{states}{where}{auth})", file=sys.stderr)
         serve(engine, config, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.close()  # idempotent: the server's shutdown closed it already unless serving failed

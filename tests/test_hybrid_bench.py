@@ -1,5 +1,5 @@
 """benchmarks/hybrid_bench.py part (a), quick: the state-memory table's numbers against a hand
-computation (part (b) needs the engine to serve hybrid models)."""
+computation (part (b) compiles a hybrid engine: run by hand, numbers in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import pathlib

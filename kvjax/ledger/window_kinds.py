@@ -273,7 +273,10 @@ class RecurrentStatesWindow(WindowBlockManager):
         assert cur is not None  # set at admission
         if not self.copy_forward:
             return int(steps > 0 and self._pinned_in_place(cur))
-        return max(0, steps - self._holds_write(seq, cur))
+        # a decode's begun step may commit between scheduling and the next begin (its token's
+        # KV lands): count the write block either outcome needs
+        holds = self._holds_write(seq, cur) and self._holds_write(seq, cur, assume_commit=True)
+        return max(0, steps - holds)
 
     def step_blocks_many(self, seqs: Sequence[TrackedSequence], steps: int) -> np.ndarray:
         return np.array([self.step_blocks(s, steps, 1) for s in seqs], dtype=np.int64)
@@ -357,11 +360,12 @@ class RecurrentStatesWindow(WindowBlockManager):
         stay as pinned, so that step writes a fresh block (`begin_step`)."""
         return cur.live >= 0 and cur.write == cur.live and self.refs.ref[cur.live] > 1
 
-    def _holds_write(self, seq: TrackedSequence, cur: RecurrentCursor) -> bool:
-        """Will the sequence hold a write block once its begun step is settled (`settle`)?"""
+    def _holds_write(self, seq: TrackedSequence, cur: RecurrentCursor, assume_commit: bool = False) -> bool:
+        """Will the sequence hold a write block once its begun step is settled (`settle`)?
+        `assume_commit`: as if the begun step had taken effect."""
         if not self.copy_forward:
             return cur.write >= 0 and not self._pinned_in_place(cur)
-        if not cur.end or not self.committing(seq, cur) or not self.copy_forward:
+        if not cur.end or not (assume_commit or self.committing(seq, cur)) or not self.copy_forward:
             return cur.write >= 0
         old = cur.live
         if old < 0 or self._keeps_live(seq, cur):

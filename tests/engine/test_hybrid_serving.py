@@ -119,6 +119,71 @@ def test_lfm2_max_utilization_pauses_keep_the_tokens(lfm2):
     assert result.metrics.compilations == 0  # the same shapes and pools as the other LFM2 runs
 
 
+def test_lfm2_two_prefill_rows_beside_decode_rows_match_transformers(lfm2):
+    """prefill_rows=2 (a 32-token budget: two 16-token rows): p2 and p3 prefill in one group
+    (chunks of 8 and 5 tokens at positions 16 / 24 and 0 / 8, each cut at its snapshot points)
+    while p0 decodes; every request's tokens are transformers' with reuse off and on. Short
+    outputs for p1, p2 let three requests fit the 16 KV blocks (no eviction)."""
+    from kvjax.engine.batching import StepShape
+
+    model, engine = lfm2
+    exp = expected("lfm2")
+    two = Engine(model, EngineConfig(SchedulerConfig(max_batch_size=4, max_num_tokens=32),
+                                     dataclasses.replace(BUCKETS, prefill_rows=2)), runner=engine.runner)
+    gen = [12, 3, 3, 12]
+    items = [WorkItem(f"p{i}", tuple(p), g, arrival_step=a)
+             for i, (p, g, a) in enumerate(zip(exp["prompts"], gen, [0, 4, 4, 9], strict=True))]
+    mixed = StepShape(4, 2, 16, MAX_SEQ_LEN // TPB)  # decode rows + a prefill group of two rows
+    before = set(engine.runner.shapes)
+    off = run_checked(two, items, cache(model, reuse=False), "two rows, reuse off")
+    assert mixed in engine.runner.shapes and mixed not in before
+    on = run_checked(two, items, cache(model), "two rows, reuse on")
+    for result in (off, on):
+        for i, g in enumerate(gen):
+            assert result.outputs[f"p{i}"] == exp["greedy"][i][:g], f"{result.metrics.label} p{i}"
+    assert sum(r.reused_tokens for r in on.metrics.requests) > 0
+    # max utilisation admits all four (full outputs): the state pool runs out, a decode pauses; a
+    # decode's begun step commits between scheduling and the next begin (regression: the
+    # scheduler counted no write block for it and begin_recurrent_step ran out of blocks)
+    util = Engine(model, dataclasses.replace(two.config, scheduler=dataclasses.replace(
+        two.config.scheduler, policy=SchedulerPolicy.MAX_UTILIZATION)), runner=engine.runner)
+    paused = run_checked(util, fixture_items(exp, [0, 4, 4, 9]), cache(model), "two rows, max utilization")
+    assert_transformers_tokens(paused, exp, "two rows, max utilization")
+    assert paused.metrics.summary()["pauses"] > 0
+
+
+def test_kvjax_run_serves_a_hybrid_checkpoint_with_reuse_on_and_off(lfm2, tmp_path, monkeypatch, capsys):
+    """`kvjax run --compare` on the LFM2 checkpoint: the family's spec (no ModelSpec) builds the
+    workload and cache, its loader and `HybridRunner` serve it, outputs with reuse on and off
+    agree (exit 0) and the later turns reuse the conversation. The run reuses this module's
+    runner (same pools and step shapes as the tests above); `_model_and_runner` itself is
+    checked to give the checkpoint's model with a `HybridRunner`."""
+    import kvjax.cli as cli
+    from kvjax.engine.hybrid_runner import HybridRunner
+    from kvjax.hybrid_capacity import hybrid_spec
+
+    model, engine = lfm2
+    spec = hybrid_spec(FIXTURES / "lfm2")
+    loaded, runner = cli._model_and_runner.__wrapped__(spec, 0, str(FIXTURES / "lfm2"))
+    assert type(loaded) is type(model) and isinstance(runner, HybridRunner) and runner.model is loaded
+    monkeypatch.setattr(cli, "_model_and_runner", lambda spec, seed, checkpoint: (model, engine.runner))
+    workload = tmp_path / "chat.toml"
+    workload.write_text(
+        '[workload]\nkind = "chat"\nseed = 1\nusers = 2\nturns = 2\nsystem_prompts = 1\nsystem_prompt_tokens = 16\n'
+        'user_tokens = [4, 8]\nmax_new_tokens = [3, 5]\narrival_interval = 2\nthink_steps = 1\n'
+        f"[cache]\ntokens_per_block = {TPB}\nprimary_blocks = 16\nsecondary_blocks = 24\nmax_seq_len = {MAX_SEQ_LEN}\n"
+        "[engine]\nmax_batch_size = 4\nmax_num_tokens = 16\nmin_batch_bucket = 4\nmin_chunk_bucket = 16\n"
+        "min_blocks_bucket = 16\nprefill_rows = 1\n")
+    argv = ["run", "--workload", str(workload), "--model", str(FIXTURES / "lfm2"), "--compare", "--no-progress",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "run-chat.json").read_text())
+    assert report["identical_outputs"] and report["model"] == "lfm2"
+    on, off = (r["summary"] for r in report["runs"])
+    assert on["prefill_computed_tokens"] < off["prefill_computed_tokens"]
+    assert "generated tokens identical" in capsys.readouterr().out
+
+
 def test_hybrid_refusals_are_typed(lfm2):
     model, engine = lfm2
     with pytest.raises(HybridServingError, match="async_scheduling"):
