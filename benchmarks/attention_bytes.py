@@ -1,5 +1,5 @@
 """Bytes the XLA attention path (`paged_attention(impl="xla")`) moves per call, and its wall
-time, against the reference gather (`paged_attention_reference`), on this machine (issue 28).
+time, against the reference gather (`paged_attention_reference`), on this machine.
 
     python benchmarks/attention_bytes.py [--repeat 15] [--shapes decode,prefill] [--dtypes float32,bfloat16,float8_e4m3fn]
 
