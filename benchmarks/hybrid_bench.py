@@ -155,9 +155,9 @@ def run_chat(model, reuse: bool, args, runner=None) -> dict:
 
 
 #: (b)'s engine: decode batches of 8, prefill groups of up to 4 chunks of 16 tokens (a chunk
-#: ends at a snapshot point: one block with the default interval), a 64-token step budget
+#: ends at a snapshot point: every block here, the finest reuse), a 64-token step budget
 BENCH_OPTIONS = dict(primary_blocks=512, max_batch_size=8, max_num_tokens=64, min_batch_bucket=8,
-                     min_chunk_bucket=16, prefill_rows=4)
+                     min_chunk_bucket=16, prefill_rows=4, snapshot_interval=16)
 
 
 def _value(text: str):

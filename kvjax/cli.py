@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse a checkpoint whose config.json has keys kvjax does not know")
     c.add_argument("--snapshot-interval", type=_positive_int, metavar="N",
                    help="hybrid checkpoints: tokens between kept recurrent-state snapshots, a multiple of "
-                        "--tokens-per-block (default one block)")
+                        "--tokens-per-block (default: `kvjax serve`'s, its default token budget of 256 in whole blocks)")
     c.add_argument("--max-num-seqs", "--max-batch-size", dest="max_batch_size", type=_positive_int, default=8,
                    metavar="N", help="hybrid checkpoints: requests running at once, each holding live + write "
                                      "state blocks (default 8, as `kvjax serve`)")
@@ -295,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--secondary-blocks", type=_nonneg_int, help="KV cache blocks in host memory (offload tier)")
     sv.add_argument("--tokens-per-block", "--block-size", dest="tokens_per_block", type=_positive_int, metavar="N",
                     help="tokens per KV block, a power of two (default 16)")
+    sv.add_argument("--snapshot-interval", "--mamba-block-size", dest="snapshot_interval", type=_positive_int,
+                    metavar="N", help="hybrid models: tokens between recurrent-state snapshots, a multiple of "
+                    "--block-size (default: --max-num-batched-tokens rounded down to whole blocks); prefill "
+                    "chunks end there and prefix hits resume there")
     sv.add_argument("--max-model-len", "--max-seq-len", dest="max_seq_len", type=_positive_int, metavar="N",
                     help="longest prompt + output in tokens (default: the model's)")
     kv_dtypes = KV_CACHE_DTYPE_CHOICES + tuple(_VLLM_KV_CACHE_DTYPES)
@@ -471,6 +475,7 @@ def _capacity_hybrid(args, path) -> int:
     from kvjax import capacity as C
     from kvjax.checkpoint_files import CheckpointTensors
     from kvjax.config import DTYPE_BYTES, RECURRENT_STATES
+    from kvjax.engine.config import default_snapshot_interval
     from kvjax.hybrid_capacity import hybrid_geometry
 
     geo = hybrid_geometry(path, strict=args.strict_config)
@@ -483,7 +488,8 @@ def _capacity_hybrid(args, path) -> int:
         reserve_from = f"estimate for {args.max_num_tokens} tokens per step"
     primary = C.kv_cache_budget(args.gpu_memory, args.fraction, weights, reserve)
     shape = geo.cache_config(tokens_per_block=args.tokens_per_block, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                             snapshot_interval=args.snapshot_interval)
+                             snapshot_interval=args.snapshot_interval
+                             or default_snapshot_interval(args.tokens_per_block, None))
     config = C.cache_config_from_memory(shape, primary, args.host_memory, tokens_per_block=args.tokens_per_block,
                                         max_batch_size=args.max_batch_size)
     tpb, interval, batch = config.tokens_per_block, config.snapshot_interval, args.max_batch_size

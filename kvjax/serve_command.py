@@ -30,8 +30,8 @@ def serve_options(args) -> dict[str, Any]:
             raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         options[key.strip()] = parse_value(value.strip())
-    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "kv_cache_dtype", "policy",
-                 "queue_policy", "max_wait_steps", "max_batch_size", "max_num_tokens"):
+    for flag in ("primary_blocks", "secondary_blocks", "tokens_per_block", "max_seq_len", "kv_cache_dtype", "snapshot_interval",
+                 "policy", "queue_policy", "max_wait_steps", "max_batch_size", "max_num_tokens"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
     if args.no_prefix_caching and args.enable_prefix_caching:

@@ -9,7 +9,9 @@ unknown keys and wrong types raise `ValueError` naming the table and key.
          0 = events off unless the engine publishes them, which sizes it itself), event_hash
          (the events' block hashes: "sha256" or TensorRT-LLM's "trtllm64"), kv_cache_dtype
          ("auto": the model's dtype; "float32", "bfloat16", "float16", or "float8_e4m3fn" /
-         "fp8" for FP8 pools with per-block scales, "float8_e5m2")
+         "fp8" for FP8 pools with per-block scales, "float8_e5m2"), snapshot_interval (hybrid
+         models only: tokens between recurrent-state snapshots, a multiple of tokens_per_block;
+         default `default_snapshot_interval`, the step's token budget)
 [engine] policy, max_batch_size, max_num_tokens, defer_shared_prefix, queue_policy ("fcfs" or
          "lpm"), max_wait_steps, min_batch_bucket, min_chunk_bucket, min_blocks_bucket,
          prefill_rows, max_steps, rank_check_interval (steps between two comparisons of the
@@ -40,6 +42,7 @@ CACHE_DEFAULTS: dict[str, Any] = {
     "event_buffer_max_size": 0,
     "event_hash": "sha256",
     "kv_cache_dtype": "auto",
+    "snapshot_interval": None,  # hybrids: tokens between recurrent-state snapshots (default: the step's token budget)
 }
 _STR_KEYS = {"policy", "queue_policy", "event_hash", "kv_cache_dtype"}
 #: `kv_cache_dtype` values: "auto" keeps the model's dtype; "fp8" names e4m3 (as vLLM's flag does).
@@ -111,6 +114,16 @@ class EngineConfig:
             raise ValueError(f"{source}: [engine] {e}") from None
 
 
+def default_snapshot_interval(tokens_per_block: int, max_num_tokens: int | None) -> int:
+    """A hybrid's default tokens between recurrent-state snapshots: the step's token budget,
+    rounded down to whole blocks (at least one). Prefill chunks end at snapshot points, so a
+    smaller interval caps how much of a prompt one step computes; a larger one makes prefix
+    hits coarser (a hit resumes at a snapshot: a multiple of the interval, or where an earlier
+    prompt ended). vLLM's `mamba_block_size` is the same trade-off."""
+    budget = max_num_tokens or SchedulerConfig.max_num_tokens
+    return tokens_per_block * max(1, budget // tokens_per_block)
+
+
 def cache_config(
     model_spec, values: Mapping[str, Any], *, max_num_tokens: int | None = None, source: str = "<cache>"
 ) -> CacheConfig:
@@ -131,15 +144,19 @@ def cache_config(
                          f"(--max-seq-len / --max-model-len on the command line)")
     from kvjax.models.hybrid.paged import hybrid_cache_config, is_hybrid_spec
 
+    if not is_hybrid_spec(model_spec) and v["snapshot_interval"] is not None:
+        raise ValueError(f"{source}: [cache] snapshot_interval is for hybrid models (recurrent + attention layers)")
     if is_hybrid_spec(model_spec):  # as many state blocks as KV blocks (a snapshot per block at most)
         if v["kv_cache_dtype"] != "auto":
             raise ValueError(f"{source}: [cache] kv_cache_dtype must be 'auto' for a hybrid model")
+        interval = v["snapshot_interval"] or default_snapshot_interval(v["tokens_per_block"], max_num_tokens)
         return hybrid_cache_config(
             model_spec, tokens_per_block=v["tokens_per_block"], max_seq_len=v["max_seq_len"] or model_spec.max_seq_len,
             primary_blocks=v["primary_blocks"], state_blocks=v["primary_blocks"],
             secondary_blocks=v["secondary_blocks"], secondary_state_blocks=v["secondary_blocks"],
             **{k: v[k] for k in ("enable_block_reuse", "onboard_blocks", "secondary_offload_min_priority",
-                                 "event_buffer_max_size", "event_hash")}, max_num_tokens=max_num_tokens)
+                                 "event_buffer_max_size", "event_hash")}, max_num_tokens=max_num_tokens,
+            snapshot_interval=interval)
     try:
         return model_spec.cache_config(
             primary_blocks=v["primary_blocks"],

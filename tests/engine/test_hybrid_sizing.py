@@ -33,9 +33,10 @@ def test_serve_sizes_a_hybrid_cache_from_kv_cache_memory_and_device_memory(monke
     import kvjax.serve_command as S
 
     assert STATE_BLOCK % 8 == 0
-    engine, sizing = serve_engine_of("--kv-cache-memory-bytes", str(2**20))
+    engine, sizing = serve_engine_of("--kv-cache-memory-bytes", str(2**20), "--snapshot-interval", "8")
     try:
         cc = engine.core.cache_config
+        assert cc.snapshot_interval == 8
         assert (cc.recurrent_block_bytes, cc.cache_size_per_token[128]) == (STATE_BLOCK, KV_PER_TOKEN)
         assert cc.primary_blocks == hand_sized(2**20) == {128: 184, RECURRENT_STATES: 192}
         assert "--kv-cache-memory-bytes" in sizing
@@ -52,7 +53,9 @@ def test_serve_sizes_a_hybrid_cache_from_kv_cache_memory_and_device_memory(monke
         reserve = C.activation_reserve_bytes(hybrid_geometry_of_spec(engine.engine.model.spec), 16)
         # per token: (2 x 64 + 2 x 4 x 16 + 2 x 2 x 16 + 3 x 48, the MLP width 68 x 2 / 3 up to 16) x 4 + logits
         assert reserve == 16 * ((2 * 64 + 2 * 4 * 16 + 2 * 2 * 16 + 3 * 48) * 4 + 4 * 256)
-        assert engine.core.cache_config.primary_blocks == hand_sized(limit // 2 - in_use - reserve)
+        cc = engine.core.cache_config
+        assert cc.snapshot_interval == 16  # the default: the step's token budget (--max-num-batched-tokens)
+        assert cc.primary_blocks == hand_sized(limit // 2 - in_use - reserve, interval=16)
         assert "0.5 x" in sizing
     finally:
         engine.close()
@@ -61,3 +64,14 @@ def test_serve_sizes_a_hybrid_cache_from_kv_cache_memory_and_device_memory(monke
 def test_serve_refuses_a_hybrid_budget_below_the_running_requests_state_blocks():
     with pytest.raises(ValueError, match="state blocks of each of 4 requests"):
         serve_engine_of("--kv-cache-memory-bytes", str(2 * 4 * STATE_BLOCK - 1))
+
+
+def test_snapshot_interval_defaults_to_the_token_budget_and_is_refused_for_other_models():
+    from kvjax.engine.config import cache_config, default_snapshot_interval
+    from kvjax.model_catalog import load_model_spec
+
+    assert default_snapshot_interval(16, 256) == 256
+    assert default_snapshot_interval(16, 200) == 192  # whole blocks
+    assert default_snapshot_interval(16, 8) == 16  # at least one block
+    with pytest.raises(ValueError, match="snapshot_interval is for hybrid models"):
+        cache_config(load_model_spec("micro"), {"snapshot_interval": 16})
