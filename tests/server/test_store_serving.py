@@ -1,7 +1,7 @@
-"""`kvjax serve --kv-store redis://...`: two live servers share one real redis-server (started
-on a free 127.0.0.1 port, stopped by pid); server B serves a prompt server A served, with
-`usage.prompt_tokens_details.cached_tokens` > 0 and the same tokens. (A file store across a
-restart is covered at engine level: tests/engine/test_store_tier.py.)"""
+"""`kvjax serve --kv-store ...` as users run it: two live servers share one real redis-server
+(started on a free 127.0.0.1 port, stopped by pid), and a server restarted on the same file
+store; each time the second server serves a prompt the first one served, with
+`usage.prompt_tokens_details.cached_tokens` > 0 and the same tokens."""
 from __future__ import annotations
 
 import os
@@ -127,6 +127,38 @@ def test_two_servers_share_one_redis(tmp_path, redis_url):
         codes = [a.stop(), b.stop()]
     for server, code in zip((a, b), codes, strict=True):  # uvicorn re-raises SIGTERM
         assert code in (0, -signal.SIGTERM), server.log.read_text()[-3000:]
+
+
+def test_a_restarted_server_finds_its_blocks_in_a_file_store(tmp_path):
+    """The first server writes host blocks to the store (and finishes its puts at shutdown); a
+    second one on the same directory serves the prompt from disk."""
+    rng = np.random.default_rng(4)
+    target = rng.integers(1, 500, 100).tolist()
+    fillers = [rng.integers(1, 500, 90).tolist() for _ in range(4)]
+    store = tmp_path / "kv"
+    url = f"file://{store}?max_bytes=64MiB"
+    first_server = Server(tmp_path, "first", url).start()
+    try:
+        first_server.wait_healthy()
+        first = first_server.complete(target)
+        for f in fillers:  # push target's blocks off the device: the host tier writes them through
+            first_server.complete(f)
+    finally:
+        code = first_server.stop()
+    assert code in (0, -signal.SIGTERM), first_server.log.read_text()[-3000:]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert any(store.rglob("*.bin"))
+    second_server = Server(tmp_path, "second", url).start()
+    try:
+        second_server.wait_healthy()
+        again = second_server.complete(target)
+        restored = second_server.store_blocks("restored")
+    finally:
+        code = second_server.stop()
+    assert code in (0, -signal.SIGTERM), second_server.log.read_text()[-3000:]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert restored > 0
 
 
 def test_kv_store_flags():
