@@ -290,18 +290,6 @@ def test_spec_readers_and_the_transformer_runner_refuse_hybrid_models_clearly(mo
     assert isinstance(Engine(model).runner, HybridRunner)  # served (tests/engine/test_hybrid_serving.py)
 
 
-@pytest.mark.parametrize("argv", [["serve", str(FIXTURE), "--port", "0"]])  # (capacity sizes it: test_capacity_hybrid.py)
-def test_the_command_line_says_not_served_yet(capsys, argv):
-    from kvjax.cli import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    if argv[0] == "serve":  # served, but its cache is not sized from memory yet
-        assert "a hybrid model's cache is not sized from memory yet: give --primary-blocks" in err
-    else:
-        assert "'qwen3_5_text' is a hybrid model" in err and "has no ModelSpec" in err
-
-
 def _multimodal_copy(tmp_path: Path, extra: dict[str, np.ndarray]) -> Path:
     """The fixture in the published multimodal layout: text tensors under model.language_model., config nested."""
     out = tmp_path / "qwen3_5_vl"
