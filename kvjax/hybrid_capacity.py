@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvjax.config import DTYPE_BYTES, RECURRENT_STATES, CacheConfig
+from kvjax.config import RECURRENT_STATES, CacheConfig
 
 #: the checkpoints' model_type -> their family (`kvjax.models.pretrained.HYBRID_LOADERS`)
 HYBRID_FAMILIES = {"lfm2": "LFM2", "granitemoehybrid": "Granite-4.0-H", "qwen3_5_text": "Qwen3.5", "qwen3_5": "Qwen3.5"}
-FLOAT32 = 4  # Mamba2's SSM state and the gated delta rule's state are kept in float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,36 +132,19 @@ def hybrid_spec_from_config(config: dict, *, name: str, source: str, strict: boo
 
 def hybrid_geometry_of_spec(spec: Any) -> HybridGeometry:
     """The geometry of a hybrid family's spec (`Lfm2Spec`, `GraniteSpec`, `Qwen35Spec`): what
-    `kvjax serve` sizes a loaded hybrid model's cache and activation reserve from."""
+    `kvjax serve` sizes a loaded hybrid model's cache and activation reserve from. Which layers
+    are recurrent and their state's bytes come from the serving layout (`hybrid_layout`), the
+    one home of each family's state fields."""
     from kvjax.models.hybrid import GraniteSpec, Lfm2Spec
+    from kvjax.models.hybrid.paged import hybrid_layout, is_hybrid_spec
     from kvjax.models.hybrid.qwen3_5 import Qwen35Spec
 
-    if isinstance(spec, Qwen35Spec):
-        q = spec
-        b = int(DTYPE_BYTES[q.dtype])
-        conv = (q.conv_kernel - 1) * q.conv_channels * b  # [K-1, C]
-        delta = q.linear_num_value_heads * q.linear_key_head_dim * q.linear_value_head_dim * FLOAT32  # [Hv, Dk, Dv]
-        return HybridGeometry(
-            q.name, "Qwen3.5", q.dtype, tuple(t == "linear_attention" for t in q.layer_types),
-            q.num_kv_heads, q.head_dim, q.max_seq_len, conv + delta, q.hidden_size, q.num_attention_heads,
-            q.intermediate_size, q.vocab_size, q.tie_embeddings,
-        )
-    s: Lfm2Spec | GraniteSpec
-    if isinstance(spec, Lfm2Spec):
-        s = spec
-        family = "LFM2"
-        state = (s.conv_kernel - 1) * s.hidden_size * int(DTYPE_BYTES[s.dtype])  # [K-1, D]
-        kinds = tuple(t == "conv" for t in s.layer_types)
-    elif isinstance(spec, GraniteSpec):
-        g = s = spec
-        family = "Granite-4.0-H"
-        conv = (g.mamba_conv - 1) * g.conv_channels * int(DTYPE_BYTES[g.dtype])  # [K-1, I + 2 G N]
-        ssm = g.mamba_heads * g.mamba_head_dim * g.mamba_state * FLOAT32  # [NH, P, N]
-        state = conv + ssm
-        kinds = tuple(t == "mamba" for t in g.layer_types)
-    else:
+    if not is_hybrid_spec(spec):
         raise ValueError(f"{type(spec).__name__} is not a hybrid family's spec (Lfm2Spec, GraniteSpec, Qwen35Spec)")
+    lay = hybrid_layout(spec)
+    family = {Qwen35Spec: "Qwen3.5", Lfm2Spec: "LFM2", GraniteSpec: "Granite-4.0-H"}[type(spec)]
+    ffn = spec.intermediate_size if isinstance(spec, Qwen35Spec) else spec.ffn_size
     return HybridGeometry(
-        s.name, family, s.dtype, kinds, s.num_kv_heads, s.head_dim, s.max_seq_len, state,
-        s.hidden_size, s.num_attention_heads, s.ffn_size, s.vocab_size, s.tie_embeddings,
+        spec.name, family, spec.dtype, lay.recurrent, spec.num_kv_heads, spec.head_dim, spec.max_seq_len,
+        lay.state_bytes, spec.hidden_size, spec.num_attention_heads, ffn, spec.vocab_size, spec.tie_embeddings,
     )
